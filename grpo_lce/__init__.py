@@ -1,0 +1,28 @@
+"""grpo_lce: exact fp32 log-probs, entropy and cross-entropy from hidden states and the LM head.
+
+Nothing here materializes the ``(tokens, vocab)`` logits: rows are processed in chunks whose
+size comes from a memory budget, the logits of one chunk live in one reused fp32 buffer, and
+the backward pass of a frozen head is elementwise (the "gradient basis" design, DESIGN.md).
+
+    >>> logp = linear_logprobs(hidden, lm_head.weight, targets)          # (B, T) fp32
+    >>> loss = linear_cross_entropy(hidden, lm_head.weight, labels)      # scalar fp32
+    >>> out = chunked_linear(my_fn, hidden, lm_head.weight, row_args...)  # any f(X @ W.T)
+
+Importing this package changes no global state; it depends on torch and triton only.
+"""
+
+from grpo_lce.chunked import chunked_linear
+from grpo_lce.cross_entropy import linear_cross_entropy
+from grpo_lce.logprobs import linear_logprobs
+from grpo_lce._chunks import DEFAULT_CHUNK_BUDGET_BYTES, default_chunk_size
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "linear_logprobs",
+    "linear_cross_entropy",
+    "chunked_linear",
+    "default_chunk_size",
+    "DEFAULT_CHUNK_BUDGET_BYTES",
+    "__version__",
+]

@@ -1,0 +1,84 @@
+"""Row compaction, chunk sizing and the fp32-output GEMM shared by every op.
+
+Memory model of one chunk of C rows (V = vocabulary):
+    Z    (C, V) fp32              the logits of the chunk, one reused buffer
+    G, E (C, V) in the GEMM dtype  softmax-derived GEMM operands, only when a gradient is needed
+so a chunk costs C · V · (4 + 2·k) bytes, k = number of operand buffers. The default chunk size
+fills `DEFAULT_CHUNK_BUDGET_BYTES` (256 MiB); pass `chunk_size=` to any public function to
+override it per call. Larger chunks amortise reading W (V, H) once per GEMM; past ~1-2k rows
+the GEMMs are compute-bound and a larger budget buys nothing.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from grpo_lce._checks import check_target_range
+
+DEFAULT_CHUNK_BUDGET_BYTES = 256 * 2**20
+
+# Keep the row count of a chunk a multiple of this, so the GEMMs see tensor-core friendly M.
+_ROW_ALIGN = 64
+
+
+def default_chunk_size(
+    vocab: int,
+    n_operands: int = 1,
+    operand_bytes: int = 2,
+    budget_bytes: int = DEFAULT_CHUNK_BUDGET_BYTES,
+) -> int:
+    """Rows per chunk so that Z (fp32) plus `n_operands` (C, V) operand buffers fit the budget."""
+    per_row = vocab * (4 + n_operands * operand_bytes)
+    rows = max(1, budget_bytes // max(per_row, 1))
+    if rows >= _ROW_ALIGN:
+        rows -= rows % _ROW_ALIGN
+    return int(rows)
+
+
+def compact_rows(
+    y: torch.Tensor, vocab: int, ignore_index: int | None, name: str
+) -> tuple[torch.Tensor | None, int]:
+    """Indices of the rows whose target is not `ignore_index`, and their number.
+
+    Returns (None, N) when every row is kept. The one host read of the call happens here: the
+    number of valid rows sizes every GEMM that follows, and the target range check rides on the
+    same read (so a bad target is an error, never an out-of-bounds gather in a kernel).
+    """
+    n = y.numel()
+    if n == 0:
+        return None, 0
+    out_of_range = (y < 0) | (y >= vocab)
+    if ignore_index is None:
+        if bool(out_of_range.any()):
+            check_target_range(y, vocab, ignore_index, name)
+        return None, n
+    keep = y != ignore_index
+    n_keep, n_bad = torch.stack([keep.sum(), (out_of_range & keep).sum()]).tolist()
+    if n_bad:
+        check_target_range(y, vocab, ignore_index, name)
+    if n_keep == n:
+        return None, n
+    # nonzero_static needs no second host read: the size is already known.
+    idx = torch.nonzero_static(keep, size=n_keep).squeeze(1)
+    return idx, n_keep
+
+
+def mm_f32(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """a @ b with fp32 accumulation AND fp32 output, whatever the input dtype.
+
+    On CUDA with bf16/fp16 inputs this is one cuBLAS call writing fp32 (no bf16 rounding of the
+    logits); elsewhere the inputs are upcast first (CPU has no mixed-dtype mm).
+    """
+    if a.dtype == torch.float32:
+        return torch.mm(a, b, out=out)
+    if a.is_cuda:
+        if out is None:
+            return torch.mm(a, b, out_dtype=torch.float32)
+        return torch.mm(a, b, out_dtype=torch.float32, out=out)
+    return torch.mm(a.float(), b.float(), out=out)
+
+
+def chunk_bounds(n: int, chunk: int):
+    """(start, end) of consecutive chunks covering n rows."""
+    for start in range(0, n, chunk):
+        yield start, min(start + chunk, n)

@@ -1,0 +1,129 @@
+"""The chunk loop shared by linear_logprobs and linear_cross_entropy.
+
+h (N, H), W (V, H), b (V,), y (N,) (all rows valid: ignored rows are compacted away before),
+τ;  z = (h Wᵀ + b) / τ  in chunks of C rows (fp32, never (N, V)).
+
+`head_forward` returns lse, z_y, entropy (and argmax) per row and, on request, GEMMs against the
+softmax-derived operands G, E of `kernels.row_softmax` while the chunk is still in memory:
+    basis   = G W   (N, H) fp32       with G = α(p − e_y) + β p∘(z − z̄)
+    ebasis  = E W   (N, H) fp32       with E = p∘(z − z̄)
+    dW     += Gᵀ h  (V, H) fp32       (and db += Σ_rows G)
+Extra memory: one chunk of operands, C · V · (4 + 2·k) bytes, plus the (N, H) outputs asked for.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from grpo_lce._chunks import chunk_bounds, default_chunk_size, mm_f32
+from grpo_lce.kernels.row_softmax import row_softmax
+
+
+def gemm_weight(weight: torch.Tensor) -> torch.Tensor:
+    """The weight as the GEMMs consume it. On CUDA the bf16/fp16 weight itself (cuBLAS writes
+    fp32); on CPU, which has no mixed-dtype GEMM, one fp32 copy per call instead of per chunk."""
+    if weight.is_cuda or weight.dtype == torch.float32:
+        return weight
+    return weight.float()
+
+
+@dataclass
+class HeadOut:
+    lse: torch.Tensor  # (N,) fp32
+    z_y: torch.Tensor  # (N,) fp32
+    entropy: torch.Tensor  # (N,) fp32
+    argmax: torch.Tensor | None = None  # (N,) int64
+    basis: torch.Tensor | None = None  # (N, H) fp32: G W
+    ebasis: torch.Tensor | None = None  # (N, H) fp32: E W
+    grad_weight: torch.Tensor | None = None  # (V, H) fp32: Gᵀ h
+    grad_bias: torch.Tensor | None = None  # (V,) fp32: Σ G
+
+
+def head_forward(
+    h: torch.Tensor,
+    w: torch.Tensor,
+    b: torch.Tensor | None,
+    y: torch.Tensor,
+    inv_tau: float,
+    chunk_size: int | None,
+    *,
+    want_basis: bool = False,
+    want_ebasis: bool = False,
+    want_grad_weight: bool = False,
+    want_grad_bias: bool = False,
+    want_argmax: bool = False,
+    alpha: torch.Tensor | None = None,
+    beta: torch.Tensor | None = None,
+) -> HeadOut:
+    """One pass over the rows of h in chunks. `w` is `gemm_weight(weight)`.
+
+    want_basis/want_grad_weight/want_grad_bias all use the same operand G (α, β per row).
+    """
+    N, H = h.shape
+    V = w.shape[0]
+    dev = h.device
+    want_g = want_basis or want_grad_weight or want_grad_bias
+    n_ops = int(want_g) + int(want_ebasis)
+    C = chunk_size or default_chunk_size(V, n_ops, w.element_size())
+    C = min(C, max(N, 1))
+
+    out = HeadOut(
+        lse=torch.empty(N, device=dev, dtype=torch.float32),
+        z_y=torch.empty(N, device=dev, dtype=torch.float32),
+        entropy=torch.empty(N, device=dev, dtype=torch.float32),
+        argmax=torch.empty(N, device=dev, dtype=torch.int64) if want_argmax else None,
+        basis=torch.empty(N, H, device=dev, dtype=torch.float32) if want_basis else None,
+        ebasis=torch.empty(N, H, device=dev, dtype=torch.float32) if want_ebasis else None,
+        grad_weight=torch.zeros(V, H, device=dev, dtype=torch.float32)
+        if want_grad_weight else None,
+        grad_bias=torch.zeros(V, device=dev, dtype=torch.float32) if want_grad_bias else None,
+    )
+    if N == 0:
+        return out
+
+    z_buf = torch.empty(C, V, device=dev, dtype=torch.float32)  # (C, V) fp32 <- the big one
+    # G and E share one buffer so that both bases come out of a single (2C, V) @ (V, H) GEMM.
+    ops = torch.empty(n_ops * C, V, device=dev, dtype=w.dtype) if n_ops else None
+    wt = w.t()
+    h_gemm = h if h.dtype == w.dtype else h.to(w.dtype)
+
+    for s, e in chunk_bounds(N, C):
+        n = e - s
+        z = mm_f32(h_gemm[s:e], wt, out=z_buf[:n])  # (n, V) fp32, no bias / τ yet
+        g = ops[:n] if want_g else None
+        eo = ops[n_ops * C - C: n_ops * C - C + n] if want_ebasis else None
+        lse, z_y, ent, amax = row_softmax(
+            z, y[s:e], b, inv_tau,
+            g_out=g, e_out=eo,
+            alpha=None if alpha is None else alpha[s:e],
+            beta=None if beta is None else beta[s:e],
+            want_argmax=want_argmax,
+        )
+        out.lse[s:e], out.z_y[s:e], out.entropy[s:e] = lse, z_y, ent
+        if want_argmax:
+            out.argmax[s:e] = amax
+        if want_basis and want_ebasis and n == C:
+            both = mm_f32(ops, w)  # (2C, H) fp32: [G; E] @ W in one GEMM
+            out.basis[s:e], out.ebasis[s:e] = both[:C], both[C:]
+        else:
+            if want_basis:
+                out.basis[s:e] = mm_f32(g, w)
+            if want_ebasis:
+                out.ebasis[s:e] = mm_f32(eo, w)
+        if want_grad_weight:
+            accumulate_mm(out.grad_weight, g.t(), h_gemm[s:e])
+        if want_grad_bias:
+            out.grad_bias += g.float().sum(0)
+    return out
+
+
+def accumulate_mm(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """acc (fp32) += a @ b with fp32 accumulation, without an fp32 temporary of acc's size."""
+    if a.dtype == torch.float32:
+        acc.addmm_(a, b)
+    elif acc.is_cuda:
+        torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+    else:
+        acc.addmm_(a.float(), b.float())

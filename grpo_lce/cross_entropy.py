@@ -1,0 +1,162 @@
+"""linear_cross_entropy: the SFT loss from hidden states, without logits, plus TRL's metrics.
+
+h (N, H), W (V, H), b (V,), y (N,);   z = h Wᵀ + b   (chunks of C rows, fp32)
+    loss = Σ_n (lse_n − z[n, y_n]) / d       d = #valid ("mean"), 1 ("sum") or num_items
+    ∂loss/∂z_n = (p_n − e_{y_n}) / d         known in the forward up to the scalar grad_output
+
+So the forward builds the whole gradient while the chunk is in memory: dh = G W (GEMM 2) and,
+for a trainable head, dW = Gᵀ h (GEMM 3); backward only scales them by grad_output. Frozen
+head: 2 GEMMs, trainable: 3 (torch eager and torch.compile need 3 plus a recompute or (N, V)).
+`reduction="none"` returns −log p per token through linear_logprobs (any upstream gradient).
+
+With `return_metrics`, the same pass also counts argmax == label (TRL's mean_token_accuracy),
+sums the per-token entropy (TRL's entropy) and counts the valid tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from grpo_lce._checks import check_chunk_size, check_head, check_targets
+from grpo_lce._chunks import compact_rows
+from grpo_lce._head import gemm_weight, head_forward
+from grpo_lce.logprobs import linear_logprobs
+
+_REDUCTIONS = ("mean", "sum", "none")
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, h, weight, bias, y, divisor, chunk_size, want_metrics):
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        N = h.shape[0]
+        # α = 1/d per row: G = (p − e_y)/d is ∂loss/∂z. d stays on device (no host read).
+        alpha = divisor.reciprocal().expand(N).contiguous() if (need_h or need_w or need_b) else None
+        out = head_forward(
+            h, gemm_weight(weight), bias, y, 1.0, chunk_size,
+            want_basis=need_h, want_grad_weight=need_w, want_grad_bias=need_b,
+            want_argmax=want_metrics, alpha=alpha,
+        )
+        loss = (out.lse - out.z_y).sum() / divisor
+        ctx.save_for_backward(out.basis, out.grad_weight, out.grad_bias)
+        ctx.dtypes = (h.dtype, weight.dtype, None if bias is None else bias.dtype)
+        if want_metrics:
+            correct = (out.argmax == y).sum()
+            entropy_sum = out.entropy.sum()
+        else:
+            correct = entropy_sum = torch.zeros((), device=h.device)
+        ctx.mark_non_differentiable(correct, entropy_sum)
+        return loss, correct, entropy_sum
+
+    @staticmethod
+    def backward(ctx, g_loss, _g_correct, _g_ent):
+        basis, gw, gb = ctx.saved_tensors
+        h_dt, w_dt, b_dt = ctx.dtypes
+        g = g_loss.float()
+        dh = None if basis is None else (basis * g).to(h_dt)
+        dw = None if gw is None else (gw * g).to(w_dt)
+        db = None if gb is None else (gb * g).to(b_dt)
+        return dh, dw, db, None, None, None, None
+
+
+def linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    num_items: int | torch.Tensor | None = None,
+    return_metrics: bool = False,
+    chunk_size: int | None = None,
+):
+    """Cross-entropy of softmax(hidden @ weight.T + bias) against labels, in fp32, no logits.
+
+    Equals ``F.cross_entropy((hidden @ weight.T + bias).float().flatten(0, -2), labels.flatten(),
+    ignore_index=ignore_index, reduction=reduction)``; with `num_items` the summed loss is
+    divided by it instead (transformers' ``num_items_in_batch`` for gradient accumulation).
+    Labels are used as given: shift them yourself for causal LM (``labels[..., 1:]`` against
+    ``hidden[..., :-1, :]``).
+
+    Args:
+        hidden (..., H), weight (V, H), labels (...) integer in [0, V) or ignore_index.
+        reduction: "mean" (over valid tokens; 0 if there are none), "sum" or "none" (per token,
+            0 at ignored positions, fp32).
+        num_items: divisor of the summed loss (int or 0-d tensor); only with reduction "mean"
+            or "sum"... it replaces the divisor of either.
+        return_metrics: also return a dict with `correct` (argmax == label count), `entropy_sum`
+            (Σ per-token entropy) and `num_tokens` (valid tokens), all 0-d tensors, computed
+            in the same pass ("none" reduction: per-token entropy comes from linear_logprobs).
+        chunk_size: rows per chunk (default from a 256 MiB budget).
+
+    Returns:
+        loss, or (loss, metrics) with `return_metrics`.
+    """
+    check_head(hidden, weight, bias)
+    check_targets(labels, hidden, weight.shape[0], ignore_index, "labels")
+    check_chunk_size(chunk_size)
+    if reduction not in _REDUCTIONS:
+        raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
+    if num_items is not None and reduction == "none":
+        raise ValueError("num_items divides a summed loss; it makes no sense with reduction='none'")
+
+    if reduction == "none":
+        logp, ent = linear_logprobs(
+            hidden, weight, labels, bias=bias, ignore_index=ignore_index,
+            return_entropy=True, chunk_size=chunk_size,
+        )
+        loss = -logp
+        if not return_metrics:
+            return loss
+        valid = labels != ignore_index
+        metrics = {
+            "correct": _argmax_correct(hidden, weight, bias, labels, valid, chunk_size),
+            "entropy_sum": ent.detach().sum(),
+            "num_tokens": valid.sum(),
+        }
+        return loss, metrics
+
+    H = hidden.shape[-1]
+    h = hidden.reshape(-1, H)
+    y = labels.reshape(-1)
+    idx, n_valid = compact_rows(y, weight.shape[0], ignore_index, "labels")
+    if idx is not None:
+        h, y = h.index_select(0, idx), y.index_select(0, idx)
+    h = h if h.stride(-1) == 1 else h.contiguous()
+
+    divisor = _divisor(reduction, num_items, n_valid, hidden.device)
+    loss, correct, entropy_sum = _LinearCrossEntropy.apply(
+        h, weight, bias, y.long(), divisor, chunk_size, bool(return_metrics)
+    )
+    if not return_metrics:
+        return loss
+    num_tokens = torch.tensor(n_valid, device=hidden.device)
+    return loss, {"correct": correct, "entropy_sum": entropy_sum, "num_tokens": num_tokens}
+
+
+def _divisor(reduction, num_items, n_valid, device) -> torch.Tensor:
+    """The loss divisor as a 0-d fp32 tensor on device (a tensor num_items is never read back)."""
+    if num_items is not None:
+        if isinstance(num_items, torch.Tensor):
+            return num_items.detach().to(device=device, dtype=torch.float32).reshape(())
+        if num_items <= 0:
+            raise ValueError(f"num_items must be > 0, got {num_items}")
+        return torch.tensor(float(num_items), device=device)
+    if reduction == "sum":
+        return torch.ones((), device=device)
+    # mean over no valid token: the sum is 0, divide by 1 so the loss is 0, never nan
+    return torch.tensor(float(max(n_valid, 1)), device=device)
+
+
+def _argmax_correct(hidden, weight, bias, labels, valid, chunk_size) -> torch.Tensor:
+    """argmax == label count for reduction='none' (a no-grad pass of the same chunk loop)."""
+    H = hidden.shape[-1]
+    idx = valid.reshape(-1).nonzero().squeeze(1)
+    h = hidden.detach().reshape(-1, H).index_select(0, idx)
+    y = labels.reshape(-1).index_select(0, idx).long()
+    out = head_forward(
+        h.contiguous(), gemm_weight(weight.detach()), None if bias is None else bias.detach(),
+        y, 1.0, chunk_size, want_argmax=True,
+    )
+    return (out.argmax == y).sum()

@@ -1,0 +1,225 @@
+"""Row statistics of a logits chunk, and the softmax-derived GEMM operands, in one kernel.
+
+Per row c of a chunk (Z holds the fp32 product X_c @ Wᵀ, without bias or temperature):
+
+    z    = (Z[c] + b) / τ                       fp32, never rounded to bf16
+    lse  = log Σ_v exp(z_v)                     online: running max m, running Σ exp(z − m)
+    z̄    = Σ_v p_v z_v,  p = exp(z − lse)       (so entropy = lse − z̄)
+    z_y  = z[y_c];  argmax_v z_v                (log-prob of the target; token accuracy)
+
+and, when a gradient is needed, a second pass over the row (p needs the final lse) writes
+
+    G[c] = α_c · (p − e_y) + β_c · p ∘ (z − z̄)    in the GEMM dtype (bf16 for bf16 weights)
+    E[c] = p ∘ (z − z̄)
+
+∂(−log p_y)/∂z = p − e_y and ∂entropy/∂z = −p ∘ (z − z̄), so with α = 1, β = 0, G @ W is the
+gradient basis of DESIGN.md; with per-row α, β (the upstream gradients of the log-prob and the
+entropy, times −1/τ) G is the whole ∂loss/∂(X Wᵀ) of the chunk, ready for dX = G W, dW = Gᵀ X.
+
+Memory traffic per chunk: read C·V·4 (pass 1), read C·V·4 + write C·V·2 per operand (pass 2).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+try:  # triton is optional: CPU-only installs and platforms without it use the torch path
+    import triton
+    import triton.language as tl
+
+    HAS_TRITON = True
+except ImportError:  # pragma: no cover - exercised only where triton is absent
+    HAS_TRITON = False
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _row_softmax_kernel(
+        z_ptr, stride_zc,
+        y_ptr, b_ptr,
+        alpha_ptr, beta_ptr,
+        g_ptr, stride_gc,
+        e_ptr, stride_ec,
+        lse_ptr, zy_ptr, ent_ptr, amax_ptr,
+        V, inv_tau,
+        HAS_BIAS: tl.constexpr,
+        HAS_ALPHA: tl.constexpr,
+        HAS_BETA: tl.constexpr,
+        WRITE_G: tl.constexpr,
+        WRITE_E: tl.constexpr,
+        WRITE_AMAX: tl.constexpr,
+        BLOCK_V: tl.constexpr,
+    ):
+        c = tl.program_id(0).to(tl.int64)  # int64: c * stride exceeds 2**31 for big chunks
+        z_row = z_ptr + c * stride_zc
+        y = tl.load(y_ptr + c)
+
+        # Pass 1: online max / Σexp / Σexp·z / argmax over the row, all in fp32.
+        m_i = float("-inf")
+        l_i = 0.0  # Σ exp(z − m_i)
+        a_i = 0.0  # Σ exp(z − m_i) · z
+        best_v = float("-inf")
+        best_i = 0
+        for start in range(0, V, BLOCK_V):
+            cols = start + tl.arange(0, BLOCK_V)
+            mask = cols < V
+            # masked lanes read -inf so they add exp(-inf) = 0 to every sum and never win the max
+            z = tl.load(z_row + cols, mask=mask, other=float("-inf"))
+            if HAS_BIAS:
+                z += tl.load(b_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+            z = z * inv_tau
+            m_blk = tl.max(z, axis=0)
+            m_new = tl.maximum(m_i, m_blk)
+            scale = tl.exp(m_i - m_new)
+            p = tl.exp(z - m_new)
+            # p·z is 0·(−inf) = nan on masked lanes (and on −inf logits): keep those at 0
+            pz = tl.where(p > 0.0, p * z, 0.0)
+            l_i = l_i * scale + tl.sum(p, axis=0)
+            a_i = a_i * scale + tl.sum(pz, axis=0)
+            m_i = m_new
+            if WRITE_AMAX:
+                i_blk = tl.argmax(z, axis=0)
+                take = m_blk > best_v  # strict: the first maximum wins, as torch.argmax
+                best_i = tl.where(take, start + i_blk, best_i)
+                best_v = tl.where(take, m_blk, best_v)
+
+        lse = m_i + tl.log(l_i)
+        zbar = a_i / l_i
+        # A target outside [0, V) is rejected on the host; clamp anyway so no read is ever wild.
+        y_safe = tl.minimum(tl.maximum(y, 0), V - 1)
+        z_y = tl.load(z_row + y_safe)
+        if HAS_BIAS:
+            z_y += tl.load(b_ptr + y_safe).to(tl.float32)
+        z_y = z_y * inv_tau
+        tl.store(lse_ptr + c, lse)
+        tl.store(zy_ptr + c, z_y)
+        tl.store(ent_ptr + c, lse - zbar)
+        if WRITE_AMAX:
+            tl.store(amax_ptr + c, best_i)
+
+        # Pass 2: p needs the final lse, so the row is read again to write the GEMM operands.
+        if WRITE_G or WRITE_E:
+            alpha = 1.0
+            beta = 0.0
+            if HAS_ALPHA:
+                alpha = tl.load(alpha_ptr + c)
+            if HAS_BETA:
+                beta = tl.load(beta_ptr + c)
+            g_row = g_ptr + c * stride_gc
+            e_row = e_ptr + c * stride_ec
+            for start in range(0, V, BLOCK_V):
+                cols = start + tl.arange(0, BLOCK_V)
+                mask = cols < V
+                z = tl.load(z_row + cols, mask=mask, other=0.0)
+                if HAS_BIAS:
+                    z += tl.load(b_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+                z = z * inv_tau
+                p = tl.exp(z - lse)
+                pc = tl.where(p > 0.0, p * (z - zbar), 0.0)
+                if WRITE_G:
+                    g = alpha * (p - tl.where(cols == y, 1.0, 0.0))
+                    if HAS_BETA:
+                        g += beta * pc
+                    tl.store(g_row + cols, g.to(g_ptr.dtype.element_ty), mask=mask)
+                if WRITE_E:
+                    tl.store(e_row + cols, pc.to(e_ptr.dtype.element_ty), mask=mask)
+
+
+def _backend(z: torch.Tensor) -> str:
+    """'triton' on CUDA (or anywhere when GRPO_LCE_BACKEND=triton, e.g. TRITON_INTERPRET=1 on
+    CPU in tests), 'torch' otherwise or when GRPO_LCE_BACKEND=torch. Read per call."""
+    choice = os.environ.get("GRPO_LCE_BACKEND", "auto").lower()
+    if choice not in ("auto", "triton", "torch"):
+        raise ValueError(f"GRPO_LCE_BACKEND must be auto, triton or torch, got {choice!r}")
+    if choice == "torch" or not HAS_TRITON:
+        if choice == "triton":
+            raise RuntimeError("GRPO_LCE_BACKEND=triton but triton is not installed")
+        return "torch"
+    if choice == "triton":
+        return "triton"
+    return "triton" if z.is_cuda else "torch"
+
+
+def row_softmax(
+    z: torch.Tensor,
+    y: torch.Tensor,
+    bias: torch.Tensor | None,
+    inv_tau: float,
+    *,
+    g_out: torch.Tensor | None = None,
+    e_out: torch.Tensor | None = None,
+    alpha: torch.Tensor | None = None,
+    beta: torch.Tensor | None = None,
+    want_argmax: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Statistics of the rows of z (C, V) fp32; writes the operands g_out / e_out (C, V) if given.
+
+    Returns (lse, z_y, entropy, argmax), each (C,); fp32 but argmax (int64, or None).
+    `alpha`, `beta` (C,) fp32 are the per-row coefficients of G (defaults 1 and 0).
+    """
+    C, V = z.shape
+    assert z.dtype == torch.float32 and z.stride(1) == 1
+    assert y.shape == (C,)
+    if beta is not None:
+        assert g_out is not None
+    lse = torch.empty(C, device=z.device, dtype=torch.float32)
+    z_y = torch.empty_like(lse)
+    ent = torch.empty_like(lse)
+    amax = torch.empty(C, device=z.device, dtype=torch.int64) if want_argmax else None
+    if C == 0:
+        return lse, z_y, ent, amax
+    if _backend(z) == "torch":
+        return _row_softmax_torch(z, y, bias, inv_tau, g_out, e_out, alpha, beta, want_argmax)
+    for t in (g_out, e_out):
+        assert t is None or t.stride(1) == 1
+    _row_softmax_kernel[(C,)](
+        z, z.stride(0),
+        y, bias if bias is not None else z,
+        alpha if alpha is not None else z, beta if beta is not None else z,
+        g_out if g_out is not None else z, g_out.stride(0) if g_out is not None else 0,
+        e_out if e_out is not None else z, e_out.stride(0) if e_out is not None else 0,
+        lse, z_y, ent, amax if amax is not None else lse,
+        V, inv_tau,
+        HAS_BIAS=bias is not None,
+        HAS_ALPHA=alpha is not None,
+        HAS_BETA=beta is not None,
+        WRITE_G=g_out is not None,
+        WRITE_E=e_out is not None,
+        WRITE_AMAX=want_argmax,
+        BLOCK_V=_block_v(V),
+        num_warps=8,
+    )
+    return lse, z_y, ent, amax
+
+
+def _block_v(V: int) -> int:
+    return min(4096, triton.next_power_of_2(V))
+
+
+def _row_softmax_torch(z, y, bias, inv_tau, g_out, e_out, alpha, beta, want_argmax):
+    """The same algorithm in torch ops (CPU, or no triton); allocates (C, V) temporaries."""
+    zs = z if bias is None else z + bias.float()
+    zs = zs * inv_tau  # (C, V) fp32 temporary
+    lse = torch.logsumexp(zs, dim=1)
+    p = torch.exp(zs - lse[:, None])
+    pz = torch.where(p > 0, p * zs, torch.zeros((), dtype=zs.dtype, device=zs.device))
+    zbar = pz.sum(1)
+    ent = lse - zbar
+    z_y = zs.gather(1, y.clamp(0, zs.shape[1] - 1)[:, None]).squeeze(1)
+    amax = zs.argmax(1) if want_argmax else None
+    if g_out is not None or e_out is not None:
+        pc = torch.where(p > 0, p * (zs - zbar[:, None]), torch.zeros((), dtype=zs.dtype, device=zs.device))
+        if g_out is not None:
+            g = p.clone()
+            g.scatter_add_(1, y[:, None], torch.full_like(lse[:, None], -1.0))
+            if alpha is not None:
+                g *= alpha[:, None]
+            if beta is not None:
+                g += beta[:, None] * pc
+            g_out.copy_(g)
+        if e_out is not None:
+            e_out.copy_(pc)
+    return lse, z_y, ent, amax

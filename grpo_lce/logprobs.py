@@ -1,0 +1,151 @@
+"""linear_logprobs: per-token log p(target) (and entropy) from hidden states, without logits.
+
+h (N, H), W (V, H), b (V,), y (N,), τ;   z = (h Wᵀ + b) / τ   (chunks of C rows, fp32)
+    logp_n = z[n, y_n] − lse_n            H_n = lse_n − Σ_v p_nv z_nv
+    ∂logp_n/∂h_n = −(G_n W) / τ,   G_n = p_n − e_{y_n}      (the gradient basis, built in forward)
+    ∂H_n/∂h_n    = −(E_n W) / τ,   E_n = p_n ∘ (z_n − z̄_n)
+
+Frozen head (weight.requires_grad False: LoRA / QLoRA), the main case: the forward computes
+GEMM 1 (z) and GEMM 2 (the basis G W) chunk by chunk and keeps only the (N, H) basis; the
+backward is elementwise, dh_n = −(g_n · basis_n + g^H_n · ebasis_n) / τ, for ANY upstream
+gradients g (log-probs) and g^H (entropy). 2 GEMMs in all; one more for the entropy basis when
+`entropy_requires_grad=True` (otherwise an entropy gradient, if one arrives, is recomputed in
+backward: 2 more GEMMs, still exact).
+
+Trainable head or bias: dW = Σ_n Dᵀ h needs the upstream gradient inside the sum, so backward
+recomputes each chunk with D = −(g (p − e_y) + g^H p∘(z − z̄)) / τ: 4 GEMMs in all.
+Extra memory: one chunk (see grpo_lce._chunks) plus the (N, H) fp32 basis.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from grpo_lce._checks import check_chunk_size, check_head, check_targets, check_temperature
+from grpo_lce._chunks import compact_rows
+from grpo_lce._head import gemm_weight, head_forward
+
+
+class _LinearLogprobs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, h, weight, bias, y, inv_tau, chunk_size, entropy_basis):
+        # h (N, H) valid rows only, y (N,) in [0, V)
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        recompute = need_w or need_b
+        w = gemm_weight(weight)
+        out = head_forward(
+            h, w, bias, y, inv_tau, chunk_size,
+            want_basis=need_h and not recompute,
+            want_ebasis=need_h and not recompute and entropy_basis,
+        )
+        ctx.inv_tau, ctx.chunk_size, ctx.recompute = inv_tau, chunk_size, recompute
+        ctx.h_dtype = h.dtype
+        # The frozen path keeps the bases; h and W are kept too (no copy: they are alive in the
+        # caller) for a recompute when an entropy gradient arrives without its basis.
+        ctx.save_for_backward(h, weight, bias, y, out.basis, out.ebasis)
+        ctx.set_materialize_grads(False)
+        logp = out.z_y - out.lse
+        return logp, out.entropy
+
+    @staticmethod
+    def backward(ctx, g_logp, g_ent):
+        h, weight, bias, y, basis, ebasis = ctx.saved_tensors
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        dh = dw = db = None
+        if g_logp is None and g_ent is None:
+            return None, None, None, None, None, None, None
+        s = -ctx.inv_tau
+        if ctx.recompute:
+            # D = −(g (p − e_y) + g^H p∘(z − z̄)) / τ  =  α (p − e_y) + β p∘(z − z̄)
+            alpha = None if g_logp is None else g_logp.float() * s
+            beta = None if g_ent is None else g_ent.float() * s
+            if alpha is None:
+                alpha = torch.zeros_like(y, dtype=torch.float32)
+            out = head_forward(
+                h, gemm_weight(weight), bias, y, ctx.inv_tau, ctx.chunk_size,
+                want_basis=need_h, want_grad_weight=need_w, want_grad_bias=need_b,
+                alpha=alpha, beta=beta,
+            )
+            dh = out.basis.to(ctx.h_dtype) if need_h else None
+            dw = out.grad_weight.to(weight.dtype) if need_w else None
+            db = out.grad_bias.to(bias.dtype) if need_b else None
+            return dh, dw, db, None, None, None, None
+        # Frozen head: elementwise, dh = −(g · GW + g^H · EW) / τ
+        acc = torch.zeros_like(basis) if g_logp is None else basis * (g_logp.float() * s)[:, None]
+        if g_ent is not None:
+            if ebasis is None:
+                ebasis = head_forward(
+                    h, gemm_weight(weight), bias, y, ctx.inv_tau, ctx.chunk_size,
+                    want_ebasis=True,
+                ).ebasis
+            acc += ebasis * (g_ent.float() * s)[:, None]
+        return acc.to(ctx.h_dtype), None, None, None, None, None, None
+
+
+def linear_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    temperature: float = 1.0,
+    ignore_index: int | None = -100,
+    return_entropy: bool = False,
+    entropy_requires_grad: bool = False,
+    chunk_size: int | None = None,
+):
+    """Per-token log p(target) under softmax((hidden @ weight.T + bias) / temperature), in fp32.
+
+    Equals ``log_softmax((hidden @ weight.T + bias).float() / temperature, -1)`` gathered at
+    ``targets`` (computed with fp32 accumulation, logits never rounded), without allocating the
+    (N, V) logits: rows go through in chunks of `chunk_size` (default: a 256 MiB budget, see
+    ``grpo_lce.default_chunk_size``).
+
+    Args:
+        hidden: (..., H) float32 / bfloat16 / float16.
+        weight: (V, H), same dtype and device as hidden.
+        targets: (...) integer, hidden's leading shape; values in [0, V) or `ignore_index`.
+        bias: optional (V,).
+        temperature: > 0; the logits are divided by it (as TRL does before log_softmax).
+        ignore_index: targets equal to it are dropped before any GEMM and give 0 (log-prob and
+            entropy). ``None`` keeps every row.
+        return_entropy: also return the per-token entropy of the softmax (fp32, 0 at ignored).
+        entropy_requires_grad: build the entropy's gradient basis in the forward (one more
+            GEMM). Without it an entropy gradient is still exact, recomputed in backward.
+        chunk_size: rows per chunk; any positive int.
+
+    Returns:
+        logp (...) fp32, or (logp, entropy) when `return_entropy`. Differentiable with respect to
+        hidden, weight and bias for any upstream gradient on either output.
+
+    One host read per call (the number of valid rows, which sizes the GEMMs); none in the chunk
+    loop.
+    """
+    check_head(hidden, weight, bias)
+    check_targets(targets, hidden, weight.shape[0], ignore_index, "targets")
+    inv_tau = 1.0 / check_temperature(temperature)
+    check_chunk_size(chunk_size)
+
+    lead = targets.shape
+    H = hidden.shape[-1]
+    h = hidden.reshape(-1, H)
+    y = targets.reshape(-1)
+    idx, n_valid = compact_rows(y, weight.shape[0], ignore_index, "targets")
+    if idx is not None:
+        h, y = h.index_select(0, idx), y.index_select(0, idx)
+    h = h if h.stride(-1) == 1 else h.contiguous()
+
+    logp, ent = _LinearLogprobs.apply(
+        h, weight, bias, y.long(), inv_tau, chunk_size, bool(entropy_requires_grad)
+    )
+    if idx is not None:
+        logp = _scatter_rows(logp, idx, targets.numel())
+        ent = _scatter_rows(ent, idx, targets.numel())
+    logp = logp.reshape(lead)
+    ent = ent.reshape(lead)
+    return (logp, ent) if return_entropy else logp
+
+
+def _scatter_rows(vals: torch.Tensor, idx: torch.Tensor, n: int) -> torch.Tensor:
+    """(n,) zeros with vals at idx; differentiable (its backward gathers)."""
+    return torch.zeros(n, device=vals.device, dtype=vals.dtype).index_put((idx,), vals)

@@ -1,0 +1,53 @@
+"""Slow exact references in fp64, for tests and benchmarks. They materialize (N, V) logits.
+
+Each equals its fast counterpart by definition: logits z = (h Wᵀ + b) / τ computed in fp64 from
+the inputs as given (bf16 inputs are exact in fp64), then log_softmax.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def logits_ref(hidden, weight, bias=None, temperature=1.0) -> torch.Tensor:
+    z = hidden.double() @ weight.double().t()
+    if bias is not None:
+        z = z + bias.double()
+    return z / temperature
+
+
+def logprobs_ref(hidden, weight, targets, *, bias=None, temperature=1.0, ignore_index=-100):
+    """(logp, entropy) in fp64 with the leading shape of targets; 0 at ignored positions."""
+    z = logits_ref(hidden, weight, bias, temperature)
+    logp_all = torch.log_softmax(z, dim=-1)
+    valid = targets != ignore_index if ignore_index is not None else torch.ones_like(targets, dtype=torch.bool)
+    y = torch.where(valid, targets, torch.zeros_like(targets))
+    logp = logp_all.gather(-1, y.unsqueeze(-1).long()).squeeze(-1)
+    ent = -(logp_all.exp() * logp_all).sum(-1)
+    zero = torch.zeros((), dtype=torch.float64, device=z.device)
+    return torch.where(valid, logp, zero), torch.where(valid, ent, zero)
+
+
+def cross_entropy_ref(
+    hidden, weight, labels, *, bias=None, ignore_index=-100, reduction="mean", num_items=None
+):
+    """fp64 cross-entropy with the same reduction / num_items semantics as linear_cross_entropy."""
+    logp, _ = logprobs_ref(hidden, weight, labels, bias=bias, ignore_index=ignore_index)
+    nll = -logp
+    if reduction == "none":
+        return nll
+    total = nll.sum()
+    if num_items is not None:
+        return total / float(num_items)
+    if reduction == "sum":
+        return total
+    return total / max(int((labels != ignore_index).sum()), 1)
+
+
+def token_metrics_ref(hidden, weight, labels, *, bias=None, ignore_index=-100):
+    """(correct argmax count, entropy sum, valid count) in fp64."""
+    z = logits_ref(hidden, weight, bias)
+    valid = labels != ignore_index
+    correct = ((z.argmax(-1) == labels) & valid).sum()
+    _, ent = logprobs_ref(hidden, weight, labels, bias=bias, ignore_index=ignore_index)
+    return correct, ent.sum(), valid.sum()
