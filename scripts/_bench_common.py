@@ -1,0 +1,142 @@
+"""Shared helpers of the bench_*.py scripts: timing, peak memory, environment, result files.
+
+Timing on CUDA is `triton.testing.do_bench` (L2 flushed before every call, CUDA events), asked for
+the 20/50/80 % quantiles; `rep` is raised so a slow function still gets `min_reps` timed calls.
+Without CUDA (the CPU smoke run) it is `time.perf_counter` over the same number of calls.
+
+Extra memory is the peak of `torch.cuda.max_memory_allocated()` during one call, minus what was
+allocated before it (inputs already there), so whatever the call returns (gradients, outputs)
+counts. None on CPU.
+"""
+
+from __future__ import annotations
+
+import datetime
+import gc
+import json
+import platform
+import re
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+RESULTS_DIR = Path(__file__).resolve().parent.parent / "bench" / "results"
+
+
+def free_memory() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def peak_extra_bytes(fn, device: torch.device):
+    """(fn's result, extra peak bytes of one call); bytes is None off CUDA."""
+    if device.type != "cuda":
+        return fn(), None
+    free_memory()
+    base = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    out = fn()
+    torch.cuda.synchronize(device)
+    return out, torch.cuda.max_memory_allocated(device) - base
+
+
+def time_once_ms(fn, device: torch.device) -> float:
+    sync(device)
+    t0 = time.perf_counter()
+    fn()
+    sync(device)
+    return (time.perf_counter() - t0) * 1e3
+
+
+def time_ms(fn, device: torch.device, *, warmup_ms=25, rep_ms=100, min_reps=5) -> dict:
+    """{'ms': median, 'p20', 'p80', 'spread_pct': (p80 - p20) / median, 'reps'} for fn() calls."""
+    est = min(time_once_ms(fn, device) for _ in range(2))
+    rep = max(rep_ms, min_reps * est)
+    if device.type == "cuda":
+        import triton.testing
+
+        med, p20, p80 = triton.testing.do_bench(
+            fn, warmup=warmup_ms, rep=rep, quantiles=[0.5, 0.2, 0.8]
+        )
+        reps = max(1, int(rep / max(est, 1e-3)))
+    else:
+        reps = max(min_reps, int(rep / max(est, 1e-3)))
+        ts = sorted(time_once_ms(fn, device) for _ in range(reps))
+        q = statistics.quantiles(ts, n=10, method="inclusive") if len(ts) > 1 else ts * 9
+        med, p20, p80 = statistics.median(ts), q[1], q[7]
+    return {
+        "ms": float(med),
+        "p20": float(p20),
+        "p80": float(p80),
+        "spread_pct": float(100.0 * (p80 - p20) / med) if med > 0 else 0.0,
+        "reps": reps,
+    }
+
+
+def gpu_short_name(device: torch.device) -> str:
+    """'H100' from 'NVIDIA H100 80GB HBM3', 'cpu' without CUDA; used in result file names."""
+    if device.type != "cuda":
+        return "cpu"
+    name = torch.cuda.get_device_name(device)
+    for tok in name.replace("NVIDIA", "").split():
+        if re.fullmatch(r"[A-Z]+\d+[A-Za-z]*", tok):
+            return tok
+    return re.sub(r"[^A-Za-z0-9]+", "_", name).strip("_") or "gpu"
+
+
+def env_info(device: torch.device) -> dict:
+    info = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "host": platform.node(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "device": str(device),
+    }
+    try:
+        import triton
+
+        info["triton"] = triton.__version__
+    except ImportError:
+        info["triton"] = None
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        info["gpu"] = torch.cuda.get_device_name(device)
+        info["gpu_memory_gib"] = round(props.total_memory / 2**30, 1)
+        info["capability"] = ".".join(map(str, torch.cuda.get_device_capability(device)))
+    else:
+        info["gpu"] = None
+        info["cpu"] = platform.processor() or platform.machine()
+        info["cpu_threads"] = torch.get_num_threads()
+    return info
+
+
+def package_version(name: str) -> str | None:
+    from importlib import metadata
+
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def write_json(path: Path, obj) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(obj, indent=1, default=str) + "\n")
+
+
+def short_error(exc: BaseException, limit: int = 160) -> str:
+    if isinstance(exc, torch.cuda.OutOfMemoryError):
+        return "OOM"
+    msg = str(exc).strip().splitlines()
+    first = msg[0] if msg else ""
+    return f"{type(exc).__name__}: {first}"[:limit]

@@ -1,0 +1,302 @@
+"""Shared pieces of scripts/train_grpo.py and scripts/train_sft.py.
+
+Model loading (the offline tiny Llama by default, any hub id or local path otherwise; bf16 on
+CUDA, 4-bit NF4 for real models on CUDA), LoRA wrapping, dataset loading and validation, the
+built-in arithmetic task, reward functions and the greedy evaluation used to report accuracy
+before and after training. Every ordinary mistake becomes a `UserError`, which the scripts turn
+into a one-line message on stderr and exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import re
+
+import torch
+
+TINY = "tiny"  # --model value for the built-in offline Llama
+TINY_KW = dict(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2)
+
+
+class UserError(Exception):
+    """An ordinary mistake in the command line or the inputs: printed without a traceback."""
+
+
+# --------------------------------------------------------------------------- trainers
+
+
+def trainer_classes():
+    """`(GRPOTrainer, SFTTrainer)` from this project's `trainers` package."""
+    try:  # TEMP shim until trainers/__init__.py lands
+        from trainers import GRPOTrainer, SFTTrainer
+    except ImportError:
+        from trl import GRPOTrainer, SFTTrainer
+
+    return GRPOTrainer, SFTTrainer
+
+
+# --------------------------------------------------------------------------- arguments
+
+
+def add_common_args(p: argparse.ArgumentParser, *, steps: int, lr: float, batch_size: int) -> None:
+    p.add_argument("--model", default=TINY,
+                   help="hub id or local path of a causal LM; 'tiny' (default) builds a small Llama "
+                        "offline and caches it under ~/.cache/grpo_lce")
+    p.add_argument("--load-in-4bit", action=argparse.BooleanOptionalAction, default=None,
+                   help="load the base model in 4-bit NF4 (bitsandbytes, CUDA only); default: on "
+                        "for real models on CUDA, off otherwise")
+    p.add_argument("--gradient-checkpointing", action=argparse.BooleanOptionalAction,
+                   default=None, help="default: on for real models on CUDA, off for the tiny model")
+    p.add_argument("--lora-r", type=int, default=16, help="LoRA rank (0 = full fine-tuning)")
+    p.add_argument("--lora-alpha", type=int, default=32, help="LoRA alpha")
+    p.add_argument("--lora-targets", default="all-linear",
+                   help="comma-separated module names for LoRA, or 'all-linear' (default)")
+    p.add_argument("--dataset", default=None,
+                   help="hub id, local JSON/JSONL file or saved dataset directory; default: the "
+                        "built-in arithmetic task")
+    p.add_argument("--dataset-split", default="train", help="split to read from --dataset")
+    p.add_argument("--steps", type=int, default=steps, help=f"optimizer steps (default {steps})")
+    p.add_argument("--lr", type=float, default=lr, help=f"learning rate (default {lr})")
+    p.add_argument("--batch-size", type=int, default=batch_size,
+                   help=f"per-device train batch size (default {batch_size})")
+    p.add_argument("--grad-accum", type=int, default=1, help="gradient accumulation steps")
+    p.add_argument("--save-steps", type=int, default=None,
+                   help="checkpoint every N steps (default: a quarter of --steps)")
+    p.add_argument("--eval-size", type=int, default=128,
+                   help="prompts in the greedy before/after evaluation (0 disables)")
+    p.add_argument("--output-dir", default=None, help="where checkpoints, adapter, metrics go")
+    p.add_argument("--resume", action="store_true",
+                   help="resume from the latest checkpoint-* in --output-dir")
+    p.add_argument("--seed", type=int, default=0, help="random seed (runs are deterministic)")
+
+
+def check_common_args(args: argparse.Namespace) -> None:
+    for name in ("steps", "batch_size", "grad_accum"):
+        if getattr(args, name) <= 0:
+            raise UserError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    if args.lr <= 0:
+        raise UserError(f"--lr must be positive, got {args.lr}")
+    if args.lora_r < 0:
+        raise UserError(f"--lora-r must be >= 0, got {args.lora_r}")
+    if args.save_steps is not None and args.save_steps <= 0:
+        raise UserError(f"--save-steps must be positive, got {args.save_steps}")
+    if args.eval_size < 0:
+        raise UserError(f"--eval-size must be >= 0, got {args.eval_size}")
+    if args.resume and not args.output_dir:
+        raise UserError("--resume needs --output-dir (the directory holding checkpoint-*)")
+
+
+def latest_checkpoint(output_dir: str) -> str:
+    from transformers.trainer_utils import get_last_checkpoint
+
+    ckpt = get_last_checkpoint(output_dir) if os.path.isdir(output_dir) else None
+    if ckpt is None:
+        raise UserError(f"--resume: no checkpoint-* directory in {output_dir}")
+    return ckpt
+
+
+# --------------------------------------------------------------------------- model
+
+
+def load_model(args: argparse.Namespace):
+    """`(model, tokenizer)` per --model / --load-in-4bit; resolves the tri-state flags in args."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    cuda = torch.cuda.is_available()
+    tiny = args.model == TINY
+    if args.load_in_4bit is None:
+        args.load_in_4bit = cuda and not tiny
+    if args.gradient_checkpointing is None:
+        args.gradient_checkpointing = cuda and not tiny
+    if args.load_in_4bit and not cuda:
+        raise UserError("--load-in-4bit needs a CUDA GPU (bitsandbytes); use --no-load-in-4bit")
+    if args.load_in_4bit and args.lora_r == 0:
+        raise UserError("--load-in-4bit needs LoRA (--lora-r > 0): 4-bit weights cannot be trained")
+    if tiny:
+        from trainers.tiny import tiny_model_dir
+
+        path = tiny_model_dir(**TINY_KW)
+    else:
+        path = os.path.expanduser(args.model)
+        # Anything that is not an existing directory must look like a hub id "org/name".
+        if not os.path.isdir(path) and not re.fullmatch(r"[\w-][\w.-]*(/[\w.-]+)?", path):
+            raise UserError(f"--model: no such directory: {args.model}")
+    kw: dict = {"dtype": torch.bfloat16 if cuda else torch.float32}
+    if args.load_in_4bit:
+        try:
+            import bitsandbytes  # noqa: F401
+        except ImportError:
+            raise UserError("--load-in-4bit needs bitsandbytes: pip install bitsandbytes "
+                            "(or pass --no-load-in-4bit)") from None
+        from transformers import BitsAndBytesConfig
+
+        kw["quantization_config"] = BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+            bnb_4bit_compute_dtype=torch.bfloat16)
+        kw["device_map"] = {"": torch.cuda.current_device()}
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        model = AutoModelForCausalLM.from_pretrained(path, **kw)
+    except (OSError, ValueError) as e:
+        raise UserError(f"--model: cannot load {args.model!r}: {str(e).splitlines()[0]}") from None
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    if cuda and not args.load_in_4bit:
+        model.to("cuda")
+    return model, tokenizer
+
+
+def lora_config(args: argparse.Namespace):
+    """LoraConfig per --lora-r/--lora-alpha/--lora-targets, or None for full fine-tuning."""
+    if args.lora_r == 0:
+        return None
+    from peft import LoraConfig
+
+    targets = args.lora_targets
+    if targets != "all-linear":
+        targets = [t.strip() for t in targets.split(",") if t.strip()]
+    return LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=0.0,
+                      target_modules=targets, task_type="CAUSAL_LM")
+
+
+def wrap_lora(model, args: argparse.Namespace):
+    cfg = lora_config(args)
+    if cfg is None:
+        return model
+    from peft import get_peft_model
+
+    try:
+        return get_peft_model(model, cfg)
+    except ValueError as e:
+        raise UserError(f"--lora-targets {args.lora_targets!r}: {e}") from None
+
+
+# --------------------------------------------------------------------------- data
+
+
+def arithmetic_problems(n: int, *, seed: int, max_operand: int, exclude=frozenset()):
+    """n distinct problems (a, b) with 0 <= a, b <= max_operand, drawn without replacement
+    (repeating once all are used), skipping `exclude`."""
+    pool = [(a, b) for a in range(max_operand + 1) for b in range(max_operand + 1)
+            if (a, b) not in exclude]
+    rng = random.Random(seed)
+    out = []
+    while len(out) < n:
+        rng.shuffle(pool)
+        out += pool[: n - len(out)]
+    return out
+
+
+def arithmetic_rows(problems, *, with_completion: bool):
+    """Conversational rows: prompt = a user turn 'a+b=', answer = str(a+b), and for SFT the
+    assistant turn with the answer as completion."""
+    rows = []
+    for a, b in problems:
+        row = {"prompt": [{"role": "user", "content": f"{a}+{b}="}], "answer": str(a + b)}
+        if with_completion:
+            row["completion"] = [{"role": "assistant", "content": str(a + b)}]
+        rows.append(row)
+    return rows
+
+
+def load_dataset_arg(spec: str, split: str):
+    """A `datasets.Dataset` from a hub id, a local .json/.jsonl file or a saved directory."""
+    import datasets
+
+    try:
+        if os.path.isfile(spec):
+            if not spec.endswith((".json", ".jsonl")):
+                raise UserError(f"--dataset: local files must be .json or .jsonl, got {spec}")
+            return datasets.load_dataset("json", data_files=spec, split="train")
+        if os.path.isdir(spec) and os.path.isfile(os.path.join(spec, "dataset_info.json")):
+            ds = datasets.load_from_disk(spec)
+            return ds[split] if isinstance(ds, datasets.DatasetDict) else ds
+        if spec.startswith((".", "/", "~")) or spec.endswith((".json", ".jsonl")):
+            raise UserError(f"--dataset: no such file: {spec}")
+        return datasets.load_dataset(spec, split=split)
+    except UserError:
+        raise
+    except Exception as e:  # datasets raises many types for a missing/ill-formed source
+        raise UserError(f"--dataset: cannot load {spec!r}: {str(e).splitlines()[0]}") from None
+
+
+def split_eval(ds, eval_size: int):
+    """(train, eval) with the last `eval_size` rows held out when the set is large enough
+    (at least 4x eval_size), else (ds, None)."""
+    if eval_size == 0 or len(ds) < 4 * eval_size:
+        return ds, None
+    n = len(ds) - eval_size
+    return ds.select(range(n)), ds.select(range(n, len(ds)))
+
+
+# --------------------------------------------------------------------------- rewards
+
+
+def _text(completion) -> str:
+    # Conversational completions are [{"role": "assistant", "content": ...}].
+    return completion[0]["content"] if isinstance(completion, list) else completion
+
+
+def _last_int(text: str):
+    m = re.findall(r"-?\d+", text)
+    return m[-1] if m else None
+
+
+def arithmetic_reward(completions, answer, **_):
+    """1.0 when the last integer in the completion equals the `answer` column, else 0.0."""
+    return [float(_last_int(_text(c)) == str(a).strip()) for c, a in zip(completions, answer)]
+
+
+def format_reward(completions, **_):
+    """1.0 when the completion is a bare integer (nothing else), else 0.0."""
+    return [float(re.fullmatch(r"\s*-?\d+\s*", _text(c)) is not None) for c in completions]
+
+
+def length_reward(completions, target_chars: int = 50, **_):
+    """1 - |len - target| / target, clipped at 0: prefers completions near `target_chars`."""
+    return [max(0.0, 1.0 - abs(len(_text(c)) - target_chars) / target_chars)
+            for c in completions]
+
+
+REWARDS = {"arithmetic": arithmetic_reward, "format": format_reward, "length": length_reward}
+REWARD_COLUMNS = {"arithmetic": ("answer",), "format": (), "length": ()}
+
+
+# --------------------------------------------------------------------------- evaluation
+
+
+@torch.no_grad()
+def greedy_eval(model, tokenizer, rows, reward: str, *, max_new_tokens: int,
+                batch_size: int = 64) -> float:
+    """Mean `reward` over greedy completions of `rows` (each with a 'prompt' and the reward's
+    columns). Deterministic: greedy decoding, no sampling."""
+    if not rows:
+        return float("nan")
+    fn, cols = REWARDS[reward], REWARD_COLUMNS[reward]
+    was_training, side = model.training, tokenizer.padding_side
+    model.eval()
+    tokenizer.padding_side = "left"  # decoder-only generation continues from the right edge
+    device = next(model.parameters()).device
+    scores = []
+    try:
+        for i in range(0, len(rows), batch_size):
+            chunk = rows[i : i + batch_size]
+            prompts = [r["prompt"] for r in chunk]
+            if isinstance(prompts[0], list):
+                texts = [tokenizer.apply_chat_template(p, tokenize=False, add_generation_prompt=True)
+                         for p in prompts]
+            else:
+                texts = prompts
+            enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+            enc = {k: v.to(device) for k, v in enc.items()}
+            out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False,
+                                 pad_token_id=tokenizer.pad_token_id)
+            completions = tokenizer.batch_decode(out[:, enc["input_ids"].shape[1]:],
+                                                 skip_special_tokens=True)
+            scores += fn(completions, **{c: [r[c] for r in chunk] for c in cols})
+    finally:
+        tokenizer.padding_side = side
+        model.train(was_training)
+    return sum(scores) / len(scores)

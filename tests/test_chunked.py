@@ -1,0 +1,105 @@
+"""chunked_linear with several losses against the same function on full fp64 logits.
+
+Each `fn` is plain torch; nothing about its derivative is written anywhere. Run:
+    python -m pytest tests/test_chunked.py -q
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from grpo_lce import chunked_linear
+from _tolerance import assert_3way, assert_close_scaled
+
+N, H, V = 45, 16, 203
+
+
+def ce(z, y):  # scalar: sums over its rows
+    return F.cross_entropy(z, y, reduction="sum")
+
+
+def mse_one_hot(z, y):  # per row
+    return ((z.softmax(-1) - F.one_hot(y, z.shape[-1]).to(z.dtype)) ** 2).sum(-1)
+
+
+def kl_to_teacher(z, teacher_logp):  # per row: KL(teacher || student)
+    return (teacher_logp.exp() * (teacher_logp - z.log_softmax(-1))).sum(-1)
+
+
+def z_loss(z):  # scalar
+    return (torch.logsumexp(z, -1) ** 2).sum()
+
+
+def advantage_logp(z, y, adv):  # per row: the GRPO surrogate's numerator
+    return adv * z.log_softmax(-1).gather(-1, y[:, None]).squeeze(-1)
+
+
+def _args(name, g):
+    y = torch.randint(0, V, (N,), generator=g)
+    if name == "kl":
+        return (torch.randn(N, V, generator=g).log_softmax(-1),)
+    if name == "zloss":
+        return ()
+    if name == "adv":
+        return (y, torch.randn(N, generator=g))
+    return (y,)
+
+
+FNS = {"ce": ce, "mse": mse_one_hot, "kl": kl_to_teacher, "zloss": z_loss, "adv": advantage_logp}
+
+
+@pytest.mark.parametrize("name", list(FNS))
+@pytest.mark.parametrize("chunk_size", [1, 8, None])
+@pytest.mark.parametrize("train_head", [False, True], ids=["frozenW", "trainW"])
+def test_matches_full_logits(name, chunk_size, train_head):
+    fn = FNS[name]
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(N, H, generator=g, requires_grad=True)
+    w = (torch.randn(V, H, generator=g) / H**0.5).requires_grad_(train_head)
+    args = _args(name, g)
+    out = chunked_linear(fn, h, w, *args, chunk_size=chunk_size)
+    h64, w64 = h.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    args64 = tuple(a.double() if a.is_floating_point() else a for a in args)
+    ref = fn(h64 @ w64.t(), *args64)
+    assert out.shape == ref.shape
+    # fp32 logits from fp32 inputs and fn in fp32: fp32 rounding, relative to the value's size
+    # (the z-loss sums 45 squared lse's to ~1.5e3)
+    atol = max(1e-4, 1e-6 * ref.abs().max().item())
+    assert_3way(out, None, ref, k=0, atol=atol, what=f"{name} value")
+    up = torch.randn(out.shape, generator=g)
+    (out * up).sum().backward()
+    (ref * up.double()).sum().backward()
+    assert_close_scaled(h.grad, h64.grad, rtol=1e-4, what=f"{name} d hidden")
+    if train_head:
+        assert_close_scaled(w.grad, w64.grad, rtol=1e-4, what=f"{name} d weight")
+
+
+def test_bf16_inputs_get_fp32_logits_and_3d_shape():
+    g = torch.Generator().manual_seed(1)
+    h = torch.randn(2, 7, H, generator=g).bfloat16().requires_grad_()
+    w = (torch.randn(V, H, generator=g) / H**0.5).bfloat16()
+    y = torch.randint(0, V, (2, 7), generator=g)
+    seen = []
+
+    def fn(z, yy):
+        seen.append(z.dtype)
+        return -z.log_softmax(-1).gather(-1, yy[:, None]).squeeze(-1)
+
+    out = chunked_linear(fn, h, w, y, chunk_size=3)
+    assert out.shape == (2, 7) and out.dtype == torch.float32 and set(seen) == {torch.float32}
+    ref = F.cross_entropy((h.double() @ w.double().t()).flatten(0, 1), y.flatten(), reduction="none")
+    assert_3way(out.flatten(), None, ref, k=0, atol=5e-5, what="bf16 per-row CE")
+    out.sum().backward()
+    assert h.grad.dtype == torch.bfloat16 and h.grad.shape == h.shape
+
+
+def test_bad_fn_output_is_a_clear_error():
+    with pytest.raises(ValueError, match="per-row tensor of leading size"):
+        chunked_linear(lambda z: z.sum(0), torch.randn(10, H), torch.randn(V, H), chunk_size=4)
+    with pytest.raises(TypeError, match="fn must return a tensor"):
+        chunked_linear(lambda z: 1.0, torch.randn(10, H), torch.randn(V, H))
+    with pytest.raises(ValueError, match=r"row_args\[0\] has shape"):
+        chunked_linear(ce, torch.randn(10, H), torch.randn(V, H), torch.zeros(9, dtype=torch.long))
+    with pytest.raises(ValueError, match="chunk_size must be > 0"):
+        chunked_linear(ce, torch.randn(10, H), torch.randn(V, H), torch.zeros(10, dtype=torch.long),
+                       chunk_size=-2)

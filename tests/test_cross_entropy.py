@@ -1,0 +1,118 @@
+"""linear_cross_entropy against the fp64 reference: reductions, num_items, metrics, gradients.
+
+Run: python -m pytest tests/test_cross_entropy.py -q
+"""
+
+import pytest
+import torch
+
+from grpo_lce import linear_cross_entropy
+from grpo_lce.reference import cross_entropy_ref, token_metrics_ref
+from _tolerance import assert_3way, assert_close_scaled
+
+# fp32 logits whatever the input dtype: loss error vs fp64 is fp32 rounding (~1e-6 here)
+LOSS_ATOL = 5e-5
+GRAD_RTOL = {torch.float32: 1e-4, torch.bfloat16: 1e-2}  # see test_logprobs.py for why
+
+
+def _inputs(N, H, V, dtype, with_bias, n_ignored, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(N, H, generator=g).to(dtype)
+    w = (torch.randn(V, H, generator=g) * 3 / H**0.5).to(dtype)
+    b = (torch.randn(V, generator=g) * 0.5).to(dtype) if with_bias else None
+    y = torch.randint(0, V, (N,), generator=g)
+    if n_ignored:
+        y[torch.randperm(N, generator=g)[:n_ignored]] = -100
+    return h, w, b, y
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("train_head", [False, True], ids=["frozenW", "trainW"])
+def test_loss_grads_metrics(reduction, dtype, backend, train_head, monkeypatch):
+    monkeypatch.setenv("GRPO_LCE_BACKEND", backend)
+    N, H, V = 41, 24, 1031
+    h, w, b, y = _inputs(N, H, V, dtype, True, 7)
+    h.requires_grad_()
+    w.requires_grad_(train_head)
+    b.requires_grad_(train_head)
+    loss, m = linear_cross_entropy(h, w, y, bias=b, reduction=reduction, return_metrics=True,
+                                   chunk_size=16)
+    h64, w64, b64 = (t.detach().double().requires_grad_() for t in (h, w, b))
+    ref = cross_entropy_ref(h64, w64, y, bias=b64, reduction=reduction)
+    assert loss.dtype == torch.float32 and loss.shape == ref.shape
+    assert_3way(loss, None, ref, k=0, atol=LOSS_ATOL * (N if reduction == "sum" else 1), what="loss")
+
+    correct, ent_sum, n_tok = token_metrics_ref(h64.detach(), w64.detach(), y, bias=b64.detach())
+    assert int(m["correct"]) == int(correct)
+    assert int(m["num_tokens"]) == int(n_tok) == N - 7
+    assert_3way(m["entropy_sum"], None, ent_sum, k=0, atol=LOSS_ATOL * N, what="entropy sum")
+
+    up = torch.randn(N) if reduction == "none" else torch.tensor(1.7)
+    (loss * up).sum().backward()
+    (ref * up.double()).sum().backward()
+    rtol = GRAD_RTOL[dtype]
+    assert_close_scaled(h.grad, h64.grad, rtol=rtol, what="d hidden")
+    if train_head:
+        assert_close_scaled(w.grad, w64.grad, rtol=rtol, what="d weight")
+        assert_close_scaled(b.grad, b64.grad, rtol=rtol, what="d bias")
+
+
+def test_num_items_gradient_accumulation():
+    """Two micro-batches each divided by the global token count add up to the full-batch mean."""
+    h, w, _, y = _inputs(40, 16, 300, torch.float32, False, 9)
+    w.requires_grad_()
+    n_total = int((y != -100).sum())
+    full = linear_cross_entropy(h, w, y)
+    full.backward()
+    g_full = w.grad.clone()
+    w.grad = None
+    parts = [linear_cross_entropy(h[s:s + 20], w, y[s:s + 20], num_items=torch.tensor(n_total))
+             for s in (0, 20)]
+    sum(parts).backward()
+    torch.testing.assert_close(sum(parts), full, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(w.grad, g_full, rtol=1e-5, atol=1e-7)
+    as_int = linear_cross_entropy(h, w, y, num_items=n_total, reduction="sum")
+    torch.testing.assert_close(as_int, full, rtol=1e-6, atol=1e-6)
+
+
+def test_all_ignored_is_zero_not_nan():
+    h = torch.randn(6, 8, requires_grad=True)
+    w = torch.randn(20, 8, requires_grad=True)
+    y = torch.full((6,), -100)
+    loss, m = linear_cross_entropy(h, w, y, return_metrics=True)
+    assert loss.item() == 0.0 and int(m["num_tokens"]) == 0
+    loss.backward()
+    assert torch.all(h.grad == 0) and torch.all(w.grad == 0)
+
+
+def test_3d_shifted_labels_match_torch_cross_entropy():
+    """The causal-LM use: hidden[:, :-1] against labels[:, 1:], as F.cross_entropy sees it."""
+    B, T, H, V = 3, 11, 16, 97
+    hidden = torch.randn(B, T, H, dtype=torch.float64)
+    w = torch.randn(V, H, dtype=torch.float64)
+    labels = torch.randint(0, V, (B, T))
+    labels[:, :4] = -100
+    hidden32 = hidden.float()
+    ours = linear_cross_entropy(hidden32[:, :-1], w.float(), labels[:, 1:])
+    ref = torch.nn.functional.cross_entropy((hidden[:, :-1] @ w.t()).flatten(0, 1),
+                                            labels[:, 1:].flatten(), ignore_index=-100)
+    assert_3way(ours, None, ref, k=0, atol=LOSS_ATOL, what="shifted CE")
+
+
+@pytest.mark.parametrize(
+    "kwargs, exc, match",
+    [
+        (dict(reduction="avg"), ValueError, "reduction must be one of"),
+        (dict(reduction="none", num_items=3), ValueError, "num_items"),
+        (dict(num_items=0), ValueError, "num_items must be > 0"),
+        (dict(labels=torch.tensor([0, 50, 1, 2])), ValueError, r"labels contains 50"),
+        (dict(labels=torch.tensor([0, 1])), ValueError, r"labels has shape \(2,\)"),
+    ],
+)
+def test_bad_input(kwargs, exc, match):
+    args = dict(labels=torch.tensor([0, 1, 2, -100]))
+    args.update(kwargs)
+    with pytest.raises(exc, match=match):
+        linear_cross_entropy(torch.randn(4, 8), torch.randn(10, 8), args.pop("labels"), **args)

@@ -1,0 +1,219 @@
+"""linear_logprobs against the fp64 reference: values, entropies and gradients.
+
+Covers dtype (fp32, bf16) × ragged shapes × real vocabularies (50257, 151936 at small N) ×
+temperature × bias × ignored rows × which inputs require grad, on both backends: the torch
+fallback and the Triton row kernel (under TRITON_INTERPRET=1 on CPU). Run:
+    python -m pytest tests/test_logprobs.py -q
+"""
+
+import pytest
+import torch
+
+from grpo_lce import linear_logprobs
+from grpo_lce.reference import logprobs_ref
+from _tolerance import assert_3way, assert_close_scaled
+
+# Log-probs and entropies are computed from fp32 logits whatever the input dtype, so the error
+# against fp64 is fp32 rounding of an H-term dot product and a V-term sum: ~1e-6 at these sizes.
+# 5e-5 leaves margin; the bf16-logit path torch users run today is ~1e-2 off (checked below).
+VALUE_ATOL = 5e-5
+# Gradients: fp32 is GEMM rounding over V terms (1e-4 of the gradient's scale is ample);
+# bf16 returns dh in bf16 (2^-8 relative) from a bf16 operand G (2^-9), so 1e-2 of the scale,
+# and never worse than torch's own bf16 path (3-way, k=1).
+GRAD_RTOL = {torch.float32: 1e-4, torch.bfloat16: 1e-2}
+
+# (N, H, V, temperature, with_bias, n_ignored): ragged N (1 and odd), H not a power of two,
+# vocabularies of real tokenizers (GPT-2 50257, Qwen2 151936) at small N so fp64 fits.
+CASES = [
+    (1, 16, 101, 1.0, False, 0),
+    (37, 24, 257, 0.7, True, 5),
+    (23, 32, 50257, 1.0, False, 3),
+    (5, 16, 151936, 1.3, True, 1),
+]
+BACKENDS = ["torch", "triton"]
+
+
+def _inputs(N, H, V, dtype, with_bias, n_ignored, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(N, H, generator=g).to(dtype)
+    # std 1/sqrt(H) * 3 gives logits of O(3): a peaked but not one-hot softmax, like a real head
+    w = (torch.randn(V, H, generator=g) * 3 / H**0.5).to(dtype)
+    b = (torch.randn(V, generator=g) * 0.5).to(dtype) if with_bias else None
+    y = torch.randint(0, V, (N,), generator=g)
+    if n_ignored:
+        y[torch.randperm(N, generator=g)[:n_ignored]] = -100
+    return h, w, b, y
+
+
+def _torch_same_dtype(h, w, b, y, tau):
+    """What a torch user computes today: logits in the input dtype, then fp32 log_softmax."""
+    z = h @ w.t()
+    if b is not None:
+        z = z + b
+    logp_all = torch.log_softmax(z.float() / tau, -1)
+    valid = y != -100
+    lp = logp_all.gather(-1, y.clamp(min=0)[:, None]).squeeze(-1)
+    ent = -(logp_all.exp() * logp_all).sum(-1)
+    return torch.where(valid, lp, 0.0), torch.where(valid, ent, 0.0)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"N{c[0]}-H{c[1]}-V{c[2]}")
+@pytest.mark.parametrize("train_head", [False, True], ids=["frozenW", "trainW"])
+def test_values_and_grads(case, dtype, backend, train_head, monkeypatch):
+    monkeypatch.setenv("GRPO_LCE_BACKEND", backend)
+    N, H, V, tau, with_bias, n_ign = case
+    if backend == "triton" and V > 60000 and train_head:
+        pytest.skip("interpreter: the trainable-head recompute at V=151936 is covered by torch")
+    h, w, b, y = _inputs(N, H, V, dtype, with_bias, n_ign)
+    h.requires_grad_(True)
+    w.requires_grad_(train_head)
+    if b is not None:
+        b.requires_grad_(train_head)
+
+    logp, ent = linear_logprobs(h, w, y, bias=b, temperature=tau, return_entropy=True)
+    assert logp.dtype == ent.dtype == torch.float32 and logp.shape == ent.shape == (N,)
+
+    h64, w64 = h.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    b64 = None if b is None else b.detach().double().requires_grad_()
+    rlogp, rent = logprobs_ref(h64, w64, y, bias=b64, temperature=tau)
+    with torch.no_grad():
+        tlogp, tent = _torch_same_dtype(h, w, b, y, tau)
+    assert_3way(logp, tlogp, rlogp, k=0.0, atol=VALUE_ATOL, what="logp")
+    assert_3way(ent, tent, rent, k=0.0, atol=VALUE_ATOL, what="entropy")
+    valid = y != -100
+    assert torch.all(logp[~valid] == 0) and torch.all(ent[~valid] == 0)
+
+    # GRPO weights every token differently and adds an entropy term: random upstream gradients
+    gen = torch.Generator().manual_seed(1)
+    g_lp, g_ent = torch.randn(N, generator=gen), torch.randn(N, generator=gen)
+    (logp * g_lp + ent * g_ent).sum().backward()
+    (rlogp * g_lp.double() + rent * g_ent.double()).sum().backward()
+    rtol = GRAD_RTOL[dtype]
+    assert h.grad.dtype == dtype
+    assert_close_scaled(h.grad, h64.grad, rtol=rtol, what="d hidden")
+    if train_head:
+        assert w.grad.dtype == dtype
+        assert_close_scaled(w.grad, w64.grad, rtol=rtol, what="d weight")
+        if b is not None:
+            assert_close_scaled(b.grad, b64.grad, rtol=rtol, what="d bias")
+    if dtype == torch.bfloat16:
+        ht = h.detach().clone().requires_grad_()
+        tl, te = _torch_same_dtype(ht, w.detach(), None if b is None else b.detach(), y, tau)
+        (tl * g_lp + te * g_ent).sum().backward()
+        scale = h64.grad.abs().max().item()
+        assert_3way(h.grad, ht.grad, h64.grad, k=1.0, atol=4e-3 * scale, what="d hidden vs torch")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_entropy_basis_hint_gives_same_gradient(backend, monkeypatch):
+    """entropy_requires_grad only moves the entropy basis GEMM into the forward."""
+    monkeypatch.setenv("GRPO_LCE_BACKEND", backend)
+    h, w, b, y = _inputs(29, 24, 300, torch.float32, True, 4)
+    g = torch.randn(29)
+    grads = []
+    for hint in (False, True):
+        hh = h.clone().requires_grad_()
+        lp, ent = linear_logprobs(hh, w, y, bias=b, return_entropy=True,
+                                  entropy_requires_grad=hint, chunk_size=8)
+        (ent * g + lp).sum().backward()
+        grads.append(hh.grad)
+    torch.testing.assert_close(grads[0], grads[1], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("chunk_size", [1, 7, 64, None])
+def test_independent_of_chunk_size(chunk_size):
+    h, w, b, y = _inputs(50, 16, 333, torch.float32, True, 6)
+    h.requires_grad_()
+    lp, ent = linear_logprobs(h, w, y, bias=b, return_entropy=True, chunk_size=chunk_size)
+    (lp.sum() + ent.sum()).backward()
+    h2 = h.detach().clone().requires_grad_()
+    lp2, ent2 = linear_logprobs(h2, w, y, bias=b, return_entropy=True, chunk_size=50)
+    (lp2.sum() + ent2.sum()).backward()
+    # different chunkings change only the GEMM blocking and summation order: fp32 rounding,
+    # a few ulp of values of O(1-10)
+    torch.testing.assert_close(lp, lp2, rtol=1e-5, atol=2e-6)
+    torch.testing.assert_close(ent, ent2, rtol=1e-5, atol=2e-6)
+    assert_close_scaled(h.grad, h2.grad, rtol=1e-5, what="d hidden across chunkings")
+
+
+def test_3d_and_non_contiguous_inputs():
+    g = torch.Generator().manual_seed(3)
+    base = torch.randn(4, 24, 9, generator=g)  # (B, H, T): transposed below, so non-contiguous
+    h = base.transpose(1, 2)  # (B, T, H) with stride(-1) != 1
+    assert not h.is_contiguous()
+    w_big = torch.randn(2 * 101, 24, generator=g)
+    w = w_big[::2]  # (101, 24) non-contiguous rows
+    y = torch.randint(0, 101, (4, 9), generator=g)
+    y[0, :3] = -100
+    h.requires_grad_()
+    lp = linear_logprobs(h, w, y, temperature=0.9, chunk_size=5)
+    assert lp.shape == (4, 9)
+    h64 = h.detach().double().requires_grad_()
+    rl, _ = logprobs_ref(h64, w, y, temperature=0.9)
+    assert_3way(lp, None, rl, k=0, atol=VALUE_ATOL, what="logp 3-D")
+    lp.sum().backward()
+    rl.sum().backward()
+    assert_close_scaled(h.grad, h64.grad, rtol=1e-4, what="d hidden 3-D")
+
+
+def test_properties_uniform_and_shift_invariance():
+    V, H = 1000, 8
+    h = torch.randn(6, H)
+    y = torch.randint(0, V, (6,))
+    lp, ent = linear_logprobs(h, torch.zeros(V, H), y, return_entropy=True)
+    logV = torch.log(torch.tensor(float(V)))
+    torch.testing.assert_close(lp, torch.full((6,), -logV.item()), rtol=0, atol=1e-6)
+    torch.testing.assert_close(ent, torch.full((6,), logV.item()), rtol=0, atol=1e-5)
+    # a constant added to every logit changes nothing
+    w = torch.randn(V, H)
+    a = linear_logprobs(h, w, y)
+    b = linear_logprobs(h, w, y, bias=torch.full((V,), 7.5))
+    torch.testing.assert_close(a, b, rtol=0, atol=2e-5)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_all_ignored_and_empty(backend, monkeypatch):
+    monkeypatch.setenv("GRPO_LCE_BACKEND", backend)
+    h = torch.randn(3, 5, 8, requires_grad=True)
+    w = torch.randn(50, 8)
+    y = torch.full((3, 5), -100)
+    lp, ent = linear_logprobs(h, w, y, return_entropy=True)
+    assert lp.shape == (3, 5) and torch.all(lp == 0) and torch.all(ent == 0)
+    (lp.sum() + ent.sum()).backward()
+    assert torch.all(h.grad == 0) and not torch.isnan(h.grad).any()
+    e = linear_logprobs(torch.randn(0, 8), w, torch.zeros(0, dtype=torch.long))
+    assert e.shape == (0,)
+
+
+def test_ignore_index_none_keeps_every_row():
+    h, w, _, y = _inputs(9, 8, 40, torch.float32, False, 0)
+    a = linear_logprobs(h, w, y, ignore_index=None)
+    r, _ = logprobs_ref(h, w, y, ignore_index=None)
+    assert_3way(a, None, r, k=0, atol=VALUE_ATOL, what="logp ignore_index=None")
+
+
+@pytest.mark.parametrize(
+    "kwargs, exc, match",
+    [
+        (dict(hidden=torch.randn(4, 8), weight=torch.randn(10, 6)), ValueError, "H=8 but weight has H=6"),
+        (dict(weight=torch.randn(10, 8, dtype=torch.bfloat16)), TypeError, "hidden is torch.float32 but weight is torch.bfloat16"),
+        (dict(targets=torch.randint(0, 10, (5,))), ValueError, r"targets has shape \(5,\)"),
+        (dict(targets=torch.tensor([0, 1, 10, 2])), ValueError, r"targets contains 10, outside \[0, 10\)"),
+        (dict(targets=torch.tensor([0, 1, -1, 2])), ValueError, r"targets contains -1"),
+        (dict(targets=torch.zeros(4)), TypeError, "targets must be an integer tensor"),
+        (dict(hidden=torch.randint(0, 3, (4, 8))), TypeError, "hidden must be float32"),
+        (dict(temperature=0.0), ValueError, "temperature must be a finite number > 0"),
+        (dict(temperature=-1.0), ValueError, "temperature"),
+        (dict(chunk_size=0), ValueError, "chunk_size must be > 0"),
+        (dict(bias=torch.randn(9)), ValueError, r"bias must have shape \(V,\)"),
+        (dict(weight=torch.randn(10, 8, 1)), ValueError, "weight must be 2-D"),
+    ],
+)
+def test_bad_input_names_the_argument(kwargs, exc, match):
+    args = dict(hidden=torch.randn(4, 8), weight=torch.randn(10, 8), targets=torch.tensor([0, 1, 2, -100]))
+    args.update(kwargs)
+    h, w, y = args.pop("hidden"), args.pop("weight"), args.pop("targets")
+    with pytest.raises(exc, match=match):
+        linear_logprobs(h, w, y, **args)
