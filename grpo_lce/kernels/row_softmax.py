@@ -25,6 +25,8 @@ import os
 
 import torch
 
+from grpo_lce.kernels import _tuning
+
 try:  # triton is optional: CPU-only installs and platforms without it use the torch path
     import triton
     import triton.language as tl
@@ -189,14 +191,10 @@ def row_softmax(
         WRITE_G=g_out is not None,
         WRITE_E=e_out is not None,
         WRITE_AMAX=want_argmax,
-        BLOCK_V=_block_v(V),
-        num_warps=8,
+        BLOCK_V=min(_tuning.ROW_BLOCK_V, triton.next_power_of_2(V)),
+        num_warps=_tuning.ROW_NUM_WARPS,
     )
     return lse, z_y, ent, amax
-
-
-def _block_v(V: int) -> int:
-    return min(4096, triton.next_power_of_2(V))
 
 
 def _row_softmax_torch(z, y, bias, inv_tau, g_out, e_out, alpha, beta, want_argmax):

@@ -1,0 +1,116 @@
+"""grpo_lce at Llama scale on a CUDA GPU (H100/H200): values, gradients, memory.
+
+Marked `gpu`; skipped without CUDA. Run on the GPU machine:
+    python -m pytest tests/test_gpu_core.py -m gpu -q
+Llama-3.2-1B head: N = 8192 tokens, H = 2048, V = 128256, bf16.
+"""
+
+import pytest
+import torch
+
+from grpo_lce import chunked_linear, linear_cross_entropy, linear_logprobs
+from grpo_lce._chunks import DEFAULT_CHUNK_BUDGET_BYTES
+from grpo_lce.reference import cross_entropy_ref, logprobs_ref
+from _tolerance import assert_3way, assert_close_scaled
+
+pytestmark = pytest.mark.gpu
+N, H, V = 8192, 2048, 128256
+SLICE = 512  # rows checked against fp64 (per-row quantities: exact on any slice)
+
+
+def _inputs(dtype=torch.bfloat16, n_ignored=0, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    h = torch.randn(N, H, device="cuda", generator=g).to(dtype)
+    w = (torch.randn(V, H, device="cuda", generator=g) * 0.02).to(dtype)  # Llama-like init
+    h = h * 2.0  # logits of std ~2.5: a realistic, peaked softmax
+    y = torch.randint(0, V, (N,), device="cuda", generator=g)
+    if n_ignored:
+        y[torch.randperm(N, device="cuda", generator=g)[:n_ignored]] = -100
+    return h, w, y
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_llama_scale_logprobs_values_and_grads(dtype):
+    h, w, y = _inputs(dtype, n_ignored=N // 4)
+    h.requires_grad_()
+    logp, ent = linear_logprobs(h, w, y, temperature=0.7, return_entropy=True)
+    g = torch.randn(N, device="cuda")
+    ge = torch.randn(N, device="cuda")
+    (logp * g + ent * ge).sum().backward()
+
+    hs = h.detach()[:SLICE].double().requires_grad_()
+    rl, re = logprobs_ref(hs, w, y[:SLICE], temperature=0.7)
+    (rl * g[:SLICE].double() + re * ge[:SLICE].double()).sum().backward()
+    # DESIGN target: max |logp error| <= 1e-4 at Llama scale (bf16-logit paths: ~7e-3)
+    assert_3way(logp[:SLICE], None, rl, k=0, atol=1e-4, what="logp")
+    assert_3way(ent[:SLICE], None, re, k=0, atol=1e-4, what="entropy")
+    # dh is returned in the input dtype: 2^-8 (bf16) relative rounding, bf16 operand G
+    assert_close_scaled(h.grad[:SLICE], hs.grad, rtol=1e-2, what="d hidden")
+
+
+def test_trainable_head_and_cross_entropy_grads():
+    n = 1024  # dW sums over rows: keep the fp64 reference (V, H) affordable
+    h, w, y = _inputs()
+    h, y = h[:n].clone().requires_grad_(), y[:n].clone()
+    y[::7] = -100
+    w = w.clone().requires_grad_()
+    loss, m = linear_cross_entropy(h, w, y, return_metrics=True)
+    loss.backward()
+    h64, w64 = h.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    ref = cross_entropy_ref(h64, w64, y)
+    ref.backward()
+    assert_3way(loss, None, ref, k=0, atol=1e-4, what="CE mean")
+    assert_close_scaled(h.grad, h64.grad, rtol=1e-2, what="CE d hidden")
+    assert_close_scaled(w.grad, w64.grad, rtol=1e-2, what="CE d weight")
+
+    hg, wg = h.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    gl = torch.randn(n, device="cuda")
+    lp = linear_logprobs(hg, wg, y)
+    (lp * gl).sum().backward()
+    wr = w64.detach().clone().requires_grad_()
+    hr = h64.detach().clone().requires_grad_()
+    rl, _ = logprobs_ref(hr, wr, y)
+    (rl * gl.double()).sum().backward()
+    assert_close_scaled(wg.grad, wr.grad, rtol=1e-2, what="logp d weight (recompute path)")
+    assert_close_scaled(hg.grad, hr.grad, rtol=1e-2, what="logp d hidden (recompute path)")
+
+
+def test_peak_memory_within_chunk_budget():
+    h, w, y = _inputs()
+    h.requires_grad_()
+    g = torch.randn(N, device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    logp = linear_logprobs(h, w, y)
+    (logp * g).sum().backward()
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - base
+    # chunk budget + the (N, H) fp32 basis + dh (N, H) bf16 + per-row vectors + 32 MiB slack
+    bound = DEFAULT_CHUNK_BUDGET_BYTES + N * H * (4 + 2) + 32 * 2**20
+    assert extra <= bound, f"extra peak {extra / 2**20:.0f} MiB > bound {bound / 2**20:.0f} MiB"
+    assert extra <= 512 * 2**20, f"extra peak {extra / 2**20:.0f} MiB > 512 MiB target"
+    assert logp.isfinite().all()
+
+
+def test_chunked_linear_on_gpu():
+    h, w, y = _inputs()
+    h = h[:300].clone().requires_grad_()
+    out = chunked_linear(
+        lambda z, t: torch.nn.functional.cross_entropy(z, t, reduction="none"), h, w, y[:300],
+        chunk_size=128,
+    )
+    out.sum().backward()
+    h64 = h.detach().double().requires_grad_()
+    ref = torch.nn.functional.cross_entropy(h64 @ w.double().t(), y[:300], reduction="none")
+    ref.sum().backward()
+    assert_3way(out, None, ref, k=0, atol=1e-4, what="chunked CE")
+    assert_close_scaled(h.grad, h64.grad, rtol=1e-2, what="chunked d hidden")
+
+
+def test_bad_target_on_gpu_is_an_error_not_a_crash():
+    h, w, y = _inputs()
+    y = y.clone()
+    y[5] = V + 3
+    with pytest.raises(ValueError, match="targets contains"):
+        linear_logprobs(h, w, y)
