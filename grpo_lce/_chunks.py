@@ -25,9 +25,12 @@ def default_chunk_size(
     vocab: int,
     n_operands: int = 1,
     operand_bytes: int = 2,
-    budget_bytes: int = DEFAULT_CHUNK_BUDGET_BYTES,
+    budget_bytes: int | None = None,
 ) -> int:
-    """Rows per chunk so that Z (fp32) plus `n_operands` (C, V) operand buffers fit the budget."""
+    """Rows per chunk so that Z (fp32) plus `n_operands` (C, V) operand buffers fit the budget
+    (default `DEFAULT_CHUNK_BUDGET_BYTES`)."""
+    if budget_bytes is None:
+        budget_bytes = DEFAULT_CHUNK_BUDGET_BYTES
     per_row = vocab * (4 + n_operands * operand_bytes)
     rows = max(1, budget_bytes // max(per_row, 1))
     if rows >= _ROW_ALIGN:

@@ -121,6 +121,23 @@ def check_fused_head(model: torch.nn.Module) -> None:
     backbone(model)
 
 
+def check_parallelism(trainer) -> None:
+    """Refuse sharded-parameter backends: outside the forward, `lm_head.weight` is a shard."""
+    name = type(trainer).__name__
+    if getattr(trainer, "is_fsdp_enabled", False):
+        raise ValueError(
+            f"trainers.{name} does not support FSDP: the LM head weight is read outside the "
+            f"module's forward, where FSDP holds only a shard. Use DDP, or trl.{name}."
+        )
+    if getattr(trainer, "is_deepspeed_enabled", False):
+        plugin = trainer.accelerator.state.deepspeed_plugin
+        if plugin is not None and plugin.zero_stage == 3:
+            raise ValueError(
+                f"trainers.{name} does not support DeepSpeed ZeRO-3: the LM head weight is "
+                f"partitioned outside the module's forward. Use ZeRO-1/2 or DDP, or trl.{name}."
+            )
+
+
 def fused_head_unsupported_reason(model: torch.nn.Module) -> str | None:
     """Why `grpo_lce`'s plain (h Wᵀ + b) / τ would not match this model's logits, or None."""
     config = unwrap_causal_lm(model).config

@@ -23,6 +23,7 @@ import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
+_VERSION = 2  # bump when the builders change, so cached directories are rebuilt
 PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
 ROLES = ("<|system|>", "<|user|>", "<|assistant|>", "<|end|>")
 # Assistant turns end with EOS so a model trained on them learns to stop; the `generation`
@@ -92,6 +93,11 @@ def build_tiny_llama(
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = LlamaForCausalLM(config).to(torch.float32)
+        # Embeddings (= the tied head) at std 0.02 cap |logit| near 0.02·H, so a frozen head under
+        # LoRA could never be confident; std 0.25 allows logits up to ~0.25·H (16 at H=64).
+        model.get_input_embeddings().weight.data.normal_(0.0, 0.25)
+        if not tie_word_embeddings:
+            model.get_output_embeddings().weight.data.normal_(0.0, 0.25)
     gc = model.generation_config
     gc.pad_token_id, gc.bos_token_id = tokenizer.pad_token_id, tokenizer.bos_token_id
     gc.eos_token_id = tokenizer.eos_token_id
@@ -102,7 +108,8 @@ def tiny_model_dir(path: str | None = None, **kw) -> str:
     """Save `build_tiny_llama(build_tokenizer(), **kw)` and its tokenizer to `path` (default
     `~/.cache/grpo_lce/tiny-llama-<hash of kw>`) unless already there; return the path."""
     if path is None:
-        key = hashlib.sha1(json.dumps(kw, sort_keys=True).encode()).hexdigest()[:10]
+        key = json.dumps({"v": _VERSION, **kw}, sort_keys=True)
+        key = hashlib.sha1(key.encode()).hexdigest()[:10]
         root = os.path.join(os.path.expanduser("~"), ".cache", "grpo_lce")
         path = os.path.join(root, f"tiny-llama-{key}")
     if os.path.isfile(os.path.join(path, "config.json")):
