@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from grpo_lce._chunks import chunk_bounds, default_chunk_size, mm_f32
+from grpo_lce._chunks import MIN_ROWS_GRAD_WEIGHT, chunk_bounds, default_chunk_size, mm_f32
 from grpo_lce.kernels.row_softmax import row_softmax
 
 
@@ -67,6 +67,8 @@ def head_forward(
     want_g = want_basis or want_grad_weight or want_grad_bias
     n_ops = int(want_g) + int(want_ebasis)
     C = chunk_size or default_chunk_size(V, n_ops, w.element_size())
+    if want_grad_weight and not chunk_size:
+        C = max(C, MIN_ROWS_GRAD_WEIGHT)
     C = min(C, max(N, 1))
 
     out = HeadOut(

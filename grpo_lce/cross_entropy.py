@@ -83,12 +83,12 @@ def linear_cross_entropy(
         hidden (..., H), weight (V, H), labels (...) integer in [0, V) or ignore_index.
         reduction: "mean" (over valid tokens; 0 if there are none), "sum" or "none" (per token,
             0 at ignored positions, fp32).
-        num_items: divisor of the summed loss (int or 0-d tensor); only with reduction "mean"
-            or "sum"... it replaces the divisor of either.
+        num_items: divisor of the summed loss (int or 0-d tensor), replacing the divisor of
+            "mean" or "sum"; not allowed with "none".
         return_metrics: also return a dict with `correct` (argmax == label count), `entropy_sum`
             (Σ per-token entropy) and `num_tokens` (valid tokens), all 0-d tensors, computed
             in the same pass ("none" reduction: per-token entropy comes from linear_logprobs).
-        chunk_size: rows per chunk (default from a 256 MiB budget).
+        chunk_size: rows per chunk (default from a 384 MiB budget).
 
     Returns:
         loss, or (loss, metrics) with `return_metrics`.
