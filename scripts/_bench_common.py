@@ -57,9 +57,14 @@ def time_once_ms(fn, device: torch.device) -> float:
     return (time.perf_counter() - t0) * 1e3
 
 
-def time_ms(fn, device: torch.device, *, warmup_ms=25, rep_ms=100, min_reps=5) -> dict:
-    """{'ms': median, 'p20', 'p80', 'spread_pct': (p80 - p20) / median, 'reps'} for fn() calls."""
-    est = min(time_once_ms(fn, device) for _ in range(2))
+def time_ms(
+    fn, device: torch.device, *, warmup_ms=25, rep_ms=100, min_reps=5, est_ms=None
+) -> dict:
+    """{'ms': median, 'p20', 'p80', 'spread_pct': (p80 - p20) / median, 'reps'} for fn() calls.
+
+    `est_ms`: a warm call's time if the caller has one (saves an estimating call).
+    """
+    est = est_ms if est_ms is not None else min(time_once_ms(fn, device) for _ in range(2))
     rep = max(rep_ms, min_reps * est)
     if device.type == "cuda":
         import triton.testing
