@@ -14,7 +14,8 @@ backward: 2 more GEMMs, still exact).
 
 Trainable head or bias: dW = Σ_n Dᵀ h needs the upstream gradient inside the sum, so backward
 recomputes each chunk with D = −(g (p − e_y) + g^H p∘(z − z̄)) / τ: 4 GEMMs in all.
-Extra memory: one chunk (see grpo_lce._chunks) plus the (N, H) fp32 basis.
+Extra memory: one chunk (see grpo_lce._chunks) plus the (n, H) fp32 basis of the n valid rows;
+the hidden states are not copied (ignored rows are gathered per use).
 """
 
 from __future__ import annotations
@@ -28,58 +29,72 @@ from grpo_lce._head import gemm_weight, head_forward
 
 class _LinearLogprobs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, h, weight, bias, y, inv_tau, chunk_size, entropy_basis):
-        # h (N, H) valid rows only, y (N,) in [0, V)
+    def forward(ctx, hidden, weight, bias, y, idx, inv_tau, chunk_size, entropy_basis):
+        # hidden (N, H) all rows; idx (n,) the valid rows or None for all; y (n,) their targets
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         recompute = need_w or need_b
-        w = gemm_weight(weight)
+        h = _valid_rows(hidden, idx)
         out = head_forward(
-            h, w, bias, y, inv_tau, chunk_size,
+            h, gemm_weight(weight), bias, y, inv_tau, chunk_size,
             want_basis=need_h and not recompute,
             want_ebasis=need_h and not recompute and entropy_basis,
         )
         ctx.inv_tau, ctx.chunk_size, ctx.recompute = inv_tau, chunk_size, recompute
-        ctx.h_dtype = h.dtype
-        # The frozen path keeps the bases; h and W are kept too (no copy: they are alive in the
-        # caller) for a recompute when an entropy gradient arrives without its basis.
-        ctx.save_for_backward(h, weight, bias, y, out.basis, out.ebasis)
+        # The frozen path needs only the (n, H) bases. `hidden` is the caller's tensor (no copy),
+        # kept for a recompute: a trainable head, or an entropy gradient without its basis.
+        ctx.save_for_backward(hidden, weight, bias, y, idx, out.basis, out.ebasis)
         ctx.set_materialize_grads(False)
-        logp = out.z_y - out.lse
-        return logp, out.entropy
+        N = hidden.shape[0]
+        return _to_all_rows(out.z_y - out.lse, idx, N), _to_all_rows(out.entropy, idx, N)
 
     @staticmethod
     def backward(ctx, g_logp, g_ent):
-        h, weight, bias, y, basis, ebasis = ctx.saved_tensors
+        hidden, weight, bias, y, idx, basis, ebasis = ctx.saved_tensors
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
-        dh = dw = db = None
+        none = (None,) * 5
         if g_logp is None and g_ent is None:
-            return None, None, None, None, None, None, None
+            return (None, None, None) + none
         s = -ctx.inv_tau
+        # per valid row: α = −g/τ, β = −g^H/τ  (upstream gradients of logp and entropy)
+        alpha = None if g_logp is None else _valid_rows(g_logp, idx).float() * s
+        beta = None if g_ent is None else _valid_rows(g_ent, idx).float() * s
         if ctx.recompute:
-            # D = −(g (p − e_y) + g^H p∘(z − z̄)) / τ  =  α (p − e_y) + β p∘(z − z̄)
-            alpha = None if g_logp is None else g_logp.float() * s
-            beta = None if g_ent is None else g_ent.float() * s
-            if alpha is None:
-                alpha = torch.zeros_like(y, dtype=torch.float32)
+            # D = α (p − e_y) + β p∘(z − z̄) is the whole ∂loss/∂(h Wᵀ) of a chunk
             out = head_forward(
-                h, gemm_weight(weight), bias, y, ctx.inv_tau, ctx.chunk_size,
-                want_basis=need_h, want_grad_weight=need_w, want_grad_bias=need_b,
-                alpha=alpha, beta=beta,
+                _valid_rows(hidden, idx), gemm_weight(weight), bias, y, ctx.inv_tau,
+                ctx.chunk_size, want_basis=need_h, want_grad_weight=need_w,
+                want_grad_bias=need_b,
+                alpha=torch.zeros_like(y, dtype=torch.float32) if alpha is None else alpha,
+                beta=beta,
             )
-            dh = out.basis.to(ctx.h_dtype) if need_h else None
+            dh = _to_all_rows(out.basis, idx, hidden.shape[0]) if need_h else None
             dw = out.grad_weight.to(weight.dtype) if need_w else None
             db = out.grad_bias.to(bias.dtype) if need_b else None
-            return dh, dw, db, None, None, None, None
-        # Frozen head: elementwise, dh = −(g · GW + g^H · EW) / τ
-        acc = torch.zeros_like(basis) if g_logp is None else basis * (g_logp.float() * s)[:, None]
-        if g_ent is not None:
+            return (None if dh is None else dh.to(hidden.dtype), dw, db) + none
+        # Frozen head: elementwise, dh = α · GW + β · EW
+        acc = torch.zeros_like(basis) if alpha is None else basis * alpha[:, None]
+        if beta is not None:
             if ebasis is None:
                 ebasis = head_forward(
-                    h, gemm_weight(weight), bias, y, ctx.inv_tau, ctx.chunk_size,
-                    want_ebasis=True,
+                    _valid_rows(hidden, idx), gemm_weight(weight), bias, y, ctx.inv_tau,
+                    ctx.chunk_size, want_ebasis=True,
                 ).ebasis
-            acc += ebasis * (g_ent.float() * s)[:, None]
-        return acc.to(ctx.h_dtype), None, None, None, None, None, None
+            acc += ebasis * beta[:, None]
+        dh = _to_all_rows(acc.to(hidden.dtype), idx, hidden.shape[0])
+        return (dh, None, None) + none
+
+
+def _valid_rows(t: torch.Tensor, idx: torch.Tensor | None) -> torch.Tensor:
+    """The rows of t (N, ...) at idx, contiguous in the last dim (GEMM operand)."""
+    r = t if idx is None else t.index_select(0, idx)
+    return r if r.dim() < 2 or r.stride(-1) == 1 else r.contiguous()
+
+
+def _to_all_rows(vals: torch.Tensor, idx: torch.Tensor | None, n: int) -> torch.Tensor:
+    """(n, ...) zeros with vals at the rows idx (vals itself when idx is None)."""
+    if idx is None:
+        return vals
+    return vals.new_zeros((n, *vals.shape[1:])).index_copy_(0, idx, vals)
 
 
 def linear_logprobs(
@@ -127,25 +142,12 @@ def linear_logprobs(
     check_chunk_size(chunk_size)
 
     lead = targets.shape
-    H = hidden.shape[-1]
-    h = hidden.reshape(-1, H)
+    h = hidden.reshape(-1, hidden.shape[-1])
     y = targets.reshape(-1)
-    idx, n_valid = compact_rows(y, weight.shape[0], ignore_index, "targets")
-    if idx is not None:
-        h, y = h.index_select(0, idx), y.index_select(0, idx)
-    h = h if h.stride(-1) == 1 else h.contiguous()
-
+    idx, _ = compact_rows(y, weight.shape[0], ignore_index, "targets")
+    y = (y if idx is None else y.index_select(0, idx)).long()
     logp, ent = _LinearLogprobs.apply(
-        h, weight, bias, y.long(), inv_tau, chunk_size, bool(entropy_requires_grad)
+        h, weight, bias, y, idx, inv_tau, chunk_size, bool(entropy_requires_grad)
     )
-    if idx is not None:
-        logp = _scatter_rows(logp, idx, targets.numel())
-        ent = _scatter_rows(ent, idx, targets.numel())
-    logp = logp.reshape(lead)
-    ent = ent.reshape(lead)
+    logp, ent = logp.reshape(lead), ent.reshape(lead)
     return (logp, ent) if return_entropy else logp
-
-
-def _scatter_rows(vals: torch.Tensor, idx: torch.Tensor, n: int) -> torch.Tensor:
-    """(n,) zeros with vals at idx; differentiable (its backward gathers)."""
-    return torch.zeros(n, device=vals.device, dtype=vals.dtype).index_put((idx,), vals)

@@ -4,7 +4,13 @@ Per row c of a chunk (Z holds the fp32 product X_c @ Wᵀ, without bias or tempe
 
     z    = (Z[c] + b) / τ                       fp32, never rounded to bf16
     lse  = log Σ_v exp(z_v)                     online: running max m, running Σ exp(z − m)
-    z̄    = Σ_v p_v z_v,  p = exp(z − lse)       (so entropy = lse − z̄)
+    z̄    = Σ_v p_v z_v,  p = exp(z − lse)
+    entropy = log l − d / l,  l = Σ exp(z − m),  d = Σ exp(z − m)(z − m)   (m = row max)
+
+The entropy is kept relative to the row max: lse − z̄ would subtract two numbers ≈ m and lose
+all digits of a peaked distribution's small entropy (1e-3 relative at H ≈ 0.02); log l and d / l
+are both small there and exact to fp32 rounding. When the max moves from m to m',
+d' = e^{m − m'} (d + l (m − m')).
     z_y  = z[y_c];  argmax_v z_v                (log-prob of the target; token accuracy)
 
 and, when a gradient is needed, a second pass over the row (p needs the final lse) writes
@@ -62,7 +68,7 @@ if HAS_TRITON:
         # Pass 1: online max / Σexp / Σexp·z / argmax over the row, all in fp32.
         m_i = float("-inf")
         l_i = 0.0  # Σ exp(z − m_i)
-        a_i = 0.0  # Σ exp(z − m_i) · z
+        d_i = 0.0  # Σ exp(z − m_i) · (z − m_i)
         best_v = float("-inf")
         best_i = 0
         for start in range(0, V, BLOCK_V):
@@ -77,10 +83,12 @@ if HAS_TRITON:
             m_new = tl.maximum(m_i, m_blk)
             scale = tl.exp(m_i - m_new)
             p = tl.exp(z - m_new)
-            # p·z is 0·(−inf) = nan on masked lanes (and on −inf logits): keep those at 0
-            pz = tl.where(p > 0.0, p * z, 0.0)
+            # p·(z − m) is 0·(−inf) = nan on masked lanes (and on −inf logits): keep those at 0
+            pz = tl.where(p > 0.0, p * (z - m_new), 0.0)
+            # l_i = 0 before the first finite logit, where m_i − m_new is nan or −inf
+            shift = tl.where(l_i > 0.0, l_i * (m_i - m_new), 0.0)
+            d_i = (d_i + shift) * scale + tl.sum(pz, axis=0)
             l_i = l_i * scale + tl.sum(p, axis=0)
-            a_i = a_i * scale + tl.sum(pz, axis=0)
             m_i = m_new
             if WRITE_AMAX:
                 i_blk = tl.argmax(z, axis=0)
@@ -89,7 +97,7 @@ if HAS_TRITON:
                 best_v = tl.where(take, m_blk, best_v)
 
         lse = m_i + tl.log(l_i)
-        zbar = a_i / l_i
+        zbar = m_i + d_i / l_i
         # A target outside [0, V) is rejected on the host; clamp anyway so no read is ever wild.
         y_safe = tl.minimum(tl.maximum(y, 0), V - 1)
         z_y = tl.load(z_row + y_safe)
@@ -98,7 +106,7 @@ if HAS_TRITON:
         z_y = z_y * inv_tau
         tl.store(lse_ptr + c, lse)
         tl.store(zy_ptr + c, z_y)
-        tl.store(ent_ptr + c, lse - zbar)
+        tl.store(ent_ptr + c, tl.log(l_i) - d_i / l_i)
         if WRITE_AMAX:
             tl.store(amax_ptr + c, best_i)
 
@@ -203,13 +211,14 @@ def _row_softmax_torch(z, y, bias, inv_tau, g_out, e_out, alpha, beta, want_argm
     zs = zs * inv_tau  # (C, V) fp32 temporary
     lse = torch.logsumexp(zs, dim=1)
     p = torch.exp(zs - lse[:, None])
-    pz = torch.where(p > 0, p * zs, torch.zeros((), dtype=zs.dtype, device=zs.device))
-    zbar = pz.sum(1)
-    ent = lse - zbar
+    zero = torch.zeros((), dtype=zs.dtype, device=zs.device)
+    # −Σ p log p = Σ p (lse − z), each term ≥ 0: no cancellation for a peaked row
+    ent = torch.where(p > 0, p * (lse[:, None] - zs), zero).sum(1)
+    zbar = lse - ent
     z_y = zs.gather(1, y.clamp(0, zs.shape[1] - 1)[:, None]).squeeze(1)
     amax = zs.argmax(1) if want_argmax else None
     if g_out is not None or e_out is not None:
-        pc = torch.where(p > 0, p * (zs - zbar[:, None]), torch.zeros((), dtype=zs.dtype, device=zs.device))
+        pc = torch.where(p > 0, p * (zs - zbar[:, None]), zero)
         if g_out is not None:
             g = p.clone()
             g.scatter_add_(1, y[:, None], torch.full_like(lse[:, None], -1.0))
