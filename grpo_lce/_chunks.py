@@ -2,10 +2,10 @@
 
 Memory model of one chunk of C rows (V = vocabulary):
     Z    (C, V) fp32              the logits of the chunk, one reused buffer
-    G, E (C, V) in the GEMM dtype  softmax-derived GEMM operands, only when a gradient is needed
-so a chunk costs C · V · (4 + 2·k) bytes, k = number of operand buffers. The default chunk size
-fills `DEFAULT_CHUNK_BUDGET_BYTES` (384 MiB: 512 rows of a 128k vocabulary with one bf16
-operand); pass `chunk_size=` to any public function to override it per call. Larger chunks
+    G    over Z's own bytes        the gradient operand (see _head.g_over_z): free
+    E    (C, V) in the GEMM dtype  the entropy operand, only for an entropy basis
+so a chunk costs C · V · (4 + 2·k) bytes, k = 1 with E, else 0. The default chunk size fills
+`DEFAULT_CHUNK_BUDGET_BYTES` (256 MiB: 512 rows of a 128k vocabulary); pass `chunk_size=` to any public function to override it per call. Larger chunks
 amortise reading W (V, H) once per GEMM. A trainable head accumulates dW (V, H) in fp32 once per
 chunk, so there the chunk is at least `MIN_ROWS_GRAD_WEIGHT` rows (measured on an H200 at
 V=128256, H=2048: 320-row chunks make the dW accumulation 3x slower than one GEMM, 1024-row
@@ -18,7 +18,7 @@ import torch
 
 from grpo_lce._checks import check_target_range
 
-DEFAULT_CHUNK_BUDGET_BYTES = 384 * 2**20
+DEFAULT_CHUNK_BUDGET_BYTES = 256 * 2**20
 MIN_ROWS_GRAD_WEIGHT = 1024
 
 # Keep the row count of a chunk a multiple of this, so the GEMMs see tensor-core friendly M.
@@ -27,11 +27,11 @@ _ROW_ALIGN = 64
 
 def default_chunk_size(
     vocab: int,
-    n_operands: int = 1,
+    n_operands: int = 0,
     operand_bytes: int = 2,
     budget_bytes: int | None = None,
 ) -> int:
-    """Rows per chunk so that Z (fp32) plus `n_operands` (C, V) operand buffers fit the budget
+    """Rows per chunk so that Z (fp32) plus `n_operands` separate (C, V) buffers fit the budget
     (default `DEFAULT_CHUNK_BUDGET_BYTES`)."""
     if budget_bytes is None:
         budget_bytes = DEFAULT_CHUNK_BUDGET_BYTES

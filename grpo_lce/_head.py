@@ -8,7 +8,8 @@ softmax-derived operands G, E of `kernels.row_softmax` while the chunk is still 
     basis   = G W   (N, H) fp32       with G = α(p − e_y) + β p∘(z − z̄)
     ebasis  = E W   (N, H) fp32       with E = p∘(z − z̄)
     dW     += Gᵀ h  (V, H) fp32       (and db += Σ_rows G)
-Extra memory: one chunk of operands, C · V · (4 + 2·k) bytes, plus the (N, H) outputs asked for.
+Extra memory: one chunk, C · V · 4 bytes (G is written over the chunk's own logits; E, when
+asked for, takes C · V · 2 more), plus the (N, H) outputs asked for.
 """
 
 from __future__ import annotations
@@ -65,8 +66,8 @@ def head_forward(
     V = w.shape[0]
     dev = h.device
     want_g = want_basis or want_grad_weight or want_grad_bias
-    n_ops = int(want_g) + int(want_ebasis)
-    C = chunk_size or default_chunk_size(V, n_ops, w.element_size())
+    # G is written over Z (see g_over_z), so only the entropy operand E costs a buffer
+    C = chunk_size or default_chunk_size(V, int(want_ebasis), w.element_size())
     if want_grad_weight and not chunk_size:
         C = max(C, MIN_ROWS_GRAD_WEIGHT)
     C = min(C, max(N, 1))
@@ -86,16 +87,15 @@ def head_forward(
         return out
 
     z_buf = torch.empty(C, V, device=dev, dtype=torch.float32)  # (C, V) fp32 <- the big one
-    # G and E share one buffer so that both bases come out of a single (2C, V) @ (V, H) GEMM.
-    ops = torch.empty(n_ops * C, V, device=dev, dtype=w.dtype) if n_ops else None
+    e_buf = torch.empty(C, V, device=dev, dtype=w.dtype) if want_ebasis else None
     wt = w.t()
     h_gemm = h if h.dtype == w.dtype else h.to(w.dtype)
 
     for s, e in chunk_bounds(N, C):
         n = e - s
         z = mm_f32(h_gemm[s:e], wt, out=z_buf[:n])  # (n, V) fp32, no bias / τ yet
-        g = ops[:n] if want_g else None
-        eo = ops[n_ops * C - C: n_ops * C - C + n] if want_ebasis else None
+        g = g_over_z(z_buf, n, w.dtype) if want_g else None
+        eo = e_buf[:n] if want_ebasis else None
         lse, z_y, ent, amax = row_softmax(
             z, y[s:e], b, inv_tau,
             g_out=g, e_out=eo,
@@ -106,19 +106,29 @@ def head_forward(
         out.lse[s:e], out.z_y[s:e], out.entropy[s:e] = lse, z_y, ent
         if want_argmax:
             out.argmax[s:e] = amax
-        if want_basis and want_ebasis and n == C:
-            both = mm_f32(ops, w)  # (2C, H) fp32: [G; E] @ W in one GEMM
-            out.basis[s:e], out.ebasis[s:e] = both[:C], both[C:]
-        else:
-            if want_basis:
-                out.basis[s:e] = mm_f32(g, w)
-            if want_ebasis:
-                out.ebasis[s:e] = mm_f32(eo, w)
+        if want_basis:
+            out.basis[s:e] = mm_f32(g, w)
+        if want_ebasis:
+            out.ebasis[s:e] = mm_f32(eo, w)
         if want_grad_weight:
             accumulate_mm(out.grad_weight, g.t(), h_gemm[s:e])
         if want_grad_bias:
             out.grad_bias += g.float().sum(0)
     return out
+
+
+def g_over_z(z_buf: torch.Tensor, n: int, dtype: torch.dtype) -> torch.Tensor:
+    """The operand G (n, V) in `dtype`, over the bytes of the fp32 Z rows it is computed from.
+
+    Same dtype: Z itself. bf16/fp16: the first half of each fp32 row's bytes, a (n, V) view
+    with row stride 2V, which cuBLAS reads as a leading dimension. The row kernel writes G[j]
+    only after z[j'] for every j' <= j has been read, so the chunk needs no second (C, V)
+    buffer: a 128k-vocabulary row costs 4 V bytes, not 6 V.
+    """
+    V = z_buf.shape[1]
+    if dtype == torch.float32:
+        return z_buf[:n]
+    return z_buf.view(dtype)[:n, :V]
 
 
 def accumulate_mm(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:

@@ -98,7 +98,7 @@ def chunked_linear(
     its rows. hidden (..., H) is flattened to rows; each row_arg must have the same leading
     shape and is flattened alike; per-row outputs come back with hidden's leading shape.
     Differentiable with respect to hidden and weight through autograd of `fn` itself.
-    chunk_size: rows per chunk, any positive int (default: a 384 MiB fp32 logits budget).
+    chunk_size: rows per chunk, any positive int (default: a 256 MiB fp32 logits budget).
     """
     check_head(hidden, weight, None)
     check_chunk_size(chunk_size)

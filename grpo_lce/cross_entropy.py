@@ -88,7 +88,7 @@ def linear_cross_entropy(
         return_metrics: also return a dict with `correct` (argmax == label count), `entropy_sum`
             (Σ per-token entropy) and `num_tokens` (valid tokens), all 0-d tensors, computed
             in the same pass ("none" reduction: per-token entropy comes from linear_logprobs).
-        chunk_size: rows per chunk (default from a 384 MiB budget).
+        chunk_size: rows per chunk (default from a 256 MiB budget).
 
     Returns:
         loss, or (loss, metrics) with `return_metrics`.

@@ -113,7 +113,7 @@ def linear_logprobs(
 
     Equals ``log_softmax((hidden @ weight.T + bias).float() / temperature, -1)`` gathered at
     ``targets`` (computed with fp32 accumulation, logits never rounded), without allocating the
-    (N, V) logits: rows go through in chunks of `chunk_size` (default: a 384 MiB budget, see
+    (N, V) logits: rows go through in chunks of `chunk_size` (default: a 256 MiB budget, see
     ``grpo_lce.default_chunk_size``).
 
     Args:

@@ -64,3 +64,24 @@ def test_minus_inf_bias_is_masked_not_nan(monkeypatch):
         assert torch.isfinite(g).all() and torch.isfinite(e).all()
         ref = torch.logsumexp(z + bias, 1)
         torch.testing.assert_close(lse, ref, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("op_dtype", [torch.float32, torch.bfloat16], ids=["fp32op", "bf16op"])
+def test_g_written_over_z_equals_separate_buffer(backend, op_dtype, monkeypatch):
+    """G over Z's own bytes (how the chunk loop saves a (C, V) buffer) changes no value."""
+    from grpo_lce._head import g_over_z
+
+    gen = torch.Generator().manual_seed(7)
+    C, V = 4, 20000  # several 8192-wide steps, V not a multiple of the block
+    z = torch.randn(C, V, generator=gen) * 3
+    y = torch.randint(0, V, (C,), generator=gen)
+    alpha = torch.randn(C, generator=gen)
+    sep = _run(backend, monkeypatch, z.clone(), y, None, 1.0, op_dtype, alpha, None)
+    zz = z.clone()
+    g = g_over_z(zz, C, op_dtype)
+    assert g.untyped_storage().data_ptr() == zz.untyped_storage().data_ptr()
+    stats = row_softmax(zz, y, None, 1.0, g_out=g, alpha=alpha, want_argmax=True)
+    for a, b in zip(stats[:3], sep[:3]):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    torch.testing.assert_close(g.float(), sep[4].float(), rtol=0, atol=0)

@@ -59,6 +59,7 @@ if HAS_TRITON:
         WRITE_G: tl.constexpr,
         WRITE_E: tl.constexpr,
         WRITE_AMAX: tl.constexpr,
+        G_OVER_Z: tl.constexpr,
         BLOCK_V: tl.constexpr,
     ):
         c = tl.program_id(0).to(tl.int64)  # int64: c * stride exceeds 2**31 for big chunks
@@ -133,6 +134,11 @@ if HAS_TRITON:
                     g = alpha * (p - tl.where(cols == y, 1.0, 0.0))
                     if HAS_BETA:
                         g += beta * pc
+                    if G_OVER_Z:
+                        # G overwrites the row's own bytes: G[j] lands on bytes of z[j'] with
+                        # j' <= j, read in this step or an earlier one; the barrier makes every
+                        # thread's read of this step happen before any thread's write.
+                        tl.debug_barrier()
                     tl.store(g_row + cols, g.to(g_ptr.dtype.element_ty), mask=mask)
                 if WRITE_E:
                     tl.store(e_row + cols, pc.to(e_ptr.dtype.element_ty), mask=mask)
@@ -169,6 +175,8 @@ def row_softmax(
 
     Returns (lse, z_y, entropy, argmax), each (C,); fp32 but argmax (int64, or None).
     `alpha`, `beta` (C,) fp32 are the per-row coefficients of G (defaults 1 and 0).
+    g_out may alias z: a view of z's own rows (fp32 in place, or a narrower dtype over the first
+    half of each fp32 row's bytes); z is then consumed.
     """
     C, V = z.shape
     assert z.dtype == torch.float32 and z.stride(1) == 1
@@ -199,10 +207,16 @@ def row_softmax(
         WRITE_G=g_out is not None,
         WRITE_E=e_out is not None,
         WRITE_AMAX=want_argmax,
+        G_OVER_Z=g_out is not None and _overlaps(g_out, z),
         BLOCK_V=min(_tuning.ROW_BLOCK_V, triton.next_power_of_2(V)),
         num_warps=_tuning.ROW_NUM_WARPS,
     )
     return lse, z_y, ent, amax
+
+
+def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether a and b share storage (G written over Z to halve the chunk's memory)."""
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
 
 def _row_softmax_torch(z, y, bias, inv_tau, g_out, e_out, alpha, beta, want_argmax):
