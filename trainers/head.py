@@ -15,9 +15,10 @@ DDP's forward bookkeeping, accelerate's autocast/fp32 wrappers, PEFT's adapter r
 stock TRL. A forward hook on the backbone (`causal_lm.base_model`, the `LlamaModel` inside
 `LlamaForCausalLM`: the module whose output TRL's own fused head reads) records its
 `last_hidden_state` for the duration of that one call only. The call passes
-`logits_to_keep=1`, so the model's own head projects one position per row (B · V logits, a
-rounding error next to the (B · L, V) it would build otherwise) and no labels, so it computes
-no loss. Outside the context manager no hook exists, so generation is untouched.
+`logits_to_keep=1` (when the model's forward takes it, as every recent transformers causal LM
+does), so the model's own head projects one position per row (B · V logits, a rounding error
+next to the (B · L, V) it would build otherwise), and no labels, so it computes no loss. No
+hook exists outside that call, so generation is untouched.
 
 Why not the alternatives: `output_hidden_states=True` keeps every layer's activations in the
 output and, across transformers versions, does not consistently return the normed last one;
@@ -35,6 +36,8 @@ back to TRL's own fused head for those.
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 from collections.abc import Iterator
 
 import torch
@@ -59,7 +62,7 @@ _LOGIT_TRANSFORMS = (
 
 
 def unwrap_causal_lm(model: torch.nn.Module) -> torch.nn.Module:
-    """The `*ForCausalLM` inside DDP / DataParallel / torch.compile / accelerate and PEFT wrappers."""
+    """The `*ForCausalLM` inside DDP / DataParallel / torch.compile / accelerate / PEFT wrappers."""
     m = extract_model_from_parallel(model, keep_torch_compile=False)
     if PeftModel and isinstance(m, PeftModel):
         m = m.get_base_model()
@@ -165,6 +168,13 @@ def _record_backbone_output(model: torch.nn.Module) -> Iterator[list[torch.Tenso
         handle.remove()
 
 
+@functools.lru_cache(maxsize=None)
+def _accepts_logits_to_keep(model_cls: type) -> bool:
+    """Whether `model_cls.forward` takes `logits_to_keep` (every transformers causal LM since
+    4.50 does; for the others the logits are built and dropped: correct, just not lean)."""
+    return "logits_to_keep" in inspect.signature(model_cls.forward).parameters
+
+
 def forward_hidden_states(model: torch.nn.Module, **inputs) -> tuple[torch.Tensor, object]:
     """Call `model(**inputs)` (the wrapper itself) and return (h (B, L, H), the model's output).
 
@@ -174,9 +184,11 @@ def forward_hidden_states(model: torch.nn.Module, **inputs) -> tuple[torch.Tenso
     if "labels" in inputs:
         raise ValueError("forward_hidden_states: pass the labels to the head, not to the model")
     seq_len = inputs["input_ids"].shape[-1] if "input_ids" in inputs else None
+    if _accepts_logits_to_keep(type(unwrap_causal_lm(model))):
+        # the model's own lm_head then projects one row per sequence, not (B·L, V)
+        inputs["logits_to_keep"] = 1
     with _record_backbone_output(model) as seen:
-        # logits_to_keep=1: the model's own lm_head sees one row per sequence, not (B·L, V)
-        outputs = model(**inputs, logits_to_keep=1, use_cache=False)
+        outputs = model(**inputs, use_cache=False)
     if len(seen) != 1:
         raise RuntimeError(
             f"expected the backbone of {type(unwrap_causal_lm(model)).__name__} to run once per "
