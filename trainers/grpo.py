@@ -23,6 +23,17 @@ clipping, token or sequence importance sampling, `top_entropy_quantile`, the ent
 gradient accumulation, `steps_per_generation`, vLLM importance sampling and every metric. No
 loss math is reproduced here.
 
+Padding-free passes (`packing`, see `trainers.packing`): the valid tokens of the rows are packed
+into one sequence per `max_packed_tokens` (position_ids restarting at 0 per row, no
+attention_mask), the backbone runs on Σ n_b tokens instead of B·L, only the completion positions
+reach the head, and the results are scattered back to (B, K). `packing="auto"` (the default)
+packs when the attention implementation keeps packed rows apart without a dense (T, T) mask:
+flash_attention_2/3/4 (varlen) and flex_attention. Under sdpa / eager it stays padded and says
+so once; `packing=True` packs there too (correct, with a warning: the mask is dense);
+`packing=False` never packs. Never packed, whatever the option: the MoE aux-loss pass,
+prompt-learning PEFT adapters, models with non-attention layers, batches whose mask is not one
+contiguous run per row after a non-empty prompt.
+
 Falls back to TRL's own (chunked, also logit-free) head, with one warning per reason, for:
 multimodal inputs (`pixel_values` and friends), and models whose logits are transformed before
 the softmax (final-logit softcapping or a logit scale, e.g. Gemma 2, Cohere, Granite).
@@ -46,6 +57,7 @@ from trainers.head import (
     head_logprobs,
     lm_head_params,
 )
+from trainers.packing import PackPlan, choose_packing, plan_packs, unpack
 
 logger = logging.get_logger(__name__)
 
@@ -53,24 +65,59 @@ logger = logging.get_logger(__name__)
 class GRPOTrainer(trl.GRPOTrainer):
     """`trl.GRPOTrainer` (1.16.x) whose log-probs and entropies come from `grpo_lce`.
 
-    Same constructor and config as `trl.GRPOTrainer`. See the module docstring for what is
-    overridden, what falls back to TRL's head and what is refused.
+    Same constructor and config as `trl.GRPOTrainer`, plus two keyword-only options:
+
+        packing: "auto" (default), True or False — padding-free log-prob passes (module
+            docstring); also settable later as the attribute `trainer.packing`.
+        max_packed_tokens: tokens per packed forward; None (default) = TRL's chunk,
+            `batch_size · L`, so a pack never outgrows the padded chunk it replaces.
+
+    See the module docstring for what is overridden, what falls back to TRL's head and what is
+    refused.
     """
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, packing: bool | str = "auto", max_packed_tokens: int | None = None,
+                 **kwargs):
         check_trl_version("GRPOTrainer")
+        if packing not in (True, False, "auto"):
+            raise ValueError(f"packing must be True, False or 'auto', got {packing!r}")
+        if max_packed_tokens is not None and not (
+            isinstance(max_packed_tokens, int) and max_packed_tokens > 0
+        ):
+            raise ValueError(
+                f"max_packed_tokens must be a positive int or None, got {max_packed_tokens!r}")
         super().__init__(*args, **kwargs)
         check_fused_head(self.model)
         if self.ref_model is not None:
             check_fused_head(self.ref_model)
         check_parallelism(self)
+        self.packing = packing
+        self.max_packed_tokens = max_packed_tokens
         self._lce_fallbacks_logged: set[str] = set()
+        self._lce_packing_logged: set[str] = set()
+
+    def _lce_packing_warning(self, message: str) -> None:
+        if message not in self._lce_packing_logged:
+            self._lce_packing_logged.add(message)
+            logger.warning(message)
 
     def _lce_fallback_reason(self, model, multimodal_inputs: dict) -> str | None:
         present = sorted(k for k, v in multimodal_inputs.items() if v is not None)
         if present:
             return f"multimodal inputs ({', '.join(present)})"
         return fused_head_unsupported_reason(model)
+
+    def _lce_packing_kind(self, model, compute_aux_loss: bool) -> str | None:
+        """How to pack for `model` ("varlen", "block", "dense"), or None for the padded path."""
+        if compute_aux_loss and self.packing is not False:
+            self._lce_packing_warning(
+                "grpo_lce packing off for the MoE aux-loss pass (the router's load-balancing loss "
+                "is defined on padded rows); using padded forwards.")
+            return None
+        kind, message = choose_packing(model, self.packing)
+        if message is not None:
+            self._lce_packing_warning(message)
+        return kind
 
     def _get_per_token_logps_and_entropies(
         self,
@@ -104,7 +151,21 @@ class GRPOTrainer(trl.GRPOTrainer):
             compute_entropy and torch.is_grad_enabled()
             and bool(getattr(self, "_entropy_bonus_enabled", False))
         )
+        head_kwargs = dict(temperature=self.temperature, return_entropy=compute_entropy,
+                           entropy_requires_grad=entropy_grad)
         batch_size = batch_size or input_ids.size(0)
+
+        kind = self._lce_packing_kind(model, compute_aux_loss)
+        if kind is not None:
+            max_tokens = self.max_packed_tokens or batch_size * input_ids.size(1)
+            plan = plan_packs(input_ids, attention_mask, K, max_tokens=max_tokens)
+            if plan is None:
+                self._lce_packing_warning(
+                    "grpo_lce packing skipped for a batch whose attention_mask is not one "
+                    "contiguous run per row after a non-empty prompt; using padded forwards.")
+            elif plan.packs:  # else no row has a completion token: padded gives the zeros
+                return (*self._packed_logps_and_entropies(model, plan, kind, weight, bias,
+                                                          head_kwargs), None)
         all_logps, all_entropies, all_aux = [], [], []
         for start in range(0, input_ids.size(0), batch_size):
             ids = input_ids[start:start + batch_size]
@@ -118,10 +179,7 @@ class GRPOTrainer(trl.GRPOTrainer):
             # hidden states before them. Padded completion positions are ignored (logp 0).
             h = hidden[:, -K - 1:-1]  # (b, K, H)
             y = ids[:, -K:].masked_fill(mask[:, -K:] == 0, -100)  # (b, K)
-            out = head_logprobs(
-                h, weight, bias, y, temperature=self.temperature,
-                return_entropy=compute_entropy, entropy_requires_grad=entropy_grad,
-            )
+            out = head_logprobs(h, weight, bias, y, **head_kwargs)
             logps, entropies = out if compute_entropy else (out, None)
             all_logps.append(logps)
             if compute_entropy:
@@ -133,3 +191,16 @@ class GRPOTrainer(trl.GRPOTrainer):
         entropies = torch.cat(all_entropies, dim=0) if compute_entropy else None
         aux_loss = torch.stack(all_aux).mean() if compute_aux_loss else None
         return logps, entropies, aux_loss
+
+    def _packed_logps_and_entropies(self, model, plan: PackPlan, kind, weight, bias, head_kwargs):
+        """(logps (B, K), entropies (B, K) or None) from one forward per pack: the hidden
+        states before the scored tokens, (N, H) over all packs, go through the head at once."""
+        hidden = []
+        for pack in plan.packs:
+            with self.accelerator.autocast():
+                h, _ = forward_hidden_states(model, **pack.model_inputs(kind))  # (1, T, H)
+            hidden.append(h[0, pack.hidden_index])  # (N_p, H)
+        out = head_logprobs(torch.cat(hidden), weight, bias, plan.targets, **head_kwargs)
+        if head_kwargs["return_entropy"]:
+            return unpack(out[0], plan), unpack(out[1], plan)
+        return unpack(out, plan), None

@@ -1,0 +1,389 @@
+"""Padding-free GRPO passes (`trainers.packing`): packed against padded on tiny fp32 Llamas.
+
+Covers: the index maps of `plan_packs` / `unpack` (ragged rows, a 1-token completion, a row with
+no completion, token budgets that split the batch, a row longer than the budget, masks that
+cannot be packed); log-probs and entropies of the policy and the adapter-disabled reference,
+loss and LoRA gradients (grpo and dapo, β > 0), packed vs padded in the same trainer; a short
+`train()` whose logs match padded step by step; the varlen kwargs reaching the attention
+function; flex_attention packing under "auto" (no-grad only: FlexAttention has no CPU
+backward in torch 2.13); and the padded fallback, logged once, under sdpa.
+
+    python -m pytest tests/test_packing.py -q
+
+Tolerances. Both paths run the same fp32 weights, but packed rows start at position 0 while the
+padded forward numbers a left-padded row from its pad count: RoPE makes that exact in exact
+arithmetic, in fp32 the rotation angles (|θ| ≤ 17 rad here) round differently, ~1 ulp of the
+angle per position, ~1e-6 on hidden states; the GEMMs also see different row counts, hence
+different blockings and summation orders. Observed: max |Δ logp| 2e-6 at |logp| ≤ 18,
+|Δ entropy| 1.4e-6, relative Δ loss ≤ 1e-6, Δ grad ≤ 1e-6 × max|grad|. Hence atol 2e-5 on
+log-probs and entropies (≥ 10× margin), rtol 1e-5 on losses and 1e-4 × max|grad| on gradients,
+as in tests/test_trainers_grpo.py; a packing bug (a row attending to its neighbour, an
+off-by-one in the shift) moves log-probs by 1e-2 or more.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from contextlib import nullcontext
+
+import pytest
+import torch
+import torch.nn.functional as F
+from peft import PromptTuningConfig, get_peft_model
+from test_trainers_grpo import (
+    _assert_close,
+    _config,
+    _dataset,
+    _grads,
+    _model,
+    _reward_digits,
+    _reward_len,
+)
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, flash_attention_mask
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from trl.trainer.utils import use_adapter
+
+from trainers import GRPOTrainer
+from trainers.head import backbone, unwrap_causal_lm
+from trainers.packing import choose_packing, plan_packs, synthetic_ragged_batch, unpack
+from trainers.tiny import build_tiny_llama, build_tokenizer
+
+LOGP_ATOL = 2e-5
+LOSS_RTOL = 1e-5
+GRAD_RTOL = 1e-4
+
+# Rows of very different lengths: full prompt + full completion (17 tokens, longer than the
+# 16-token budget below), a 1-token completion (EOS at once) after a 2-token prompt, a 1-token
+# prompt, a truncated row with no completion token left, and two mid-sized rows.
+B, P, C = 6, 7, 10
+PROMPT_LENS = [7, 2, 5, 1, 7, 4]
+COMPLETION_LENS = [10, 1, 6, 3, 0, 9]
+N_PACKED = sum(p + c for p, c in zip(PROMPT_LENS, COMPLETION_LENS, strict=True) if c > 0)  # 48
+# Greedy packs of the valid rows (17, 3, 11, 4, 13 tokens) under a 16-token budget: the 17-token
+# row alone (over budget), 3 + 11, then 4, then 13 (4 + 13 > 16).
+PACKS_AT_16 = [17, 14, 4, 13]
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return build_tokenizer()
+
+
+def _ragged(tok):
+    """ids, mask (B, P + C): prompts left-padded, completions ending in EOS right-padded."""
+    g = torch.Generator().manual_seed(11)
+    ids = torch.randint(8, len(tok), (B, P + C), generator=g)
+    mask = torch.zeros(B, P + C, dtype=torch.long)
+    for b, (p, c) in enumerate(zip(PROMPT_LENS, COMPLETION_LENS, strict=True)):
+        mask[b, P - p:P + c] = 1
+        if 0 < c < C:
+            ids[b, P + c - 1] = tok.eos_token_id
+    ids[mask == 0] = tok.pad_token_id
+    return ids, mask
+
+
+def _trainer(tok, tmp_path, *, packing=True, tied=False, **config):
+    tr = GRPOTrainer(
+        model=_model(tok, tied=tied), reward_funcs=[_reward_len, _reward_digits],
+        args=_config(tmp_path, per_device_train_batch_size=B, num_generations=B,
+                     max_completion_length=C, **config),
+        train_dataset=_dataset(), processing_class=tok, packing=packing,
+    )
+    tr.model.train()
+    tr.current_gradient_accumulation_steps = 1
+    return tr
+
+
+class _BackboneCalls:
+    """Records the (batch, length) of every log-prob pass's backbone call (generation's, which
+    use the cache, are not recorded): (1, Σ n_b) when packed, (rows, L) when padded."""
+
+    def __init__(self, model):
+        self.shapes = []
+        self._module = backbone(model)
+
+    def __enter__(self):
+        def hook(_m, args, kwargs):
+            if kwargs.get("use_cache") is False:
+                ids = kwargs.get("input_ids", args[0] if args else None)
+                self.shapes.append(tuple(ids.shape))
+
+        self._handle = self._module.register_forward_pre_hook(hook, with_kwargs=True)
+        return self
+
+    def __exit__(self, *exc):
+        self._handle.remove()
+
+
+# ---------------------------------------------------------------- index maps
+
+
+def test_plan_packs_index_maps(tok):
+    ids, mask = _ragged(tok)
+    L = P + C
+    for max_tokens in (B * L, 16):
+        plan = plan_packs(ids, mask, C, max_tokens=max_tokens)
+        rows = [b for b in range(B) if COMPLETION_LENS[b] > 0]  # the truncated row is left out
+        packed = torch.cat([p.input_ids[0] for p in plan.packs])
+        assert torch.equal(packed, torch.cat([ids[b][mask[b].bool()] for b in rows]))
+        for pack in plan.packs:
+            n = pack.cu_seqlens.diff()
+            assert torch.equal(pack.position_ids[0], torch.cat([torch.arange(k) for k in n]))
+            assert pack.max_seqlen == int(n.max())
+        lens = [p.input_ids.shape[1] for p in plan.packs]
+        assert lens == ([N_PACKED] if max_tokens == B * L else PACKS_AT_16)
+        # every valid completion token, once, in its (b, k) slot, with its own id as target
+        expected = ids[:, P:].masked_fill(mask[:, P:] == 0, 0).float()
+        got = unpack(plan.targets.float(), plan)
+        assert torch.equal(got, expected)
+        assert plan.out_index.unique().numel() == plan.out_index.numel() == mask[:, P:].sum()
+        # the hidden state at t − 1 scores the token at t, of the same row (position ≥ 1)
+        after = torch.cat([p.input_ids[0, p.hidden_index + 1] for p in plan.packs])
+        assert torch.equal(after, plan.targets)
+        assert all((p.position_ids[0, p.hidden_index + 1] >= 1).all() for p in plan.packs)
+
+
+def test_plan_packs_refuses_unpackable_masks(tok):
+    ids, mask = _ragged(tok)
+    holes = mask.clone()
+    holes[0, P + 3] = 0  # a hole inside a completion
+    assert plan_packs(ids, holes, C, max_tokens=10**6) is None
+    no_prompt = mask.clone()
+    no_prompt[3, :P] = 0  # an empty prompt: its first completion token has no predecessor
+    assert plan_packs(ids, no_prompt, C, max_tokens=10**6) is None
+    nothing = mask.clone()
+    nothing[:, P:] = 0  # every completion truncated away: no packs, nothing to score
+    assert plan_packs(ids, nothing, C, max_tokens=10**6).packs == []
+
+
+def test_synthetic_ragged_batch_is_packable():
+    ids, mask = synthetic_ragged_batch(8, 16, 64, 100, seed=3)
+    fill = mask[:, 16:].float().mean().item()
+    assert fill == pytest.approx(9 / 16, abs=0.01)  # (B + 1) / 2B at B = 8
+    plan = plan_packs(ids, mask, 64, max_tokens=8 * 80)
+    assert len(plan.packs) == 1 and plan.targets.numel() == mask[:, 16:].sum()
+
+
+# ---------------------------------------------------------------- trainer parity
+
+
+def _logps_both_ways(tr, ids, mask, **kw):
+    out = {}
+    for packing in (False, True):
+        tr.packing = packing
+        with _BackboneCalls(tr.model) as calls:
+            out[packing] = tr._get_per_token_logps_and_entropies(tr.model, ids, mask, C, **kw)
+        out[packing, "calls"] = calls.shapes
+    return out
+
+
+def test_packed_logps_entropy_match_padded(tok, tmp_path):
+    tr = _trainer(tok, tmp_path, temperature=0.7)
+    ids, mask = _ragged(tok)
+    for adapter in ("default", None):  # the policy, then the reference (adapter disabled)
+        ctx = use_adapter(tr.model, adapter_name=None) if adapter is None else nullcontext()
+        with ctx:
+            out = _logps_both_ways(tr, ids, mask, batch_size=4, compute_entropy=True)
+        (lp_pad, ent_pad, _), (lp_pack, ent_pack, _) = out[False], out[True]
+        _assert_close(lp_pack, lp_pad, atol=LOGP_ATOL, what=f"logp adapter={adapter}")
+        _assert_close(ent_pack, ent_pad, atol=LOGP_ATOL, what=f"entropy adapter={adapter}")
+        assert (lp_pack[mask[:, P:] == 0] == 0).all() and (ent_pack[mask[:, P:] == 0] == 0).all()
+        assert out[False, "calls"] == [(4, P + C), (2, P + C)]  # TRL's row chunks
+        assert out[True, "calls"] == [(1, N_PACKED)]  # one pack: Σ n_b ≤ batch_size · L
+
+
+_LOSS_CASES = [
+    # loss_type, beta, importance_sampling_level, tied, max_packed_tokens (16: several packs,
+    # the 17-token row alone in the first; the gradient flows back through each pack's forward)
+    ("grpo", 0.04, "token", False, None),
+    ("dapo", 0.04, "sequence", True, 16),
+]
+
+
+@pytest.mark.parametrize("loss_type,beta,level,tied,max_packed_tokens", _LOSS_CASES)
+def test_packed_loss_and_lora_grads_match_padded(
+    tok, tmp_path, loss_type, beta, level, tied, max_packed_tokens
+):
+    tr = _trainer(tok, tmp_path, tied=tied, loss_type=loss_type, beta=beta,
+                  importance_sampling_level=level, temperature=0.9)
+    tr.max_packed_tokens = max_packed_tokens
+    ids, mask = _ragged(tok)
+    g = torch.Generator().manual_seed(5)
+    tr.packing = False
+    with torch.no_grad():
+        logps, _, _ = tr._get_per_token_logps_and_entropies(tr.model, ids, mask, C)
+    inputs = {
+        "prompt_ids": ids[:, :P], "prompt_mask": mask[:, :P],
+        "completion_ids": ids[:, P:], "completion_mask": mask[:, P:],
+        "advantages": torch.randn(B, generator=g),
+        "num_items_in_batch": mask[:, P:].sum(),
+        # old = current + noise (as after an optimizer step): ratios leave the clip range
+        "old_per_token_logps": logps + 0.3 * torch.randn(B, C, generator=g),
+        "ref_per_token_logps": logps + 0.5 * torch.randn(B, C, generator=g),
+    }
+    results = {}
+    for packing in (False, True):
+        tr.packing = packing
+        tr.model.zero_grad(set_to_none=True)
+        tr._metrics["train"].clear()
+        with _BackboneCalls(tr.model) as calls:
+            loss = tr.compute_loss(tr.model, inputs)
+        loss.backward()
+        metrics = {k: list(v) for k, v in tr._metrics["train"].items()}
+        results[packing] = loss.detach(), _grads(tr.model), metrics, calls.shapes
+    (loss_pad, g_pad, m_pad, c_pad), (loss_pack, g_pack, m_pack, c_pack) = (
+        results[False], results[True])
+    assert c_pad == [(B, P + C)]
+    if max_packed_tokens is None:
+        assert c_pack == [(1, N_PACKED)]
+    else:
+        assert c_pack == [(1, n) for n in PACKS_AT_16]
+    _assert_close(loss_pack, loss_pad, rtol=LOSS_RTOL, atol=1e-7, what="loss")
+    assert g_pad.keys() == g_pack.keys() and len(g_pad) > 0
+    assert all("lora_" in n for n in g_pad)
+    for n in g_pad:
+        _assert_close(g_pack[n], g_pad[n], rtol=GRAD_RTOL, atol=1e-9, what=f"grad {n}")
+    for k in m_pad:
+        assert m_pack[k] == pytest.approx(m_pad[k], rel=1e-4, abs=2e-5), k
+
+
+def test_packed_train_logs_match_padded(tok, tmp_path):
+    # The real flow: generation, then the old-policy pass (steps_per_generation > accumulation)
+    # and the reference pass (β > 0, adapter disabled) under no_grad, then the loss, all packed.
+    logs = {}
+    for packing in (False, True):
+        args = _config(
+            tmp_path / str(packing), max_steps=1, gradient_accumulation_steps=1,
+            steps_per_generation=2, per_device_train_batch_size=2, num_generations=4,
+            learning_rate=5e-3, beta=0.04, loss_type="dapo",
+        )
+        tr = GRPOTrainer(model=_model(tok, tied=False),
+                         reward_funcs=[_reward_len, _reward_digits], args=args,
+                         train_dataset=_dataset(), processing_class=tok, packing=packing)
+        torch.manual_seed(0)  # generation samples from the global RNG: same stream for both
+        with _BackboneCalls(tr.model) as calls:
+            tr.train()
+        logs[packing] = [h for h in tr.state.log_history if "loss" in h]
+        logs[packing, "calls"] = calls.shapes
+    # old-policy and reference passes over 4 rows in chunks of 2, then the loss pass over 2;
+    # packed, each chunk's budget (2 · L tokens) holds 2 rows: as many calls, fewer tokens
+    pad, packed = logs[False, "calls"], logs[True, "calls"]
+    assert len(pad) == len(packed) == 5
+    assert all(s[0] == 2 for s in pad) and all(s[0] == 1 for s in packed)
+    assert sum(s[1] for s in packed) < sum(2 * s[1] for s in pad)
+    assert len(logs[False]) == len(logs[True]) == 1 and logs[False][0]["loss"] != 0
+    s, o = logs[False][0], logs[True][0]
+    assert o.keys() == s.keys()
+    for k in s.keys() - {"step_time"}:
+        assert o[k] == pytest.approx(s[k], rel=1e-4, abs=2e-5), (k, o[k], s[k])
+
+
+# ---------------------------------------------------------------- attention implementations
+
+
+def _varlen_reference_attention(module, query, key, value, attention_mask, scaling=None,
+                                dropout=0.0, **kwargs):
+    """What flash_attn_varlen_func computes, in plain sdpa: causal attention inside each
+    [cu[i], cu[i+1]) segment of the packed sequence. Records the boundaries it was given."""
+    assert attention_mask is None and query.shape[0] == 1
+    cu = kwargs["cu_seq_lens_q"].tolist()
+    _varlen_reference_attention.seen.append(cu)
+    rep = query.shape[1] // key.shape[1]  # grouped-query attention
+    key, value = key.repeat_interleave(rep, 1), value.repeat_interleave(rep, 1)
+    out = torch.cat([
+        F.scaled_dot_product_attention(
+            query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], is_causal=True, scale=scaling)
+        for s, e in zip(cu[:-1], cu[1:], strict=True)
+    ], dim=2)  # (1, heads, T, D)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def test_varlen_kwargs_reach_attention(tok, tmp_path, monkeypatch):
+    # A stand-in for flash_attention_2 (not installable on CPU): registered with transformers'
+    # flash mask function, so "auto" packs it as "varlen" and passes cu_seq_lens explicitly.
+    name = "grpo_lce_test_varlen"
+    monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS._global_mapping, name, _varlen_reference_attention)
+    monkeypatch.setitem(ALL_MASK_ATTENTION_FUNCTIONS._global_mapping, name, flash_attention_mask)
+    monkeypatch.setattr(_varlen_reference_attention, "seen", [], raising=False)
+    tr = _trainer(tok, tmp_path, packing="auto")
+    ids, mask = _ragged(tok)
+    config = unwrap_causal_lm(tr.model).config
+    lp_pad, _, _ = tr._get_per_token_logps_and_entropies(tr.model, ids, mask, C)  # sdpa: padded
+    config._attn_implementation = name  # set_attn_implementation would look for a hub kernel
+    assert choose_packing(tr.model, "auto") == ("varlen", None)
+    lp_pack, _, _ = tr._get_per_token_logps_and_entropies(tr.model, ids, mask, C)
+    lens = [mask[b].sum().item() for b in range(B) if COMPLETION_LENS[b] > 0]
+    boundaries = torch.tensor([0, *lens]).cumsum(0).tolist()
+    assert _varlen_reference_attention.seen == [boundaries] * config.num_hidden_layers
+    _assert_close(lp_pack, lp_pad, atol=LOGP_ATOL, what="logp varlen")
+
+
+def test_flex_attention_packs_under_auto(tok, tmp_path):
+    # FlexAttention runs on CPU without grad only (torch 2.13): the reference / old-policy pass.
+    tr = _trainer(tok, tmp_path, packing="auto")
+    ids, mask = _ragged(tok)
+    with torch.no_grad():
+        lp_pad, _, _ = tr._get_per_token_logps_and_entropies(tr.model, ids, mask, C)
+        unwrap_causal_lm(tr.model).set_attn_implementation("flex_attention")
+        assert choose_packing(tr.model, "auto") == ("block", None)
+        with _BackboneCalls(tr.model) as calls:
+            lp_pack, _, _ = tr._get_per_token_logps_and_entropies(tr.model, ids, mask, C)
+    assert calls.shapes == [(1, N_PACKED)]
+    _assert_close(lp_pack, lp_pad, atol=LOGP_ATOL, what="logp flex")
+
+
+def test_dense_mask_attention_falls_back_to_padded_once(tok, tmp_path, caplog):
+    tr = _trainer(tok, tmp_path, packing="auto")
+    assert unwrap_causal_lm(tr.model).config._attn_implementation == "sdpa"
+    ids, mask = _ragged(tok)
+    with torch.no_grad():
+        with caplog.at_level(logging.WARNING, logger="trainers.grpo"), \
+                _BackboneCalls(tr.model) as calls:
+            lp_auto, _, _ = tr._get_per_token_logps_and_entropies(tr.model, ids, mask, C)
+            tr._get_per_token_logps_and_entropies(tr.model, ids, mask, C)
+        tr.packing = False
+        lp_off, _, _ = tr._get_per_token_logps_and_entropies(tr.model, ids, mask, C)
+    assert calls.shapes == [(B, P + C)] * 2  # padded, twice
+    assert torch.equal(lp_auto, lp_off)
+    msgs = [r.getMessage() for r in caplog.records if "packing" in r.getMessage()]
+    assert len(msgs) == 1 and "sdpa" in msgs[0] and "dense" in msgs[0], msgs
+
+
+def test_unpackable_batch_and_options(tok, tmp_path, caplog):
+    tr = _trainer(tok, tmp_path, packing=True)
+    ids, mask = _ragged(tok)
+    holes = mask.clone()
+    holes[0, P + 3] = 0
+    with torch.no_grad(), caplog.at_level(logging.WARNING, logger="trainers.grpo"):
+        lp_forced, _, _ = tr._get_per_token_logps_and_entropies(tr.model, ids, holes, C)
+        tr.packing = False
+        lp_off, _, _ = tr._get_per_token_logps_and_entropies(tr.model, ids, holes, C)
+    assert torch.equal(lp_forced, lp_off)  # fell back to the padded path
+    msgs = [r.getMessage() for r in caplog.records]
+    assert any("forced" in m for m in msgs) and any("contiguous" in m for m in msgs)
+    with pytest.raises(ValueError, match="packing must be True, False or 'auto', got 'yes'"):
+        GRPOTrainer(model=_model(tok), args=_config(tmp_path), packing="yes")
+    with pytest.raises(ValueError, match="max_packed_tokens .* got 0"):
+        GRPOTrainer(model=_model(tok), args=_config(tmp_path), max_packed_tokens=0)
+
+
+def test_packing_blockers(tok):
+    # Models that must never be packed, whatever the option: a prompt-learning adapter (its
+    # virtual tokens would be prepended once per pack, not per row), non-attention layers (their
+    # state would flow across rows), an attention function transformers cannot mask per row.
+    model = build_tiny_llama(tok, hidden_size=32, num_layers=1)
+    model.set_attn_implementation("flex_attention")
+    assert choose_packing(model, True) == ("block", None)
+    assert choose_packing(model, False) == (None, None)
+    prompt = get_peft_model(copy.deepcopy(model),
+                            PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=2))
+    kind, msg = choose_packing(prompt, True)
+    assert kind is None and "prompt-learning" in msg
+    model.config.layer_types = ["full_attention", "linear_attention"]
+    kind, msg = choose_packing(model, True)
+    assert kind is None and "linear_attention" in msg
+    model.config.layer_types = None
+    model.config._attn_implementation = "my_custom_attention"
+    kind, msg = choose_packing(model, True)
+    assert kind is None and "my_custom_attention" in msg

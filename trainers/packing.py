@@ -1,0 +1,279 @@
+"""Padding-free log-prob passes: the valid tokens of ragged GRPO rows packed into one sequence.
+
+TRL hands every log-prob pass (policy, old policy, reference) a prompt + completion batch
+
+    ids (B, L), mask (B, L)      L = P + K; row b holds n_b valid tokens in one contiguous run
+                                 [f_b, f_b + n_b): prompt left-padded, completion right-padded
+
+and scores the K completion columns: token (b, j), j ∈ [L − K, f_b + n_b), by the hidden state
+at (b, j − 1). Padded, the backbone runs on B·L positions of which only Σ_b n_b are real (56 %
+in the end-to-end benchmark's batches). Packed, the rows of a pack go one after another into a
+single sequence of T = Σ_b n_b tokens:
+
+    pack index     t = o_b + i         o_b = Σ_{b' before b} n_b',  i ∈ [0, n_b)
+    source         ids_flat[b·L + f_b + i]
+    position_ids   i                   (restarts at 0 for every row)
+    cu_seqlens     [o_0, o_1, …, T]    (int32, flash attention's varlen boundaries)
+
+and the scored tokens, in pack coordinates:
+
+    hidden index   t − 1 = o_b + (j − f_b) − 1      (≥ o_b: the prompt holds ≥ 1 token)
+    target         ids[b, j]
+    output index   b·K + j − (L − K)                into the flat (B·K) result
+
+so the head sees only (N, H) rows, N = Σ_b (completion tokens of b), and `unpack` scatters the
+(N,) log-probs / entropies back to TRL's (B, K) with 0 elsewhere: TRL's loss code is unchanged.
+Rows with no completion token (e.g. truncated ones under `mask_truncated_completions`) are left
+out of the packs: padded, they only ever produce zeros.
+
+How rows stay apart. With `position_ids` given and no `attention_mask` and no cache,
+transformers 5.x finds the restarts (`masking_utils.find_packed_sequence_indices`) and
+restricts attention to each row. What that costs depends on the attention implementation
+(the mask function transformers registers for `config._attn_implementation`):
+
+    "varlen"  flash_attention_2/3/4 and hub flash kernels: flash_attn_varlen_func over
+              cu_seqlens, no mask at all. `cu_seq_lens_q/k`, `max_length_q/k` are passed
+              explicitly, so transformers skips its per-layer scan of position_ids.
+    "block"   flex_attention: a BlockMask, O((T/128)²) block indices; fully masked blocks
+              between rows are skipped.
+    "dense"   sdpa, eager: a dense (1, 1, T, T) mask. Correct, but T² mask bytes and T²
+              attention work instead of B·L², i.e. more, not less, once T > L·√B.
+
+so `packing="auto"` packs for "varlen" and "block" only; `packing=True` also packs under a
+"dense" implementation (with a warning), which is how the CPU tests check correctness.
+
+Positions. Packed rows start at position 0, as generation saw them (transformers derives
+positions from the attention mask, vLLM never pads); TRL's padded forward numbers a left-padded
+row from its pad count. With RoPE only relative positions enter attention, so both give the
+same log-probs up to the rounding of the rotation angles (~1e-6 in fp32 for the tiny test
+models); with learned absolute positions the packed pass is the one that matches generation.
+
+Memory. Each pack holds at most `max_tokens` tokens; the trainer's default is TRL's chunk,
+`batch_size · L`, so a pack is never larger than the padded chunk it replaces (and Σ n_b ≤ B·L
+means one pack per padded chunk at most). A row longer than `max_tokens` gets a pack of its own.
+
+Benchmark (packed vs padded, same trainer and batch; e.g. a Llama-3.2-1B shape, B=8, L=1024 /
+4096, the e2e benchmark's ragged fill). The model needs a packing attention: load it with
+attn_implementation="flash_attention_2" (flash-attn installed) or switch a loaded one with
+`model.set_attn_implementation("flex_attention")` (compiled on first use per shape: warm up).
+
+    ids, mask = synthetic_ragged_batch(8, 64, 1024, vocab, device="cuda")
+    for packing in (False, "auto"):
+        tr.packing = packing                       # tr: a trainers.GRPOTrainer
+        with torch.no_grad():                      # reference / old-policy pass
+            tr._get_per_token_logps_and_entropies(tr.model, ids, mask, 1024, batch_size=8)
+        logp, ent, _ = tr._get_per_token_logps_and_entropies(       # policy pass, fwd + bwd
+            tr.model, ids, mask, 1024, batch_size=8, compute_entropy=True)
+        (logp * mask[:, -1024:]).sum().backward()
+
+Time each (median ms of CUDA-synchronised repeats) and record the peak extra memory; also
+time `compute_loss` + backward on TRL's inputs dict. Report the real-token fraction Σ n_b / B·L
+next to the speed-up: packing should win by roughly that ratio in the backbone and not at all in
+the head (which already skips padding).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from accelerate.utils import extract_model_from_parallel
+from transformers.masking_utils import (
+    ALL_MASK_ATTENTION_FUNCTIONS,
+    eager_mask,
+    flash_attention_mask,
+    flex_attention_mask,
+    sdpa_mask,
+)
+
+from trainers.head import PeftModel, unwrap_causal_lm
+
+# Layer kinds that only attend: packing relies on attention being the one place where tokens
+# of different rows meet. Recurrent or convolutional layers (Mamba, linear attention) carry
+# state across the row boundary, so models with them are never packed.
+_ATTENTION_LAYER_TYPES = {"full_attention", "sliding_attention"}
+
+
+@dataclass
+class Pack:
+    """One forward call: R rows packed into T tokens (see the module docstring)."""
+
+    input_ids: torch.Tensor  # (1, T)
+    position_ids: torch.Tensor  # (1, T)  i, restarting at 0 per row
+    cu_seqlens: torch.Tensor  # (R + 1,) int32  row boundaries o_b, then T
+    max_seqlen: int  # max_b n_b
+    hidden_index: torch.Tensor  # (N_p,) the positions t − 1 whose hidden states score a token
+
+    def model_inputs(self, kind: str | None) -> dict:
+        """Keyword arguments of the model call: no attention_mask (rows are told apart by
+        position_ids), plus the varlen boundaries when `kind` is "varlen" (flash attention)."""
+        inputs = {"input_ids": self.input_ids, "position_ids": self.position_ids}
+        if kind == "varlen":
+            inputs.update(
+                cu_seq_lens_q=self.cu_seqlens, cu_seq_lens_k=self.cu_seqlens,
+                max_length_q=self.max_seqlen, max_length_k=self.max_seqlen,
+            )
+        return inputs
+
+
+@dataclass
+class PackPlan:
+    """The packs of one (B, L) batch and where their N scored tokens go in (B, K)."""
+
+    packs: list[Pack]
+    targets: torch.Tensor  # (N,) ids[b, j] of every scored token, packs in order
+    out_index: torch.Tensor  # (N,) b·K + j − (L − K)
+    B: int
+    K: int
+
+
+def plan_packs(
+    input_ids: torch.Tensor, attention_mask: torch.Tensor, K: int, *, max_tokens: int
+) -> PackPlan | None:
+    """Pack the rows of `input_ids` (B, L) greedily, in order, into packs of ≤ `max_tokens`
+    tokens, scoring the last K columns. None when some row's valid tokens are not one contiguous
+    run with at least one prompt token before column L − K (only the padded path is exact then).
+
+    One host read (the (3, B) row spans); the index maps are built on the CPU from it and
+    copied to the device, a few (T,) int64 tensors per pack.
+    """
+    B, L = input_ids.shape
+    mask = attention_mask.bool()
+    first = mask.int().argmax(-1)  # (B,) f_b (argmax returns the first maximum)
+    n = mask.sum(-1)  # (B,) n_b
+    last = L - 1 - mask.flip(-1).int().argmax(-1)  # (B,) f_b + n_b − 1 when n_b > 0
+    first, n, last = torch.stack([first, n, last]).tolist()  # the one host sync
+
+    rows = []
+    for b in range(B):
+        if n[b] == 0 or last[b] < L - K:
+            continue  # no completion token: all zeros, padded or not
+        if last[b] - first[b] + 1 != n[b] or first[b] >= L - K:
+            return None  # holes in the mask, or an empty prompt (j − 1 would be padding)
+        rows.append(b)
+
+    groups, current, tokens = [], [], 0
+    for b in rows:
+        if current and tokens + n[b] > max_tokens:
+            groups.append(current)
+            current, tokens = [], 0
+        current.append(b)
+        tokens += n[b]
+    if current:
+        groups.append(current)
+
+    device = input_ids.device
+    ids_flat = input_ids.reshape(-1)
+    first_t, n_t = torch.tensor(first), torch.tensor(n)
+    packs, targets, out_index = [], [], []
+    for group in groups:
+        r = torch.tensor(group)  # (R,) batch rows in this pack
+        n_r = n_t[r]  # (R,)
+        cu = torch.zeros(len(group) + 1, dtype=torch.long)
+        cu[1:] = n_r.cumsum(0)  # (R + 1,) o_b, then T
+        T = int(cu[-1])
+        row_of = torch.repeat_interleave(torch.arange(len(group)), n_r)  # (T,) which row
+        i = torch.arange(T) - cu[:-1][row_of]  # (T,) position within its row
+        col = first_t[r][row_of] + i  # (T,) column j in the padded batch
+        src = r[row_of] * L + col  # (T,) flat index into ids
+        scored = col >= L - K  # (T,) completion tokens; i ≥ 1 for all of them
+        pos_scored = scored.nonzero().squeeze(1)  # (N_p,) t
+        packs.append(Pack(
+            input_ids=ids_flat[src.to(device)].unsqueeze(0),
+            position_ids=i.unsqueeze(0).to(device),
+            cu_seqlens=cu.to(device=device, dtype=torch.int32),
+            max_seqlen=int(n_r.max()),
+            hidden_index=(pos_scored - 1).to(device),
+        ))
+        targets.append(src[scored])
+        out_index.append(r[row_of[scored]] * K + col[scored] - (L - K))
+    if not packs:
+        return PackPlan([], input_ids.new_zeros(0), input_ids.new_zeros(0), B, K)
+    targets = ids_flat[torch.cat(targets).to(device)]  # (N,)
+    return PackPlan(packs, targets, torch.cat(out_index).to(device), B, K)
+
+
+def unpack(values: torch.Tensor, plan: PackPlan) -> torch.Tensor:
+    """(N,) per scored token -> (B, K), 0 at every other position; differentiable in `values`."""
+    out = values.new_zeros(plan.B * plan.K)  # (B·K,)
+    return out.index_copy(0, plan.out_index, values).view(plan.B, plan.K)
+
+
+# --------------------------------------------------------------------------- which models pack
+
+
+def attention_packing_kind(model: torch.nn.Module) -> str | None:
+    """"varlen" (flash), "block" (flex), "dense" (sdpa / eager) or None (an implementation
+    without transformers' packed-sequence handling: packed rows would see each other)."""
+    impl = unwrap_causal_lm(model).config._attn_implementation
+    # Hub kernels register the mask function of the implementation they stand in for, so the
+    # mask function, not the name, says how a packed sequence will be masked.
+    if impl is None or impl not in ALL_MASK_ATTENTION_FUNCTIONS:
+        return None
+    mask_fn = ALL_MASK_ATTENTION_FUNCTIONS[impl]
+    if mask_fn is flash_attention_mask:
+        return "varlen"
+    if mask_fn is flex_attention_mask:
+        return "block"
+    if mask_fn in (sdpa_mask, eager_mask):
+        return "dense"
+    return None
+
+
+def packing_blocker(model: torch.nn.Module) -> str | None:
+    """Why packing would not be exact for `model` whatever the option says, or None."""
+    peft = extract_model_from_parallel(model, keep_torch_compile=False)
+    if PeftModel and isinstance(peft, PeftModel) and peft.active_peft_config.is_prompt_learning:
+        return "a prompt-learning PEFT adapter (virtual tokens or a prefix cache per row)"
+    config = unwrap_causal_lm(model).config
+    impl = config._attn_implementation
+    if config.get_text_config() is not config:
+        return f"a composite model ({type(config).__name__}): packing is checked for text LMs only"
+    layer_types = set(getattr(config, "layer_types", None) or ())
+    if layer_types - _ATTENTION_LAYER_TYPES:
+        kinds = sorted(layer_types - _ATTENTION_LAYER_TYPES)
+        return f"non-attention layers ({', '.join(kinds)}) would carry state across packed rows"
+    if attention_packing_kind(model) is None:
+        return f"attn_implementation={impl!r} has no packed-sequence masking in transformers"
+    return None
+
+
+def choose_packing(model: torch.nn.Module, packing: bool | str) -> tuple[str | None, str | None]:
+    """(kind to pack with, or None for padded forwards; a warning to log once, or None) for the
+    trainer option `packing` in {"auto", True, False} (module docstring: which kinds pack)."""
+    if packing is False:
+        return None, None
+    reason = packing_blocker(model)
+    kind = attention_packing_kind(model) if reason is None else None
+    impl = unwrap_causal_lm(model).config._attn_implementation
+    if kind == "dense" and packing == "auto":
+        reason = (
+            f"attn_implementation={impl!r} keeps packed rows apart only with a dense (T, T) "
+            "mask; load the model with attn_implementation='flash_attention_2' or "
+            "'flex_attention', or pass packing=True to pack anyway"
+        )
+    if reason is not None:
+        return None, f"grpo_lce packing off ({reason}); using padded forwards."
+    if kind == "dense":
+        return kind, (
+            f"grpo_lce packing forced under attn_implementation={impl!r}: transformers builds a "
+            "dense (T, T) mask for the packed sequence (exact, but not leaner than padding)."
+        )
+    return kind, None
+
+
+def synthetic_ragged_batch(
+    B: int, P: int, K: int, vocab: int, *, device="cpu", seed: int = 0, pad_id: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """ids, mask (B, P + K) shaped like TRL's: prompts of P − ⌊P·b/2B⌋ tokens left-padded to P,
+    completions of ⌈K·(b+1)/B⌉ tokens right-padded to K (b = 0…B−1, each shuffled): mean
+    completion fill (B + 1)/2B, 56 % at B = 8, as in the end-to-end benchmark's batches."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, vocab, (B, P + K), generator=g)  # 0, 1, 2: pad / bos / eos
+    c_len = torch.tensor([-(-K * (b + 1) // B) for b in range(B)])
+    c_len = c_len[torch.randperm(B, generator=g)]
+    p_len = (P - P * torch.arange(B) // (2 * B))[torch.randperm(B, generator=g)]
+    col = torch.arange(P + K)
+    mask = ((col[None] >= P - p_len[:, None]) & (col[None] < P + c_len[:, None])).long()
+    ids[mask == 0] = pad_id
+    return ids.to(device), mask.to(device)
