@@ -44,6 +44,7 @@ import torch
 from accelerate.utils import extract_model_from_parallel
 
 from grpo_lce import linear_cross_entropy, linear_logprobs
+from trainers.sharded import full_head_params
 
 try:  # PEFT is optional for the trainers: plain full fine-tuning does not need it
     from peft import PeftModel
@@ -82,9 +83,12 @@ def backbone(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def lm_head_params(model: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(weight (V, H), bias (V,) or None) of the base model's output embeddings (tied or not)."""
-    head = unwrap_causal_lm(model).get_output_embeddings()
-    return head.weight, getattr(head, "bias", None)
+    """(weight (V, H), bias (V,) or None) of the base model's output embeddings (tied or not),
+    as full plain tensors: gathered when FSDP2 (DTensor) or ZeRO-3 shards them, see
+    `trainers.sharded`. Call it once per loss: each call under those backends is an all-gather."""
+    lm = unwrap_causal_lm(model)
+    head = lm.get_output_embeddings()
+    return full_head_params(head.weight, getattr(head, "bias", None), model=lm)
 
 
 def check_fused_head(model: torch.nn.Module) -> None:
@@ -116,29 +120,54 @@ def check_fused_head(model: torch.nn.Module) -> None:
             "the fused head needs a float weight. Keep the head unquantized, e.g. "
             "BitsAndBytesConfig(llm_int8_skip_modules=['lm_head']) (transformers' default)."
         )
-    if weight.dim() != 2:
+    # a ZeRO-3 partitioned weight is numel 0 outside its forward; ds_shape is its real shape
+    shape = tuple(getattr(weight, "ds_shape", weight.shape))
+    if len(shape) != 2:
         raise ValueError(
-            f"the LM head weight of {name} has shape {tuple(weight.shape)}, expected (V, H); "
-            "sharded parameters (DeepSpeed ZeRO-3, FSDP) are not supported"
+            f"the LM head weight of {name} has shape {shape}, expected (V, H); FSDP1 flat "
+            "parameters are not supported (use FSDP2)"
         )
     backbone(model)
 
 
 def check_parallelism(trainer) -> None:
-    """Refuse sharded-parameter backends: outside the forward, `lm_head.weight` is a shard."""
+    """Refuse the sharded-parameter setups whose LM head cannot be gathered for the fused head.
+
+    Supported: DDP, DeepSpeed ZeRO-1/2, FSDP2 (`fsdp_version: 2`, the head is a DTensor,
+    gathered differentiably) and ZeRO-3 with a frozen head (gathered and copied); see
+    `trainers.sharded`. Refused: FSDP1 (flat parameters: `lm_head.weight` outside the forward is
+    a view into a flat shard), FSDP2 with CPU offload (the shard lives on the CPU, the all-gather
+    would run on the GPU process group), and ZeRO-3 with a trainable head.
+    """
     name = type(trainer).__name__
     if getattr(trainer, "is_fsdp_enabled", False):
-        raise ValueError(
-            f"trainers.{name} does not support FSDP: the LM head weight is read outside the "
-            f"module's forward, where FSDP holds only a shard. Use DDP, or trl.{name}."
-        )
+        plugin = trainer.accelerator.state.fsdp_plugin
+        version = getattr(plugin, "fsdp_version", 1)
+        if version != 2:
+            raise ValueError(
+                f"trainers.{name} does not support FSDP1 (fsdp_version={version}): its flat "
+                "parameters leave only a shard of the LM head weight outside the module's forward. "
+                f"Use FSDP2 (fsdp_config={{'fsdp_version': 2}}, or `fsdp_version: 2` in the "
+                f"accelerate config), DDP, or trl.{name}."
+            )
+        if type(getattr(plugin, "cpu_offload", None)).__name__ == "CPUOffloadPolicy":
+            raise ValueError(
+                f"trainers.{name} does not support FSDP2 with cpu_offload (fsdp_offload_params): "
+                "the LM head shard lives on the CPU, where the fused head cannot gather it. Turn "
+                f"offloading off, or use trl.{name}."
+            )
     if getattr(trainer, "is_deepspeed_enabled", False):
         plugin = trainer.accelerator.state.deepspeed_plugin
         if plugin is not None and plugin.zero_stage == 3:
-            raise ValueError(
-                f"trainers.{name} does not support DeepSpeed ZeRO-3: the LM head weight is "
-                f"partitioned outside the module's forward. Use ZeRO-1/2 or DDP, or trl.{name}."
-            )
+            # the reference model only runs under no_grad: its head may stay "trainable"
+            head = unwrap_causal_lm(trainer.model).get_output_embeddings()
+            params = (head.weight, getattr(head, "bias", None))
+            if any(p is not None and p.requires_grad for p in params):
+                raise ValueError(
+                    f"trainers.{name} supports DeepSpeed ZeRO-3 only with a frozen LM head "
+                    "(LoRA / QLoRA): a trainable head's gradient would bypass ZeRO-3's "
+                    f"partitioned reduction. Use ZeRO-2, FSDP2, or trl.{name}."
+                )
 
 
 def fused_head_unsupported_reason(model: torch.nn.Module) -> str | None:

@@ -1,0 +1,271 @@
+"""Multi-process half of tests/test_ddp.py: P CPU processes (gloo) run the trainers' loss.
+
+    python tests/_ddp_worker.py --out DIR --port PORT [--nprocs 2] [--scenarios ddp,fsdp2]
+
+Reads DIR/inputs.pt (the global batches, written by the test), spawns P processes with
+`torch.multiprocessing.spawn`, and each rank r writes DIR/rank{r}.pt: per scenario its loss,
+gradients and metrics on its slice of the global batch. The builders here (`tiny_model`,
+`grpo_trainer`, `sft_trainer`) are shared with the single-process reference in the test, so
+both sides start from bit-identical weights.
+
+Scenarios:
+  ddp    trainers.GRPOTrainer (loss_type dapo and grpo, LoRA) and trainers.SFTTrainer (LoRA)
+         under accelerate's DistributedDataParallel wrapper; per loss, the rank-local gradient
+         (inside `no_sync()`) and the all-reduced one.
+  fsdp2  trainers.GRPOTrainer (dapo) under `fully_shard` laid out as accelerate 1.15 does it
+         (one group per decoder layer, a [norm, embed, lm_head] tail group that is not
+         resharded after forward, then the root): full fine-tuning with a tied, trainable head
+         (the head is a DTensor gathered by trainers.sharded), and LoRA.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import sys
+import warnings
+
+import torch
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+B, P, C = 4, 6, 9  # global completions, prompt length, completion length
+LOSS_TYPES = ("dapo", "grpo")  # the two whose DDP average equals the global-batch loss exactly
+
+
+def tiny_model(tok, *, peft: bool, tied: bool = True):
+    """Tiny fp32 Llama (as tests/test_trainers_grpo.py), with random LoRA B matrices."""
+    from peft import LoraConfig, get_peft_model
+
+    from trainers.tiny import build_tiny_llama
+
+    model = build_tiny_llama(tok, hidden_size=64, num_layers=2, tie_word_embeddings=tied, seed=0)
+    if not peft:
+        return model
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(1)
+        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.data.normal_(0.0, 0.05)
+    return model
+
+
+def _reward(completions, **kwargs):
+    return [float(len(c)) for c in completions]
+
+
+def grpo_trainer(tok, model, out_dir, world: int, **config):
+    import trl
+    from datasets import Dataset
+
+    from trainers import GRPOTrainer
+
+    args = trl.GRPOConfig(
+        output_dir=out_dir, report_to="none", use_cpu=True, bf16=False,
+        per_device_train_batch_size=B // world, num_generations=B, max_completion_length=C,
+        save_strategy="no", seed=0, **config,
+    )
+    data = Dataset.from_dict({"prompt": ["1+1=", "2*3=", "abc", "xy z"] * 2})
+    tr = GRPOTrainer(model=model, reward_funcs=_reward, args=args, train_dataset=data,
+                     processing_class=tok)
+    tr.model.train()
+    tr.current_gradient_accumulation_steps = 1  # set by the training loop otherwise
+    return tr
+
+
+def sft_trainer(tok, model, out_dir, world: int):
+    import trl
+    from datasets import Dataset
+
+    from trainers import SFTTrainer
+
+    args = trl.SFTConfig(
+        output_dir=out_dir, report_to="none", use_cpu=True, bf16=False,
+        per_device_train_batch_size=B // world, save_strategy="no", seed=0,
+    )
+    tr = SFTTrainer(model=model, args=args, processing_class=tok,
+                    train_dataset=Dataset.from_dict({"text": ["abc", "hello world"] * 4}))
+    tr.model.train()
+    tr.current_gradient_accumulation_steps = 1
+    return tr
+
+
+def grpo_batch(tok, logp_model_trainer):
+    """The global GRPO batch (B rows) as `_generate_and_score_completions` hands it over:
+    ragged left-padded prompts and right-padded completions, old log-probs off-policy (current
+    ones plus noise, so the clipped branch is exercised) and the global token count."""
+    g = torch.Generator().manual_seed(123)
+    ids = torch.randint(8, len(tok), (B, P + C), generator=g)
+    mask = torch.ones(B, P + C, dtype=torch.long)
+    mask[0, :2] = 0
+    mask[1, -4:] = 0
+    mask[2, -1:] = 0
+    mask[3, :1] = 0
+    ids[mask == 0] = tok.pad_token_id
+    tr = logp_model_trainer
+    with torch.no_grad():
+        logps, _, _ = tr._get_per_token_logps_and_entropies(tr.model, ids, mask, C)
+    return {
+        "prompt_ids": ids[:, :P], "prompt_mask": mask[:, :P],
+        "completion_ids": ids[:, P:], "completion_mask": mask[:, P:],
+        "advantages": torch.randn(B, generator=g),
+        "old_per_token_logps": logps + 0.3 * torch.randn(B, C, generator=g),
+        "num_items_in_batch": mask[:, P:].sum(),  # global: TRL gathers it over processes
+    }
+
+
+def sft_batch(tok):
+    """A collated global SFT batch: right padding, prompt tokens masked to −100 (ragged)."""
+    g = torch.Generator().manual_seed(5)
+    L = 14
+    ids = torch.randint(8, len(tok), (B, L), generator=g)
+    mask = torch.ones(B, L, dtype=torch.long)
+    for row, n in enumerate((14, 9, 12, 5)):
+        mask[row, n:] = 0
+    ids[mask == 0] = tok.pad_token_id
+    labels = ids.masked_fill(mask == 0, -100)
+    for row, n in enumerate((3, 1, 6, 2)):  # prompt lengths
+        labels[row, :n] = -100
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+def rank_slice(batch: dict, rank: int, world: int) -> dict:
+    """Rank r's rows of the global batch; global scalars (num_items_in_batch) are kept."""
+    n = B // world
+    return {k: v[rank * n:(rank + 1) * n] if v.dim() > 0 else v for k, v in batch.items()}
+
+
+def grads_of(model) -> dict[str, torch.Tensor]:
+    out = {}
+    for name, p in model.named_parameters():
+        if p.grad is not None:
+            g = p.grad
+            g = g.full_tensor() if hasattr(g, "full_tensor") else g
+            out[name] = g.detach().clone()
+    return out
+
+
+def grpo_step(tr, model, inputs) -> tuple[torch.Tensor, dict]:
+    model.zero_grad(set_to_none=True)
+    loss = tr.compute_loss(model, dict(inputs))
+    loss.backward()
+    return loss.detach(), grads_of(model)
+
+
+def sft_step(tr, model, inputs, num_items) -> tuple[torch.Tensor, dict]:
+    model.zero_grad(set_to_none=True)
+    loss = tr.compute_loss(model, dict(inputs), num_items_in_batch=num_items)
+    loss.backward()
+    return loss.detach(), grads_of(model)
+
+
+def _clean_names(grads: dict) -> dict:
+    """Parameter names without DDP's `module.` prefix, as in the single-process model."""
+    return {n.removeprefix("module."): g for n, g in grads.items()}
+
+
+def _ddp(rank, world, tok, batches, out_dir):
+    res = {}
+    tr = grpo_trainer(tok, tiny_model(tok, peft=True), out_dir, world)
+    ddp = tr.accelerator.prepare_model(tr.model)
+    assert isinstance(ddp, torch.nn.parallel.DistributedDataParallel), type(ddp)
+    inputs = rank_slice(batches["grpo"], rank, world)
+    for loss_type in LOSS_TYPES:
+        tr.loss_type = loss_type
+        tr._metrics["train"].clear()
+        with ddp.no_sync():  # rank-local gradient, no all-reduce
+            _, local = grpo_step(tr, ddp, inputs)
+        loss, synced = grpo_step(tr, ddp, inputs)
+        res[f"grpo_{loss_type}"] = {
+            "loss": loss, "local": _clean_names(local), "synced": _clean_names(synced),
+            "entropy": tr._metrics["train"]["entropy"][-1],
+        }
+    sft = sft_trainer(tok, tiny_model(tok, peft=True), out_dir, world)
+    ddp = sft.accelerator.prepare_model(sft.model)
+    inputs = rank_slice(batches["sft"], rank, world)
+    num_items = batches["sft_num_items"]
+    with ddp.no_sync():
+        _, local = sft_step(sft, ddp, inputs, num_items)
+    loss, synced = sft_step(sft, ddp, inputs, num_items)
+    res["sft"] = {"loss": loss, "local": _clean_names(local), "synced": _clean_names(synced)}
+    return res
+
+
+def fully_shard_like_accelerate(model):
+    """`fully_shard` the way accelerate 1.15's fsdp2_prepare_model lays a Llama out."""
+    from torch.distributed.fsdp import fully_shard
+
+    from trainers.head import unwrap_causal_lm
+
+    lm = unwrap_causal_lm(model)
+    for layer in lm.model.layers:
+        fully_shard(layer, reshard_after_forward=True)
+    embed, head = lm.get_input_embeddings(), lm.get_output_embeddings()
+    tail = [lm.model.norm, embed, head] if embed.weight is head.weight else [lm.model.norm, head]
+    if embed.weight is not head.weight:
+        fully_shard(embed, reshard_after_forward=True)
+    fully_shard(tail, reshard_after_forward=False)
+    fully_shard(model)
+    return model
+
+
+def _fsdp2(rank, world, tok, batches, out_dir):
+    from torch.distributed.tensor import DTensor
+
+    from trainers.head import lm_head_params, unwrap_causal_lm
+
+    res = {}
+    inputs = rank_slice(batches["grpo"], rank, world)
+    for peft in (False, True):
+        tr = grpo_trainer(tok, tiny_model(tok, peft=peft), out_dir, world, loss_type="dapo")
+        fully_shard_like_accelerate(tr.model)
+        head_w = unwrap_causal_lm(tr.model).get_output_embeddings().weight
+        assert isinstance(head_w, DTensor), type(head_w)
+        w, _ = lm_head_params(tr.model)
+        assert not isinstance(w, DTensor) and w.shape == head_w.shape
+        loss, grads = grpo_step(tr, tr.model, inputs)
+        res[f"fsdp2_{'lora' if peft else 'full'}"] = {"loss": loss, "synced": grads}
+    return res
+
+
+def _run(rank, world, port, out_dir, scenarios):
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
+    )
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
+    from trainers.tiny import build_tokenizer
+
+    tok = build_tokenizer()
+    batches = torch.load(os.path.join(out_dir, "inputs.pt"), weights_only=False)
+    res = {}
+    if "ddp" in scenarios:
+        res.update(_ddp(rank, world, tok, batches, out_dir))
+    if "fsdp2" in scenarios:
+        res.update(_fsdp2(rank, world, tok, batches, out_dir))
+    torch.save(res, os.path.join(out_dir, f"rank{rank}.pt"))
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", required=True, help="directory with inputs.pt; rank files go here")
+    ap.add_argument("--port", type=int, required=True, help="free TCP port for the rendezvous")
+    ap.add_argument("--nprocs", type=int, default=2, help="number of processes")
+    ap.add_argument("--scenarios", default="ddp,fsdp2", help="comma-separated: ddp, fsdp2")
+    args = ap.parse_args(argv)
+    torch.multiprocessing.spawn(
+        _run, args=(args.nprocs, args.port, args.out, args.scenarios.split(",")),
+        nprocs=args.nprocs,
+    )
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, REPO)
+    main()

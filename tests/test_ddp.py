@@ -1,0 +1,193 @@
+"""The trainers under data parallelism: 2 CPU processes (gloo) against 1 process, same global batch.
+
+Covers trainers.GRPOTrainer (loss_type dapo and grpo, LoRA) and trainers.SFTTrainer (LoRA,
+num_items_in_batch) under DDP, and trainers.GRPOTrainer under FSDP2 (`fully_shard`, laid out
+as accelerate does it) with a trainable tied head (the LM head is a DTensor that
+`trainers.sharded` gathers, its gradient reduce-scattered back) and with LoRA; plus the
+refusals in `check_parallelism`. One subprocess (tests/_ddp_worker.py) spawns both ranks and
+runs every scenario, so the ~10 s of imports and rendezvous are paid once.
+
+    python -m pytest tests/test_ddp.py -q
+
+Why the two runs must agree. Rank r gets rows [r·B/2, (r+1)·B/2) of the global batch and the
+global `num_items_in_batch` N (TRL gathers it over processes). DDP averages gradients over
+the P ranks. dapo: loss_r = Σ_{rows of r} ℓ / (N / P), so (1/P) Σ_r loss_r = Σ ℓ / N, the
+single-process loss, and likewise the averaged gradient. grpo: loss_r = mean over r's rows
+of the per-row mean, and with equal rows per rank the mean of means is the global mean. SFT:
+loss_r = Σ_r nll / N × P (`average_tokens_across_devices`), same argument. (bnpo and dr_grpo
+divide by per-rank quantities, so their DDP loss is by definition not the global-batch one.)
+
+Tolerances. fp32; the two sides run identical weights on different row groupings, so
+only summation order differs: rtol 1e-5 on losses, 1e-4 × max|grad| on gradients (as in
+tests/test_trainers_grpo.py). That DDP really all-reduced: the synced gradients are bitwise
+equal on both ranks, while each rank's local gradient (under `no_sync()`) is off the reference
+by more than 1e-2 × max|grad|, and the mean of the local ones equals the reference.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+import _ddp_worker as W  # noqa: E402
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LOSS_RTOL, GRAD_RTOL = 1e-5, 1e-4
+WORLD = 2
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _close(ours, ref, *, rtol, what):
+    ours, ref = torch.as_tensor(ours).double(), torch.as_tensor(ref).double()
+    err = (ours - ref).abs().max().item()
+    bound = rtol * ref.abs().max().item() + 1e-9
+    assert err <= bound, f"{what}: max err {err:.3e} > {bound:.3e}"
+
+
+def _assert_grads(got: dict, ref: dict, what: str):
+    assert got.keys() == ref.keys() and len(ref) > 0, (what, sorted(got)[:4], sorted(ref)[:4])
+    for n in ref:
+        _close(got[n], ref[n], rtol=GRAD_RTOL, what=f"{what} grad {n}")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """(single-process reference results, [rank 0 results, rank 1 results])."""
+    from trainers.tiny import build_tokenizer
+
+    tok = build_tokenizer()
+    out = tmp_path_factory.mktemp("ddp")
+    ref = {}
+    tr = W.grpo_trainer(tok, W.tiny_model(tok, peft=True), str(out / "ref"), 1)
+    batches = {"grpo": W.grpo_batch(tok, tr), "sft": W.sft_batch(tok)}
+    batches["sft_num_items"] = (batches["sft"]["labels"][:, 1:] != -100).sum()
+    torch.save(batches, out / "inputs.pt")
+
+    # start the ranks first: they run while the reference is computed here
+    env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
+           "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    cmd = [sys.executable, os.path.join(REPO, "tests", "_ddp_worker.py"), "--out", str(out),
+           "--port", str(_free_port()), "--nprocs", str(WORLD)]
+    t0 = time.time()
+    proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+
+    for loss_type in W.LOSS_TYPES:
+        tr.loss_type = loss_type
+        tr._metrics["train"].clear()
+        loss, grads = W.grpo_step(tr, tr.model, batches["grpo"])
+        ref[f"grpo_{loss_type}"] = {"loss": loss, "grads": grads,
+                                    "entropy": tr._metrics["train"]["entropy"][-1]}
+    sft = W.sft_trainer(tok, W.tiny_model(tok, peft=True), str(out / "ref"), 1)
+    loss, grads = W.sft_step(sft, sft.model, batches["sft"], batches["sft_num_items"])
+    ref["sft"] = {"loss": loss, "grads": grads}
+    for peft in (False, True):
+        tr_f = W.grpo_trainer(tok, W.tiny_model(tok, peft=peft), str(out / "ref"), 1,
+                              loss_type="dapo")
+        loss, grads = W.grpo_step(tr_f, tr_f.model, batches["grpo"])
+        ref[f"fsdp2_{'lora' if peft else 'full'}"] = {"loss": loss, "grads": grads}
+
+    try:
+        log, _ = proc.communicate(timeout=240)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        log, _ = proc.communicate()
+        pytest.fail(f"worker timed out:\n{log[-4000:]}")
+    assert proc.returncode == 0, f"worker failed (rc {proc.returncode}):\n{log[-6000:]}"
+    print(f"{WORLD}-process worker: {time.time() - t0:.1f} s")
+    ranks = [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+    return ref, ranks
+
+
+@pytest.mark.parametrize("case", ["grpo_dapo", "grpo_grpo", "sft"])
+def test_ddp_matches_single_process(runs, case):
+    ref, ranks = runs
+    r = ref[case]
+    # the DDP loss is the mean of the ranks' losses (what the logged loss averages to)
+    loss = torch.stack([rk[case]["loss"] for rk in ranks]).mean()
+    _close(loss, r["loss"], rtol=LOSS_RTOL, what=f"{case} loss")
+    for rank, rk in enumerate(ranks):
+        _assert_grads(rk[case]["synced"], r["grads"], f"{case} rank {rank} (DDP)")
+        assert all("lora_" in n for n in rk[case]["synced"])
+    # the all-reduce happened: identical on every rank, the local grads alone are wrong,
+    # and their average is the reference
+    for n, g0 in ranks[0][case]["synced"].items():
+        assert torch.equal(g0, ranks[1][case]["synced"][n]), f"{case} {n}: ranks differ"
+    worst = max(
+        ((rk[case]["local"][n] - g).abs().max() / g.abs().max()).item()
+        for rk in ranks for n, g in r["grads"].items()
+    )
+    assert worst > 1e-2, f"{case}: local grads equal the reference ({worst:.2e}): no sync test"
+    mean_local = {n: sum(rk[case]["local"][n] for rk in ranks) / WORLD for n in r["grads"]}
+    _assert_grads(mean_local, r["grads"], f"{case} mean of local")
+    if "entropy" in r:  # TRL's metric gathers over processes: the global masked mean
+        for rk in ranks:
+            assert rk[case]["entropy"] == pytest.approx(r["entropy"], rel=1e-5, abs=2e-6)
+
+
+@pytest.mark.parametrize("case", ["fsdp2_full", "fsdp2_lora"])
+def test_fsdp2_matches_single_process(runs, case):
+    # full: the tied head/embedding is trainable and sharded (DTensor); its gradient gets the
+    # head's part through trainers.sharded's gather (reduce-scattered, averaged) and the
+    # embedding-lookup part through FSDP2's own reduce-scatter: both must add up.
+    ref, ranks = runs
+    r = ref[case]
+    loss = torch.stack([rk[case]["loss"] for rk in ranks]).mean()
+    _close(loss, r["loss"], rtol=LOSS_RTOL, what=f"{case} loss")
+    for rank, rk in enumerate(ranks):
+        _assert_grads(rk[case]["synced"], r["grads"], f"{case} rank {rank} (FSDP2)")
+    if case == "fsdp2_full":
+        assert "model.embed_tokens.weight" in r["grads"]
+
+
+# ---------------------------------------------------------------- check_parallelism refusals
+
+class _Obj:
+    def __init__(self, **kw):
+        self.__dict__.update(kw)
+
+
+def _fake_trainer(model, *, fsdp_version=None, offload=None, zero_stage=None):
+    state = _Obj(
+        fsdp_plugin=None if fsdp_version is None else _Obj(fsdp_version=fsdp_version,
+                                                           cpu_offload=offload),
+        deepspeed_plugin=None if zero_stage is None else _Obj(zero_stage=zero_stage),
+    )
+    return _Obj(
+        model=model, accelerator=_Obj(state=state),
+        is_fsdp_enabled=fsdp_version is not None, is_deepspeed_enabled=zero_stage is not None,
+    )
+
+
+def test_check_parallelism_refusals():
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
+
+    from trainers.head import check_parallelism
+    from trainers.tiny import build_tokenizer
+
+    tok = build_tokenizer()
+    lora, full = W.tiny_model(tok, peft=True), W.tiny_model(tok, peft=False)
+    check_parallelism(_fake_trainer(full, fsdp_version=2, offload=OffloadPolicy()))
+    check_parallelism(_fake_trainer(lora, zero_stage=3))  # frozen head: supported
+    check_parallelism(_fake_trainer(full, zero_stage=2))
+    with pytest.raises(ValueError, match="FSDP1.*fsdp_version"):
+        check_parallelism(_fake_trainer(full, fsdp_version=1))
+    with pytest.raises(ValueError, match="cpu_offload"):
+        check_parallelism(_fake_trainer(full, fsdp_version=2, offload=CPUOffloadPolicy()))
+    with pytest.raises(ValueError, match="ZeRO-3 only with a frozen LM head"):
+        check_parallelism(_fake_trainer(copy.deepcopy(full), zero_stage=3))
