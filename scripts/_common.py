@@ -17,7 +17,7 @@ import re
 import torch
 
 TINY = "tiny"  # --model value for the built-in offline Llama
-TINY_KW = dict(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2)
+TINY_KW = {"hidden_size": 64, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2}
 
 
 class UserError(Exception):
@@ -29,10 +29,7 @@ class UserError(Exception):
 
 def trainer_classes():
     """`(GRPOTrainer, SFTTrainer)` from this project's `trainers` package."""
-    try:  # TEMP shim until trainers/__init__.py lands
-        from trainers import GRPOTrainer, SFTTrainer
-    except ImportError:
-        from trl import GRPOTrainer, SFTTrainer
+    from trainers import GRPOTrainer, SFTTrainer
 
     return GRPOTrainer, SFTTrainer
 
@@ -40,7 +37,8 @@ def trainer_classes():
 # --------------------------------------------------------------------------- arguments
 
 
-def add_common_args(p: argparse.ArgumentParser, *, steps: int, lr: float, batch_size: int) -> None:
+def add_common_args(p: argparse.ArgumentParser, *, steps: int, lr: float | None,
+                    batch_size: int, lr_help: str | None = None) -> None:
     p.add_argument("--model", default=TINY,
                    help="hub id or local path of a causal LM; 'tiny' (default) builds a small Llama "
                         "offline and caches it under ~/.cache/grpo_lce")
@@ -58,7 +56,8 @@ def add_common_args(p: argparse.ArgumentParser, *, steps: int, lr: float, batch_
                         "built-in arithmetic task")
     p.add_argument("--dataset-split", default="train", help="split to read from --dataset")
     p.add_argument("--steps", type=int, default=steps, help=f"optimizer steps (default {steps})")
-    p.add_argument("--lr", type=float, default=lr, help=f"learning rate (default {lr})")
+    p.add_argument("--lr", type=float, default=lr,
+                   help=lr_help or f"learning rate (default {lr})")
     p.add_argument("--batch-size", type=int, default=batch_size,
                    help=f"per-device train batch size (default {batch_size})")
     p.add_argument("--grad-accum", type=int, default=1, help="gradient accumulation steps")
@@ -66,7 +65,8 @@ def add_common_args(p: argparse.ArgumentParser, *, steps: int, lr: float, batch_
                    help="checkpoint every N steps (default: a quarter of --steps)")
     p.add_argument("--eval-size", type=int, default=128,
                    help="prompts in the greedy before/after evaluation (0 disables)")
-    p.add_argument("--output-dir", default=None, help="where checkpoints, adapter, metrics go")
+    p.add_argument("--output-dir", default=None,
+                   help="checkpoints, adapter and metrics go here (default outputs/<script>)")
     p.add_argument("--resume", action="store_true",
                    help="resume from the latest checkpoint-* in --output-dir")
     p.add_argument("--seed", type=int, default=0, help="random seed (runs are deterministic)")
@@ -84,8 +84,31 @@ def check_common_args(args: argparse.Namespace) -> None:
         raise UserError(f"--save-steps must be positive, got {args.save_steps}")
     if args.eval_size < 0:
         raise UserError(f"--eval-size must be >= 0, got {args.eval_size}")
-    if args.resume and not args.output_dir:
-        raise UserError("--resume needs --output-dir (the directory holding checkpoint-*)")
+
+
+def setup_process(args: argparse.Namespace) -> None:
+    """Process-wide settings, called first by each script's run(): seed every RNG (LoRA's A
+    matrices are drawn when the adapter is created, before the Trainer seeds anything), and
+    use one CPU thread for the tiny model, whose small matrices gain nothing from a second
+    thread and whose parallel regions stall on a busy machine waiting for a descheduled one."""
+    from transformers import set_seed
+
+    set_seed(args.seed)
+    if args.model == TINY and not torch.cuda.is_available():
+        torch.set_num_threads(1)
+
+
+def checkpointing_kw(enabled: bool) -> dict:
+    """The config keyword for activation checkpointing: `activation_checkpointing` on
+    transformers >= 5.2x, its older name `gradient_checkpointing` before."""
+    import dataclasses
+
+    from transformers import TrainingArguments
+
+    names = {f.name for f in dataclasses.fields(TrainingArguments)}
+    key = "activation_checkpointing" if "activation_checkpointing" in names else (
+        "gradient_checkpointing")
+    return {key: enabled}
 
 
 def latest_checkpoint(output_dir: str) -> str:
@@ -189,6 +212,23 @@ def arithmetic_problems(n: int, *, seed: int, max_operand: int, exclude=frozense
     return out
 
 
+def arithmetic_split(eval_size: int, *, seed: int, max_operand: int, n_train: int = 4096,
+                     order: int = 0):
+    """(train, eval, held_out): problems for training and for the greedy evaluation. With a
+    pool of at least 4x eval_size problems the eval problems are held out of training;
+    a smaller pool is too small to spare them, so both use the whole pool. `order` reshuffles
+    the training problems without changing which are held out."""
+    pool = (max_operand + 1) ** 2
+    held_out = pool >= 4 * eval_size
+    if held_out:
+        ev = arithmetic_problems(eval_size, seed=10_000 + seed, max_operand=max_operand)
+    else:
+        ev = arithmetic_problems(min(eval_size, pool), seed=10_000 + seed, max_operand=max_operand)
+    train = arithmetic_problems(n_train, seed=seed + 7919 * order, max_operand=max_operand,
+                                exclude=set(ev) if held_out else frozenset())
+    return train, ev, held_out
+
+
 def arithmetic_rows(problems, *, with_completion: bool):
     """Conversational rows: prompt = a user turn 'a+b=', answer = str(a+b), and for SFT the
     assistant turn with the answer as completion."""
@@ -218,7 +258,7 @@ def load_dataset_arg(spec: str, split: str):
         return datasets.load_dataset(spec, split=split)
     except UserError:
         raise
-    except Exception as e:  # datasets raises many types for a missing/ill-formed source
+    except Exception as e:  # noqa: BLE001 -- datasets raises many types for a bad source
         raise UserError(f"--dataset: cannot load {spec!r}: {str(e).splitlines()[0]}") from None
 
 

@@ -46,7 +46,14 @@ def plot_metrics(history: list[dict], path: str, keys=("reward", "loss")) -> Non
         pts = [(h["step"], h[key]) for h in history
                if isinstance(h.get(key), (int, float)) and math.isfinite(h[key])]
         if pts:
-            ax.plot(*zip(*pts), marker=".", lw=1)
+            steps, vals = zip(*pts)
+            ax.plot(steps, vals, lw=0.6, alpha=0.4, color="C0")
+            w = max(1, len(vals) // 30)  # moving average over ~1/30 of the run
+            if w > 1:
+                avg = [sum(vals[max(0, i - w + 1): i + 1]) / (i + 1 - max(0, i - w + 1))
+                       for i in range(len(vals))]
+                ax.plot(steps, avg, lw=1.8, color="C0", label=f"mean of {w} steps")
+                ax.legend(loc="best", fontsize=8)
         ax.set_ylabel(key)
         ax.grid(alpha=0.3)
     axes[-1, 0].set_xlabel("step")
@@ -68,7 +75,7 @@ class ProgressCallback(TrainerCallback):
         self.bar = None
 
     @staticmethod
-    def install(trainer, cb: "ProgressCallback") -> None:
+    def install(trainer, cb: ProgressCallback) -> None:
         trainer.remove_callback(_HFProgress)
         trainer.remove_callback(PrinterCallback)
         trainer.add_callback(cb)

@@ -1,11 +1,11 @@
 """Supervised fine-tuning (LoRA by default) through `trainers.SFTTrainer`.
 
-With no arguments: a tiny Llama built offline learns the built-in arithmetic task ("17+5=" ->
-"22", as chat turns) on CPU in about a minute; greedy accuracy is printed before and after.
+With no arguments: a tiny Llama built offline learns the built-in arithmetic task ("7+5=" ->
+"12", as chat turns) on CPU in under a minute; greedy accuracy is printed before and after.
 
     python scripts/train_sft.py
-    python scripts/train_sft.py --steps 50 --output-dir runs/sft && \\
-        python scripts/train_sft.py --steps 100 --output-dir runs/sft --resume
+    python scripts/train_sft.py --steps 50 --output-dir outputs/sft && \\
+        python scripts/train_sft.py --steps 100 --output-dir outputs/sft --resume
     # a real model on one GPU: bf16, 4-bit NF4 base + LoRA on all linear layers
     python scripts/train_sft.py --model Qwen/Qwen2.5-0.5B-Instruct \\
         --dataset trl-lib/Capybara --steps 500 --batch-size 8 --lr 2e-4 --max-length 1024
@@ -25,8 +25,8 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # sibling _common, _progress
 sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # trainers
 
-import _common as C  # noqa: E402
-from _progress import ProgressCallback  # noqa: E402
+import _common as C
+from _progress import ProgressCallback
 
 SFT_FORMATS = (("messages",), ("prompt", "completion"), ("text",))
 
@@ -36,10 +36,8 @@ def sft_dataset(args):
     import datasets
 
     if args.dataset is None:
-        held = C.arithmetic_problems(args.eval_size, seed=10_000 + args.seed,
-                                     max_operand=args.max_operand)
-        train = C.arithmetic_problems(4096, seed=args.seed, max_operand=args.max_operand,
-                                      exclude=set(held))
+        train, held, _ = C.arithmetic_split(args.eval_size, seed=args.seed,
+                                            max_operand=args.max_operand)
         rows = C.arithmetic_rows(train, with_completion=True)
         for r in rows:
             del r["answer"]  # SFT trains on prompt + completion only
@@ -56,7 +54,7 @@ def sft_dataset(args):
 
 
 def sft_trainer(model, tokenizer, train, args, *, output_dir: str, steps: int, lr: float,
-                save_steps: int | None, prefix: str = ""):
+                save_steps: int | None, batch_size: int | None = None, prefix: str = ""):
     """A `trainers.SFTTrainer` logging every step through `ProgressCallback`."""
     import torch
     from trl import SFTConfig
@@ -67,7 +65,7 @@ def sft_trainer(model, tokenizer, train, args, *, output_dir: str, steps: int, l
         output_dir=output_dir,
         max_steps=steps,
         learning_rate=lr,
-        per_device_train_batch_size=args.batch_size,
+        per_device_train_batch_size=batch_size or args.batch_size,
         gradient_accumulation_steps=args.grad_accum,
         lr_scheduler_type="cosine",
         warmup_steps=max(1, steps // 20),
@@ -81,7 +79,7 @@ def sft_trainer(model, tokenizer, train, args, *, output_dir: str, steps: int, l
         data_seed=args.seed,
         bf16=cuda,
         use_cpu=not cuda,
-        gradient_checkpointing=args.gradient_checkpointing,
+        **C.checkpointing_kw(args.gradient_checkpointing),
         dataloader_num_workers=0,
         disable_tqdm=True,
     )
@@ -97,14 +95,15 @@ def build_parser() -> argparse.ArgumentParser:
                                 epilog=__doc__.split("\n\n", 1)[1])
     C.add_common_args(p, steps=300, lr=3e-3, batch_size=32)
     p.add_argument("--max-length", type=int, default=1024, help="truncate sequences to this")
-    p.add_argument("--max-operand", type=int, default=19,
-                   help="built-in task: operands are 0..N (default 19)")
+    p.add_argument("--max-operand", type=int, default=9,
+                   help="built-in task: operands are 0..N (default 9)")
     return p
 
 
 def run(args) -> dict:
     C.check_common_args(args)
-    args.output_dir = args.output_dir or os.path.join("runs", "sft")
+    C.setup_process(args)
+    args.output_dir = args.output_dir or os.path.join("outputs", "sft")
     ckpt = C.latest_checkpoint(args.output_dir) if args.resume else None
     train, eval_rows = sft_dataset(args)
     model, tokenizer = C.load_model(args)

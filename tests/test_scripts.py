@@ -1,0 +1,152 @@
+"""scripts/train_grpo.py and scripts/train_sft.py end to end on the tiny offline Llama (CPU).
+
+Covers: a few-step run of each script through `main(argv)` writes metrics.json (one entry per
+step), metrics.png, the LoRA adapter and checkpoints; `--resume` continues from the latest
+checkpoint to the new step count; two GRPO runs with the same --seed log identical metrics;
+user datasets (JSONL with `prompt` + `answer`, `messages`, `prompt` + `completion`); every
+ordinary mistake exits with status 2 and a one-line message, checked in-process and once
+through a subprocess (no traceback on stderr).
+
+    python -m pytest tests/test_scripts.py -q
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPTS = os.path.join(ROOT, "scripts")
+sys.path.insert(0, SCRIPTS)
+
+train_grpo = importlib.import_module("train_grpo")
+train_sft = importlib.import_module("train_sft")
+
+# Small enough for a few seconds per run: 2 prompts x 4 generations per step.
+GRPO_FAST = ["--batch-size", "8", "--num-generations", "4", "--sft-warmup-steps", "2",
+             "--sft-batch-size", "8", "--eval-size", "8", "--save-steps", "1"]
+SFT_FAST = ["--batch-size", "8", "--eval-size", "8", "--save-steps", "1", "--max-length", "64"]
+
+
+def _metrics(out):
+    with open(os.path.join(out, "metrics.json")) as f:
+        return json.load(f)
+
+
+def _write_jsonl(path, rows):
+    with open(path, "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+    return str(path)
+
+
+def test_grpo_end_to_end_resume_and_seed(tmp_path):
+    out, twin = str(tmp_path / "grpo"), str(tmp_path / "twin")
+    assert train_grpo.main([*GRPO_FAST, "--steps", "2", "--output-dir", out]) == 0
+    hist = _metrics(out)
+    assert [h["step"] for h in hist] == [1, 2]
+    for key in ("reward", "loss", "entropy", "kl", "completions/mean_length"):
+        assert all(key in h for h in hist), key
+    for name in ("metrics.png", "summary.json", "adapter_model.safetensors",
+                 "adapter_config.json", "checkpoint-2/adapter_model.safetensors",
+                 "sft_warmup/adapter_config.json", "sft_warmup/metrics.json"):
+        assert os.path.isfile(os.path.join(out, name)), name
+    with open(os.path.join(out, "summary.json")) as f:
+        summary = json.load(f)
+    assert {"reward_first", "reward_last", "eval_before", "eval_after"} <= set(summary)
+
+    # same seed, same numbers
+    assert train_grpo.main([*GRPO_FAST, "--steps", "2", "--output-dir", twin]) == 0
+    for a, b in zip(hist, _metrics(twin)):
+        assert a["reward"] == b["reward"] and a["loss"] == pytest.approx(b["loss"], abs=1e-6)
+
+    # resume: the warm start is reloaded, training goes on from checkpoint-2 to step 3
+    assert train_grpo.main([*GRPO_FAST, "--steps", "3", "--output-dir", out, "--resume"]) == 0
+    resumed = _metrics(out)
+    assert [h["step"] for h in resumed] == [1, 2, 3]
+    assert resumed[:2] == hist
+    assert os.path.isdir(os.path.join(out, "checkpoint-3"))
+
+
+def test_sft_end_to_end_and_resume(tmp_path):
+    out = str(tmp_path / "sft")
+    assert train_sft.main([*SFT_FAST, "--steps", "2", "--output-dir", out]) == 0
+    hist = _metrics(out)
+    assert [h["step"] for h in hist] == [1, 2]
+    for key in ("loss", "mean_token_accuracy", "entropy"):
+        assert all(key in h for h in hist), key
+    for name in ("metrics.png", "adapter_model.safetensors", "adapter_config.json",
+                 "checkpoint-2/adapter_model.safetensors"):
+        assert os.path.isfile(os.path.join(out, name)), name
+    assert train_sft.main([*SFT_FAST, "--steps", "3", "--output-dir", out, "--resume"]) == 0
+    assert [h["step"] for h in _metrics(out)] == [1, 2, 3]
+
+
+def test_grpo_user_dataset(tmp_path):
+    rows = [{"prompt": f"{a}+{a}=", "answer": str(2 * a)} for a in range(10)]  # plain text
+    data = _write_jsonl(tmp_path / "p.jsonl", rows)
+    out = str(tmp_path / "out")
+    argv = ["--dataset", data, "--steps", "1", "--batch-size", "4", "--num-generations", "2",
+            "--eval-size", "2", "--output-dir", out]
+    assert train_grpo.main(argv) == 0
+    assert len(_metrics(out)) == 1
+    assert not os.path.isdir(os.path.join(out, "sft_warmup"))  # no warm start on user data
+
+
+@pytest.mark.parametrize("fmt", ["messages", "prompt_completion"])
+def test_sft_user_dataset(tmp_path, fmt):
+    if fmt == "messages":
+        rows = [{"messages": [{"role": "user", "content": "hi"},
+                              {"role": "assistant", "content": f"hello {i}"}]} for i in range(8)]
+    else:
+        rows = [{"prompt": f"{i}*2=", "completion": str(2 * i)} for i in range(8)]
+    data = _write_jsonl(tmp_path / "d.jsonl", rows)
+    out = str(tmp_path / "out")
+    assert train_sft.main(["--dataset", data, "--steps", "1", "--batch-size", "4",
+                           "--output-dir", out]) == 0
+    assert os.path.isfile(os.path.join(out, "adapter_model.safetensors"))
+
+
+def _bad_inputs(tmp_path):
+    text_only = _write_jsonl(tmp_path / "text.jsonl", [{"text": "1+1=2"}])
+    no_cols = _write_jsonl(tmp_path / "x.jsonl", [{"question": "1+1="}])
+    empty_dir = tmp_path / "empty"
+    empty_dir.mkdir()
+    return [
+        (train_grpo, ["--model", str(tmp_path / "no_such_model")], "no such directory"),
+        (train_grpo, ["--dataset", text_only], "lacks column(s) ['prompt'"),
+        (train_grpo, ["--dataset", str(tmp_path / "missing.jsonl")], "no such file"),
+        (train_grpo, ["--num-generations", "3"], "must divide the generation batch"),
+        (train_grpo, ["--batch-size", "4", "--grad-accum", "2", "--num-generations", "16"],
+         "= 8"),
+        (train_grpo, ["--num-generations", "1"], "at least 2"),
+        (train_grpo, ["--steps", "0"], "--steps must be positive"),
+        (train_grpo, ["--steps", "-5"], "--steps must be positive"),
+        (train_grpo, ["--resume", "--output-dir", str(empty_dir)], "no checkpoint"),
+        (train_sft, ["--model", str(tmp_path / "no_such_model")], "no such directory"),
+        (train_sft, ["--dataset", no_cols], "SFT needs 'messages'"),
+        (train_sft, ["--steps", "0"], "--steps must be positive"),
+        (train_sft, ["--resume", "--output-dir", str(empty_dir)], "no checkpoint"),
+    ]
+
+
+def test_bad_inputs_exit_2_with_message(tmp_path, capsys):
+    for script, argv, message in _bad_inputs(tmp_path):
+        with pytest.raises(SystemExit) as exc:
+            script.main(argv)
+        err = capsys.readouterr().err
+        assert exc.value.code == 2, (argv, err)
+        assert message in err and "Traceback" not in err, (argv, err)
+
+
+def test_bad_input_subprocess():
+    proc = subprocess.run(
+        [sys.executable, os.path.join(SCRIPTS, "train_grpo.py"), "--num-generations", "3"],
+        capture_output=True, text=True, cwd=ROOT, timeout=120, check=False)
+    assert proc.returncode == 2
+    assert "--num-generations 3 must divide the generation batch" in proc.stderr
+    assert "Traceback" not in proc.stderr
