@@ -74,12 +74,12 @@ def model_dir(name: str, cache: str) -> str:
     return path
 
 
-def load_model(path: str, *, device: str, quantize: bool, dtype=None):
+def load_model(path: str, *, device: str, quantize: bool, dtype=None, attn: str = "sdpa"):
     """4-bit NF4 (double quant, bf16 compute) on CUDA when `quantize`, else `dtype` weights."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    kw: dict = {"attn_implementation": "sdpa"}
+    kw: dict = {"attn_implementation": attn}
     if quantize:
         from transformers import BitsAndBytesConfig
 

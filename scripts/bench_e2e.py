@@ -94,12 +94,14 @@ sys.path.insert(1, str(ROOT))
 
 import _e2e_common as E  # noqa: E402
 
-GRPO_SYSTEMS = ("ours", "trl116", "trl113")
+GRPO_SYSTEMS = ("ours", "ours_packed", "trl116", "trl113")
+# ours_packed: padding-free passes (trainers.packing) under flex_attention; the rest use sdpa
+ATTN = {"ours_packed": "flex_attention"}
 SFT_SYSTEMS = ("ours", "trl116", "hf", "liger")
 LOSSMATCH_SYSTEMS = ("ours", "trl116")
 PARTS = ("grpo", "fit", "sft", "lossmatch")
 SYSTEM_LABEL = {
-    "ours": "grpo_lce", "trl116": "TRL 1.16", "trl113": "TRL 1.13", "hf": "transformers",
+    "ours": "grpo_lce", "ours_packed": "grpo_lce packed (flex)", "trl116": "TRL 1.16", "trl113": "TRL 1.13", "hf": "transformers",
     "liger": "Liger FLCE",
 }
 
@@ -167,7 +169,7 @@ def unavailable(system: str, device: str) -> str | None:
     import trl
 
     v = trl.__version__
-    if system in ("ours", "trl116", "hf", "liger") and not v.startswith("1.16"):
+    if system in ("ours", "ours_packed", "trl116", "hf", "liger") and not v.startswith("1.16"):
         return f"n/a: needs TRL 1.16, this process imports {v}"
     if system == "trl113" and not v.startswith("1.13"):
         return f"n/a: not installed (TRL 1.13 not on PYTHONPATH, this process imports {v})"
@@ -182,7 +184,7 @@ def unavailable(system: str, device: str) -> str | None:
 
 
 def grpo_trainer_cls(system: str):
-    if system == "ours":
+    if system in ("ours", "ours_packed"):
         from trainers import GRPOTrainer
 
         return GRPOTrainer
@@ -221,7 +223,9 @@ def build_grpo(system, model, tok, *, G, L, device, out, **extra):
         **base_args(out, device, bs=G, bf16=True), num_generations=G, max_completion_length=L,
         beta=0.04, loss_type="dapo", **extra)
     ds = Dataset.from_dict({"prompt": ["hello"] * G})
+    trainer_kw = {"packing": system == "ours_packed"} if system.startswith("ours") else {}
     return grpo_trainer_cls(system)(
+        **trainer_kw,
         model=model, reward_funcs=zero_reward, args=args, train_dataset=ds, processing_class=tok,
         peft_config=E.lora_config())
 
@@ -379,7 +383,8 @@ def fmt_point(rec: dict) -> str:
 def worker_grpo(a, sink, tasks, deadline, path, tok, out):
     import torch
 
-    model = E.load_model(path, device=a.device, quantize=a.quantize)
+    model = E.load_model(path, device=a.device, quantize=a.quantize,
+                         attn=ATTN.get(a.system, "sdpa"))
     V = model.config.vocab_size
     tr = build_grpo(a.system, model, tok, G=tasks[0]["G"], L=tasks[0]["L"], device=a.device,
                     out=out)
@@ -396,7 +401,8 @@ def worker_fit(a, sink, task, deadline, path, tok, out):
     """Doubling search, then bisection per budget, of the longest L at G whose total peak fits."""
     import torch
 
-    model = E.load_model(path, device=a.device, quantize=a.quantize)
+    model = E.load_model(path, device=a.device, quantize=a.quantize,
+                         attn=ATTN.get(a.system, "sdpa"))
     V, G = model.config.vocab_size, task["G"]
     tr = build_grpo(a.system, model, tok, G=G, L=task["lengths"][0], device=a.device, out=out)
     E.prepare_for_direct_calls(tr, checkpointing=True)
