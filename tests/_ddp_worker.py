@@ -1,12 +1,22 @@
-"""Multi-process half of tests/test_ddp.py: P CPU processes (gloo) run the trainers' loss.
+"""Multi-process half of tests/test_ddp.py (CPU, gloo) and tests/test_multigpu.py (GPUs, nccl).
 
     python tests/_ddp_worker.py --out DIR --port PORT [--nprocs 2] [--scenarios ddp,fsdp2]
+                                [--device cpu|cuda]
+    python tests/_ddp_worker.py --out DIR --reference [--device cpu|cuda]
 
 Reads DIR/inputs.pt (the global batches, written by the test), spawns P processes with
 `torch.multiprocessing.spawn`, and each rank r writes DIR/rank{r}.pt: per scenario its loss,
 gradients and metrics on its slice of the global batch. The builders here (`tiny_model`,
 `grpo_trainer`, `sft_trainer`) are shared with the single-process reference in the test, so
 both sides start from bit-identical weights.
+
+`--device cuda`: rank r runs on cuda:r and accelerate picks the nccl backend (`--device cpu`,
+the default: gloo). `--reference`: no process group; one process on the device (cuda: the
+first visible GPU) writes DIR/inputs.pt and the single-process results DIR/ref.pt, the same
+quantities the CPU test computes in-process (tests/test_multigpu.py runs it in its own process,
+so that the GPU state and the accelerate singleton of the pytest process stay untouched).
+All results are saved on the CPU. On CUDA, fp32 GEMMs are kept in full fp32 (TF32 off, cuDNN
+deterministic): `_exact_fp32`.
 
 Scenarios:
   ddp    trainers.GRPOTrainer (loss_type dapo and grpo, LoRA) and trainers.SFTTrainer (LoRA)
@@ -16,12 +26,15 @@ Scenarios:
          (one group per decoder layer, a [norm, embed, lm_head] tail group that is not
          resharded after forward, then the root): full fine-tuning with a tied, trainable head
          (the head is a DTensor gathered by trainers.sharded), and LoRA.
+  zero3  trainers.GRPOTrainer (dapo, LoRA: frozen head) on a DeepSpeed ZeRO-3 engine built by
+         `deepspeed.initialize` (every parameter partitioned, the head weight of numel 0 between
+         forwards and gathered by trainers.sharded; gradients reduce-scattered by ZeRO-3 and read
+         back whole with `safe_get_full_grad`). Needs deepspeed; not in the default list.
 """
 
 from __future__ import annotations
 
 import argparse
-import copy
 import os
 import sys
 import warnings
@@ -55,14 +68,14 @@ def _reward(completions, **kwargs):
     return [float(len(c)) for c in completions]
 
 
-def grpo_trainer(tok, model, out_dir, world: int, **config):
+def grpo_trainer(tok, model, out_dir, world: int, *, device: str = "cpu", **config):
     import trl
     from datasets import Dataset
 
     from trainers import GRPOTrainer
 
     args = trl.GRPOConfig(
-        output_dir=out_dir, report_to="none", use_cpu=True, bf16=False,
+        output_dir=out_dir, report_to="none", use_cpu=device == "cpu", bf16=False,
         per_device_train_batch_size=B // world, num_generations=B, max_completion_length=C,
         save_strategy="no", seed=0, **config,
     )
@@ -74,14 +87,14 @@ def grpo_trainer(tok, model, out_dir, world: int, **config):
     return tr
 
 
-def sft_trainer(tok, model, out_dir, world: int):
+def sft_trainer(tok, model, out_dir, world: int, *, device: str = "cpu"):
     import trl
     from datasets import Dataset
 
     from trainers import SFTTrainer
 
     args = trl.SFTConfig(
-        output_dir=out_dir, report_to="none", use_cpu=True, bf16=False,
+        output_dir=out_dir, report_to="none", use_cpu=device == "cpu", bf16=False,
         per_device_train_batch_size=B // world, save_strategy="no", seed=0,
     )
     tr = SFTTrainer(model=model, args=args, processing_class=tok,
@@ -104,8 +117,10 @@ def grpo_batch(tok, logp_model_trainer):
     mask[3, :1] = 0
     ids[mask == 0] = tok.pad_token_id
     tr = logp_model_trainer
+    dev = tr.accelerator.device
     with torch.no_grad():
-        logps, _, _ = tr._get_per_token_logps_and_entropies(tr.model, ids, mask, C)
+        logps, _, _ = tr._get_per_token_logps_and_entropies(tr.model, ids.to(dev), mask.to(dev), C)
+    logps = logps.cpu()
     return {
         "prompt_ids": ids[:, :P], "prompt_mask": mask[:, :P],
         "completion_ids": ids[:, P:], "completion_mask": mask[:, P:],
@@ -136,13 +151,17 @@ def rank_slice(batch: dict, rank: int, world: int) -> dict:
     return {k: v[rank * n:(rank + 1) * n] if v.dim() > 0 else v for k, v in batch.items()}
 
 
+def to_device(batch: dict, device) -> dict:
+    return {k: v.to(device) for k, v in batch.items()}
+
+
 def grads_of(model) -> dict[str, torch.Tensor]:
     out = {}
     for name, p in model.named_parameters():
         if p.grad is not None:
             g = p.grad
             g = g.full_tensor() if hasattr(g, "full_tensor") else g
-            out[name] = g.detach().clone()
+            out[name] = g.detach().to("cpu", copy=True)
     return out
 
 
@@ -150,14 +169,14 @@ def grpo_step(tr, model, inputs) -> tuple[torch.Tensor, dict]:
     model.zero_grad(set_to_none=True)
     loss = tr.compute_loss(model, dict(inputs))
     loss.backward()
-    return loss.detach(), grads_of(model)
+    return loss.detach().cpu(), grads_of(model)
 
 
 def sft_step(tr, model, inputs, num_items) -> tuple[torch.Tensor, dict]:
     model.zero_grad(set_to_none=True)
     loss = tr.compute_loss(model, dict(inputs), num_items_in_batch=num_items)
     loss.backward()
-    return loss.detach(), grads_of(model)
+    return loss.detach().cpu(), grads_of(model)
 
 
 def _clean_names(grads: dict) -> dict:
@@ -165,12 +184,14 @@ def _clean_names(grads: dict) -> dict:
     return {n.removeprefix("module."): g for n, g in grads.items()}
 
 
-def _ddp(rank, world, tok, batches, out_dir):
+def _ddp(rank, world, tok, batches, out_dir, device):
     res = {}
-    tr = grpo_trainer(tok, tiny_model(tok, peft=True), out_dir, world)
+    tr = grpo_trainer(tok, tiny_model(tok, peft=True), out_dir, world, device=device)
     ddp = tr.accelerator.prepare_model(tr.model)
     assert isinstance(ddp, torch.nn.parallel.DistributedDataParallel), type(ddp)
-    inputs = rank_slice(batches["grpo"], rank, world)
+    dev = tr.accelerator.device
+    res["meta"] = {"device": str(next(ddp.parameters()).device), "backend": dist_backend()}
+    inputs = to_device(rank_slice(batches["grpo"], rank, world), dev)
     for loss_type in LOSS_TYPES:
         tr.loss_type = loss_type
         tr._metrics["train"].clear()
@@ -181,10 +202,10 @@ def _ddp(rank, world, tok, batches, out_dir):
             "loss": loss, "local": _clean_names(local), "synced": _clean_names(synced),
             "entropy": tr._metrics["train"]["entropy"][-1],
         }
-    sft = sft_trainer(tok, tiny_model(tok, peft=True), out_dir, world)
+    sft = sft_trainer(tok, tiny_model(tok, peft=True), out_dir, world, device=device)
     ddp = sft.accelerator.prepare_model(sft.model)
-    inputs = rank_slice(batches["sft"], rank, world)
-    num_items = batches["sft_num_items"]
+    inputs = to_device(rank_slice(batches["sft"], rank, world), dev)
+    num_items = batches["sft_num_items"].to(dev)
     with ddp.no_sync():
         _, local = sft_step(sft, ddp, inputs, num_items)
     loss, synced = sft_step(sft, ddp, inputs, num_items)
@@ -192,34 +213,39 @@ def _ddp(rank, world, tok, batches, out_dir):
     return res
 
 
-def fully_shard_like_accelerate(model):
-    """`fully_shard` the way accelerate 1.15's fsdp2_prepare_model lays a Llama out."""
+def fully_shard_like_accelerate(model, mesh=None):
+    """`fully_shard` the way accelerate 1.15's fsdp2_prepare_model lays a Llama out. `mesh`
+    defaults to FSDP2's own (the *accelerator's* device type whatever the backend, so a gloo run
+    on a machine with GPUs needs an explicit CPU mesh)."""
     from torch.distributed.fsdp import fully_shard
 
     from trainers.head import unwrap_causal_lm
 
     lm = unwrap_causal_lm(model)
     for layer in lm.model.layers:
-        fully_shard(layer, reshard_after_forward=True)
+        fully_shard(layer, mesh=mesh, reshard_after_forward=True)
     embed, head = lm.get_input_embeddings(), lm.get_output_embeddings()
     tail = [lm.model.norm, embed, head] if embed.weight is head.weight else [lm.model.norm, head]
     if embed.weight is not head.weight:
-        fully_shard(embed, reshard_after_forward=True)
-    fully_shard(tail, reshard_after_forward=False)
-    fully_shard(model)
+        fully_shard(embed, mesh=mesh, reshard_after_forward=True)
+    fully_shard(tail, mesh=mesh, reshard_after_forward=False)
+    fully_shard(model, mesh=mesh)
     return model
 
 
-def _fsdp2(rank, world, tok, batches, out_dir):
+def _fsdp2(rank, world, tok, batches, out_dir, device):
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
 
     from trainers.head import lm_head_params, unwrap_causal_lm
 
     res = {}
-    inputs = rank_slice(batches["grpo"], rank, world)
     for peft in (False, True):
-        tr = grpo_trainer(tok, tiny_model(tok, peft=peft), out_dir, world, loss_type="dapo")
-        fully_shard_like_accelerate(tr.model)
+        tr = grpo_trainer(tok, tiny_model(tok, peft=peft), out_dir, world, device=device,
+                          loss_type="dapo")
+        dev = tr.accelerator.device
+        inputs = to_device(rank_slice(batches["grpo"], rank, world), dev)
+        fully_shard_like_accelerate(tr.model, mesh=init_device_mesh(dev.type, (world,)))
         head_w = unwrap_causal_lm(tr.model).get_output_embeddings().weight
         assert isinstance(head_w, DTensor), type(head_w)
         w, _ = lm_head_params(tr.model)
@@ -229,22 +255,72 @@ def _fsdp2(rank, world, tok, batches, out_dir):
     return res
 
 
-def _run(rank, world, port, out_dir, scenarios):
+def _zero3(rank, world, tok, batches, out_dir, device):
+    import deepspeed
+    from deepspeed.utils import safe_get_full_grad
+
+    from trainers.head import unwrap_causal_lm
+    from trainers.sharded import is_zero3_param
+
+    tr = grpo_trainer(tok, tiny_model(tok, peft=True), out_dir, world, device=device,
+                      loss_type="dapo")
+    trainable = [p for p in tr.model.parameters() if p.requires_grad]
+    config = {
+        "train_micro_batch_size_per_gpu": B // world, "gradient_accumulation_steps": 1,
+        "zero_optimization": {"stage": 3}, "zero_allow_untested_optimizer": True,
+    }
+    # No step is taken (lr 0): ZeRO-3 only needs an optimizer to partition the gradients into.
+    # deepspeed.init_distributed reuses the process group accelerate already set up.
+    engine, *_ = deepspeed.initialize(model=tr.model, optimizer=torch.optim.SGD(trainable, lr=0.0),
+                                      config=config)
+    head_w = unwrap_causal_lm(engine.module).get_output_embeddings().weight
+    assert is_zero3_param(head_w) and head_w.numel() == 0 and not head_w.requires_grad, head_w
+    inputs = to_device(rank_slice(batches["grpo"], rank, world), tr.accelerator.device)
+    loss = tr.compute_loss(engine, dict(inputs))
+    engine.backward(loss)
+    grads = {n: safe_get_full_grad(p).detach().to("cpu", copy=True)
+             for n, p in engine.module.named_parameters() if p.requires_grad}
+    return {"zero3_lora": {"loss": loss.detach().cpu(), "synced": grads}}
+
+
+def dist_backend() -> str | None:
+    import torch.distributed as dist
+
+    return dist.get_backend() if dist.is_initialized() else None
+
+
+def _exact_fp32(device: str) -> None:
+    """Full-fp32 GEMMs and deterministic cuDNN in this (worker) process: with TF32 the two sides
+    would differ by ~1e-3 relative, not by summation order. Process-wide, hence only here, in
+    processes this script owns."""
+    if device == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+        torch.backends.cudnn.deterministic = True
+        torch.backends.cudnn.benchmark = False
+
+
+def _run(rank, world, port, out_dir, scenarios, device):
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
         LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
     )
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
+    _exact_fp32(device)
+    if device == "cuda":
+        torch.cuda.set_device(rank)  # accelerate does the same (LOCAL_RANK); before any CUDA work
     from trainers.tiny import build_tokenizer
 
     tok = build_tokenizer()
     batches = torch.load(os.path.join(out_dir, "inputs.pt"), weights_only=False)
     res = {}
     if "ddp" in scenarios:
-        res.update(_ddp(rank, world, tok, batches, out_dir))
+        res.update(_ddp(rank, world, tok, batches, out_dir, device))
     if "fsdp2" in scenarios:
-        res.update(_fsdp2(rank, world, tok, batches, out_dir))
+        res.update(_fsdp2(rank, world, tok, batches, out_dir, device))
+    if "zero3" in scenarios:  # last: DeepSpeed leaves its own state in the process
+        res.update(_zero3(rank, world, tok, batches, out_dir, device))
     torch.save(res, os.path.join(out_dir, f"rank{rank}.pt"))
     import torch.distributed as dist
 
@@ -253,15 +329,60 @@ def _run(rank, world, port, out_dir, scenarios):
         dist.destroy_process_group()
 
 
+def reference(out_dir, device):
+    """Single process, no process group: write DIR/inputs.pt and the reference DIR/ref.pt, as
+    the `runs` fixture of tests/test_ddp.py computes them (same builders, same order)."""
+    warnings.filterwarnings("ignore")
+    _exact_fp32(device)
+    from trainers.tiny import build_tokenizer
+
+    tok = build_tokenizer()
+    ref = {}
+    tr = grpo_trainer(tok, tiny_model(tok, peft=True), out_dir, 1, device=device)
+    dev = tr.accelerator.device
+    ref["meta"] = {"device": str(next(tr.model.parameters()).device), "backend": dist_backend()}
+    batches = {"grpo": grpo_batch(tok, tr), "sft": sft_batch(tok)}
+    batches["sft_num_items"] = (batches["sft"]["labels"][:, 1:] != -100).sum()
+    torch.save(batches, os.path.join(out_dir, "inputs.pt"))
+    grpo_in = to_device(batches["grpo"], dev)
+    for loss_type in LOSS_TYPES:
+        tr.loss_type = loss_type
+        tr._metrics["train"].clear()
+        loss, grads = grpo_step(tr, tr.model, grpo_in)
+        ref[f"grpo_{loss_type}"] = {"loss": loss, "grads": grads,
+                                    "entropy": tr._metrics["train"]["entropy"][-1]}
+    sft = sft_trainer(tok, tiny_model(tok, peft=True), out_dir, 1, device=device)
+    loss, grads = sft_step(sft, sft.model, to_device(batches["sft"], dev),
+                           batches["sft_num_items"].to(dev))
+    ref["sft"] = {"loss": loss, "grads": grads}
+    for peft in (False, True):
+        tr_f = grpo_trainer(tok, tiny_model(tok, peft=peft), out_dir, 1, device=device,
+                            loss_type="dapo")
+        loss, grads = grpo_step(tr_f, tr_f.model, grpo_in)
+        ref[f"fsdp2_{'lora' if peft else 'full'}"] = {"loss": loss, "grads": grads}
+    torch.save(ref, os.path.join(out_dir, "ref.pt"))
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True, help="directory with inputs.pt; rank files go here")
-    ap.add_argument("--port", type=int, required=True, help="free TCP port for the rendezvous")
+    ap.add_argument("--port", type=int, help="free TCP port for the rendezvous")
     ap.add_argument("--nprocs", type=int, default=2, help="number of processes")
-    ap.add_argument("--scenarios", default="ddp,fsdp2", help="comma-separated: ddp, fsdp2")
+    ap.add_argument("--scenarios", default="ddp,fsdp2", help="comma-separated: ddp, fsdp2, zero3")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                    help="cpu: gloo; cuda: nccl, rank r on cuda:r")
+    ap.add_argument("--reference", action="store_true",
+                    help="write inputs.pt and the single-process ref.pt instead")
     args = ap.parse_args(argv)
+    if args.reference:
+        reference(args.out, args.device)
+        return
+    if args.port is None:
+        ap.error("--port is required unless --reference")
+    if args.device == "cuda" and torch.cuda.device_count() < args.nprocs:
+        ap.error(f"--device cuda needs {args.nprocs} GPUs, {torch.cuda.device_count()} visible")
     torch.multiprocessing.spawn(
-        _run, args=(args.nprocs, args.port, args.out, args.scenarios.split(",")),
+        _run, args=(args.nprocs, args.port, args.out, args.scenarios.split(","), args.device),
         nprocs=args.nprocs,
     )
 

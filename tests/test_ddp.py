@@ -3,9 +3,12 @@
 Covers trainers.GRPOTrainer (loss_type dapo and grpo, LoRA) and trainers.SFTTrainer (LoRA,
 num_items_in_batch) under DDP, and trainers.GRPOTrainer under FSDP2 (`fully_shard`, laid out
 as accelerate does it) with a trainable tied head (the LM head is a DTensor that
-`trainers.sharded` gathers, its gradient reduce-scattered back) and with LoRA; plus the
+`trainers.sharded` gathers, its gradient reduce-scattered back) and with LoRA; under DeepSpeed
+ZeRO-3 with LoRA (frozen head, partitioned and gathered; if deepspeed is installed); plus the
 refusals in `check_parallelism`. One subprocess (tests/_ddp_worker.py) spawns both ranks and
-runs every scenario, so the ~10 s of imports and rendezvous are paid once.
+runs every scenario, so the ~10 s of imports and rendezvous are paid once. (The first ZeRO-3
+run on a machine also JIT-builds DeepSpeed's CPU shared-memory comm op, ~25 s, cached in
+~/.cache/torch_extensions.) The same on two GPUs over NCCL: tests/test_multigpu.py.
 
     python -m pytest tests/test_ddp.py -q
 
@@ -27,6 +30,7 @@ by more than 1e-2 × max|grad|, and the mean of the local ones equals the refere
 from __future__ import annotations
 
 import copy
+import importlib.util
 import os
 import socket
 import subprocess
@@ -42,6 +46,7 @@ import _ddp_worker as W  # noqa: E402
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LOSS_RTOL, GRAD_RTOL = 1e-5, 1e-4
 WORLD = 2
+SCENARIOS = "ddp,fsdp2" + (",zero3" if importlib.util.find_spec("deepspeed") else "")
 
 
 def _free_port() -> int:
@@ -82,7 +87,7 @@ def runs(tmp_path_factory):
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
     cmd = [sys.executable, os.path.join(REPO, "tests", "_ddp_worker.py"), "--out", str(out),
-           "--port", str(_free_port()), "--nprocs", str(WORLD)]
+           "--port", str(_free_port()), "--nprocs", str(WORLD), "--scenarios", SCENARIOS]
     t0 = time.time()
     proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
@@ -153,6 +158,19 @@ def test_fsdp2_matches_single_process(runs, case):
         _assert_grads(rk[case]["synced"], r["grads"], f"{case} rank {rank} (FSDP2)")
     if case == "fsdp2_full":
         assert "model.embed_tokens.weight" in r["grads"]
+
+
+def test_zero3_matches_single_process(runs):
+    # LoRA under ZeRO-3: the frozen head is gathered and copied by trainers.sharded, the LoRA
+    # gradients are reduce-scattered (averaged) by ZeRO-3 itself. Same model, loss (dapo) and
+    # batch as the fsdp2_lora case, so that is the reference.
+    pytest.importorskip("deepspeed")
+    ref, ranks = runs
+    r = ref["fsdp2_lora"]
+    loss = torch.stack([rk["zero3_lora"]["loss"] for rk in ranks]).mean()
+    _close(loss, r["loss"], rtol=LOSS_RTOL, what="zero3 loss")
+    for rank, rk in enumerate(ranks):
+        _assert_grads(rk["zero3_lora"]["synced"], r["grads"], f"zero3 rank {rank}")
 
 
 # ---------------------------------------------------------------- check_parallelism refusals
