@@ -158,7 +158,8 @@ def load_model(args: argparse.Namespace):
         kw["quantization_config"] = BitsAndBytesConfig(
             load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
             bnb_4bit_compute_dtype=torch.bfloat16)
-        kw["device_map"] = {"": torch.cuda.current_device()}
+        # under `accelerate launch` every rank loads its own copy onto its own GPU
+        kw["device_map"] = {"": local_device()}
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
         model = AutoModelForCausalLM.from_pretrained(path, **kw)
@@ -167,8 +168,15 @@ def load_model(args: argparse.Namespace):
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     if cuda and not args.load_in_4bit:
-        model.to("cuda")
+        model.to(local_device())
     return model, tokenizer
+
+
+def local_device() -> int:
+    """This process's GPU: its local rank under `accelerate launch` / torchrun, else 0."""
+    from accelerate import PartialState
+
+    return PartialState().local_process_index
 
 
 def lora_config(args: argparse.Namespace):
