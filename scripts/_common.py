@@ -24,6 +24,17 @@ class UserError(Exception):
     """An ordinary mistake in the command line or the inputs: printed without a traceback."""
 
 
+def run_main(build_parser, run, argv=None) -> int:
+    """Parse argv and run; a UserError becomes argparse's one-line message and exit status 2."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        run(args)
+    except UserError as e:
+        parser.exit(2, f"{parser.prog}: error: {e}\n")
+    return 0
+
+
 # --------------------------------------------------------------------------- trainers
 
 

@@ -233,13 +233,7 @@ def run(args) -> dict:
 
 
 def main(argv=None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    try:
-        run(args)
-    except C.UserError as e:
-        parser.exit(2, f"{parser.prog}: error: {e}\n")
-    return 0
+    return C.run_main(build_parser, run, argv)
 
 
 if __name__ == "__main__":

@@ -47,21 +47,10 @@ LOSS_TYPES = ("dapo", "grpo")  # the two whose DDP average equals the global-bat
 
 
 def tiny_model(tok, *, peft: bool, tied: bool = True):
-    """Tiny fp32 Llama (as tests/test_trainers_grpo.py), with random LoRA B matrices."""
-    from peft import LoraConfig, get_peft_model
+    """Tiny fp32 Llama (as the trainer tests), with random LoRA B matrices."""
+    from _tiny_models import lora_tiny_llama
 
-    from trainers.tiny import build_tiny_llama
-
-    model = build_tiny_llama(tok, hidden_size=64, num_layers=2, tie_word_embeddings=tied, seed=0)
-    if not peft:
-        return model
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(1)
-        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.data.normal_(0.0, 0.05)
-    return model
+    return lora_tiny_llama(tok, peft=peft, tied=tied)
 
 
 def _reward(completions, **kwargs):

@@ -8,6 +8,7 @@ import torch
 
 from grpo_lce import linear_cross_entropy
 from grpo_lce.reference import cross_entropy_ref, token_metrics_ref
+from _head_inputs import head_inputs
 from _tolerance import assert_3way, assert_close_scaled
 
 # fp32 logits whatever the input dtype: loss error vs fp64 is fp32 rounding (~1e-6 here)
@@ -15,15 +16,7 @@ LOSS_ATOL = 5e-5
 GRAD_RTOL = {torch.float32: 1e-4, torch.bfloat16: 1e-2}  # see test_logprobs.py for why
 
 
-def _inputs(N, H, V, dtype, with_bias, n_ignored, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    h = torch.randn(N, H, generator=g).to(dtype)
-    w = (torch.randn(V, H, generator=g) * 3 / H**0.5).to(dtype)
-    b = (torch.randn(V, generator=g) * 0.5).to(dtype) if with_bias else None
-    y = torch.randint(0, V, (N,), generator=g)
-    if n_ignored:
-        y[torch.randperm(N, generator=g)[:n_ignored]] = -100
-    return h, w, b, y
+_inputs = head_inputs
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])

@@ -11,6 +11,7 @@ import torch
 
 from grpo_lce import linear_logprobs
 from grpo_lce.reference import logprobs_ref
+from _head_inputs import head_inputs
 from _tolerance import assert_3way, assert_close_scaled
 
 # Log-probs and entropies are computed from fp32 logits whatever the input dtype, so the error
@@ -33,16 +34,7 @@ CASES = [
 BACKENDS = ["torch", "triton"]
 
 
-def _inputs(N, H, V, dtype, with_bias, n_ignored, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    h = torch.randn(N, H, generator=g).to(dtype)
-    # std 1/sqrt(H) * 3 gives logits of O(3): a peaked but not one-hot softmax, like a real head
-    w = (torch.randn(V, H, generator=g) * 3 / H**0.5).to(dtype)
-    b = (torch.randn(V, generator=g) * 0.5).to(dtype) if with_bias else None
-    y = torch.randint(0, V, (N,), generator=g)
-    if n_ignored:
-        y[torch.randperm(N, generator=g)[:n_ignored]] = -100
-    return h, w, b, y
+_inputs = head_inputs
 
 
 def _torch_same_dtype(h, w, b, y, tau):

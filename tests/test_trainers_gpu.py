@@ -167,7 +167,6 @@ def test_grpo_qlora_step_memory_below_trl(model_dir, tmp_path):
         )
 
     ids, mask = _ragged_batch()
-    stock = trainers["trl"]
     # Reference pass (adapter disabled, no grad), as _generate_and_score_completions runs it.
     ref = {}
     for name, tr in trainers.items():

@@ -25,12 +25,13 @@ import pytest
 import torch
 import trl
 from datasets import Dataset
-from peft import LoraConfig, get_peft_model
+from peft import LoraConfig
 from trl.trainer.utils import use_adapter
 
 from trainers import GRPOTrainer
 from trainers.head import check_fused_head, forward_hidden_states, lm_head_params
-from trainers.tiny import build_tiny_llama, build_tokenizer, tiny_model_dir
+from trainers.tiny import build_tokenizer, tiny_model_dir
+from _tiny_models import lora_tiny_llama as _model
 
 LOGP_ATOL = 5e-5
 LOSS_RTOL = 1e-5
@@ -54,21 +55,6 @@ def _reward_digits(completions, **kwargs):
 
 def _dataset():
     return Dataset.from_dict({"prompt": ["1+1=", "2*3=", "abc", "xy z", "7-2=", "hi!"] * 4})
-
-
-def _model(tok, *, tied=True, peft=True, seed=0):
-    """Tiny fp32 Llama; with `peft`, a LoRA adapter on every linear layer (not lm_head) whose
-    B matrices are random, so the adapter matters and the adapter-disabled reference differs."""
-    model = build_tiny_llama(tok, hidden_size=64, num_layers=2, tie_word_embeddings=tied, seed=seed)
-    if not peft:
-        return model
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed + 1)
-        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.data.normal_(0.0, 0.05)
-    return model
 
 
 def _config(tmp_path, **overrides):

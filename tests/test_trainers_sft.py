@@ -24,10 +24,11 @@ import pytest
 import torch
 import trl
 from datasets import Dataset
-from peft import LoraConfig, get_peft_model
+from peft import LoraConfig
 
 from trainers import SFTTrainer
-from trainers.tiny import build_tiny_llama, build_tokenizer
+from trainers.tiny import build_tokenizer
+from _tiny_models import lora_tiny_llama as _model
 
 LOSS_RTOL = 1e-5
 GRAD_RTOL = 1e-4
@@ -66,19 +67,6 @@ _DATA_CONFIG = {
     "padding_free": ("text", {"padding_free": True, "max_length": None}),
     "packed": ("text", {"packing": True, "max_length": 32}),  # bfd packing, padding-free
 }
-
-
-def _model(tok, *, tied=True, peft=True, seed=0):
-    model = build_tiny_llama(tok, hidden_size=64, num_layers=2, tie_word_embeddings=tied, seed=seed)
-    if not peft:
-        return model
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed + 1)
-        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.data.normal_(0.0, 0.05)
-    return model
 
 
 def _config(tmp_path, **overrides):
