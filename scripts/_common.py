@@ -183,6 +183,19 @@ def load_model(args: argparse.Namespace):
     return model, tokenizer
 
 
+def is_main_process() -> bool:
+    """Rank 0 under `accelerate launch` / torchrun; True in a single process."""
+    from accelerate import PartialState
+
+    return PartialState().is_main_process
+
+
+def say(*args, **kwargs) -> None:
+    """print() on the main process only, so N ranks do not print N copies."""
+    if is_main_process():
+        print(*args, **kwargs)
+
+
 def local_device() -> int:
     """This process's GPU: its local rank under `accelerate launch` / torchrun, else 0."""
     from accelerate import PartialState

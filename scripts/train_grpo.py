@@ -130,10 +130,10 @@ def warm_start(model, tokenizer, args):
 
     warm_dir = os.path.join(args.output_dir, "sft_warmup")
     if args.resume and os.path.isfile(os.path.join(warm_dir, "adapter_config.json")):
-        print(f"warm start: reusing {warm_dir}")
+        C.say(f"warm start: reusing {warm_dir}")
         return PeftModel.from_pretrained(model, warm_dir, is_trainable=True)
     if args.resume and os.path.isfile(os.path.join(warm_dir, "config.json")):
-        print(f"warm start: reusing {warm_dir}")
+        C.say(f"warm start: reusing {warm_dir}")
         return AutoModelForCausalLM.from_pretrained(warm_dir, dtype=model.dtype).to(model.device)
     model = C.wrap_lora(model, args)
     if args.sft_warmup_steps == 0:
@@ -210,7 +210,7 @@ def run(args) -> dict:
     summary = {"args": {k: v for k, v in vars(args).items()}}
     if eval_rows:
         summary["eval_before"] = evaluate()
-        print(f"greedy {args.reward} reward on {len(eval_rows)} {eval_kind} prompts before GRPO: "
+        C.say(f"greedy {args.reward} reward on {len(eval_rows)} {eval_kind} prompts before GRPO: "
               f"{summary['eval_before']:.3f}")
     trainer.train(resume_from_checkpoint=ckpt)
     trainer.save_model(args.output_dir)
@@ -218,16 +218,17 @@ def run(args) -> dict:
     k = min(max(K, len(rewards) // K), len(rewards) // 2) or 1
     summary["reward_first"] = sum(rewards[:k]) / k
     summary["reward_last"] = sum(rewards[-k:]) / k
-    print(f"mean training reward, first {k} steps: {summary['reward_first']:.3f}   "
+    C.say(f"mean training reward, first {k} steps: {summary['reward_first']:.3f}   "
           f"last {k} steps: {summary['reward_last']:.3f}")
     if eval_rows:
         summary["eval_after"] = evaluate()
-        print(f"greedy {args.reward} reward on {len(eval_rows)} {eval_kind} prompts after GRPO:  "
+        C.say(f"greedy {args.reward} reward on {len(eval_rows)} {eval_kind} prompts after GRPO:  "
               f"{summary['eval_after']:.3f}")
     summary["wall_s"] = time.perf_counter() - t0
-    with open(os.path.join(args.output_dir, "summary.json"), "w") as f:
-        json.dump(summary, f, indent=1)
-    print(f"adapter (or model), metrics.json, metrics.png, summary.json in {args.output_dir} "
+    if C.is_main_process():
+        with open(os.path.join(args.output_dir, "summary.json"), "w") as f:
+            json.dump(summary, f, indent=1)
+    C.say(f"adapter (or model), metrics.json, metrics.png, summary.json in {args.output_dir} "
           f"({summary['wall_s']:.0f} s)")
     return summary
 

@@ -115,14 +115,14 @@ def run(args) -> dict:
     if eval_rows:
         result["eval_before"] = C.greedy_eval(trainer.model, tokenizer, eval_rows, "arithmetic",
                                               max_new_tokens=8)
-        print(f"greedy accuracy before SFT: {result['eval_before']:.3f}")
+        C.say(f"greedy accuracy before SFT: {result['eval_before']:.3f}")
     trainer.train(resume_from_checkpoint=ckpt)
     trainer.save_model(args.output_dir)
     if eval_rows:
         result["eval_after"] = C.greedy_eval(trainer.model, tokenizer, eval_rows, "arithmetic",
                                              max_new_tokens=8)
-        print(f"greedy accuracy after SFT:  {result['eval_after']:.3f}")
-    print(f"adapter, metrics.json, metrics.png in {args.output_dir}")
+        C.say(f"greedy accuracy after SFT:  {result['eval_after']:.3f}")
+    C.say(f"adapter, metrics.json, metrics.png in {args.output_dir}")
     return result
 
 
