@@ -51,8 +51,8 @@ def trainer_classes():
 def add_common_args(p: argparse.ArgumentParser, *, steps: int, lr: float | None,
                     batch_size: int, lr_help: str | None = None) -> None:
     p.add_argument("--model", default=TINY,
-                   help="hub id or local path of a causal LM; 'tiny' (default) builds a small Llama "
-                        "offline and caches it under ~/.cache/grpo_lce")
+                   help="hub id or local path of a causal LM; 'tiny' (default) builds a small "
+                        "Llama offline and caches it under ~/.cache/grpo_lce")
     p.add_argument("--load-in-4bit", action=argparse.BooleanOptionalAction, default=None,
                    help="load the base model in 4-bit NF4 (bitsandbytes, CUDA only); default: on "
                         "for real models on CUDA, off otherwise")
@@ -86,7 +86,8 @@ def add_common_args(p: argparse.ArgumentParser, *, steps: int, lr: float | None,
 def check_common_args(args: argparse.Namespace) -> None:
     for name in ("steps", "batch_size", "grad_accum"):
         if getattr(args, name) <= 0:
-            raise UserError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+            flag = "--" + name.replace("_", "-")
+            raise UserError(f"{flag} must be positive, got {getattr(args, name)}")
     if args.lr <= 0:
         raise UserError(f"--lr must be positive, got {args.lr}")
     if args.lora_r < 0:
@@ -357,7 +358,8 @@ def greedy_eval(model, tokenizer, rows, reward: str, *, max_new_tokens: int,
             chunk = rows[i : i + batch_size]
             prompts = [r["prompt"] for r in chunk]
             if isinstance(prompts[0], list):
-                texts = [tokenizer.apply_chat_template(p, tokenize=False, add_generation_prompt=True)
+                texts = [tokenizer.apply_chat_template(p, tokenize=False,
+                                                       add_generation_prompt=True)
                          for p in prompts]
             else:
                 texts = prompts
