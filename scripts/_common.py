@@ -184,6 +184,23 @@ def load_model(args: argparse.Namespace):
     return model, tokenizer
 
 
+def trainer_common_kw(args, cuda: bool) -> dict:
+    """The TrainingArguments both scripts share: per-step logging, seeding, precision, no tqdm
+    (the ProgressCallback prints instead), two checkpoints kept."""
+    return dict(
+        logging_steps=1,
+        save_total_limit=2,
+        report_to="none",
+        seed=args.seed,
+        data_seed=args.seed,
+        bf16=cuda,
+        use_cpu=not cuda,
+        **checkpointing_kw(args.gradient_checkpointing),
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+    )
+
+
 def is_main_process() -> bool:
     """Rank 0 under `accelerate launch` / torchrun; True in a single process."""
     from accelerate import PartialState

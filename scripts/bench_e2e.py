@@ -101,8 +101,8 @@ SFT_SYSTEMS = ("ours", "trl116", "hf", "liger")
 LOSSMATCH_SYSTEMS = ("ours", "trl116")
 PARTS = ("grpo", "fit", "sft", "lossmatch")
 SYSTEM_LABEL = {
-    "ours": "grpo_lce", "ours_packed": "grpo_lce packed (flex)", "trl116": "TRL 1.16", "trl113": "TRL 1.13", "hf": "transformers",
-    "liger": "Liger FLCE",
+    "ours": "grpo_lce", "ours_packed": "grpo_lce packed (flex)", "trl116": "TRL 1.16",
+    "trl113": "TRL 1.13", "hf": "transformers", "liger": "Liger FLCE",
 }
 
 # Grids: full, --quick, --tiny. Lengths are completion tokens (GRPO) or sequence tokens (SFT).
