@@ -5,8 +5,9 @@ Memory model of one chunk of C rows (V = vocabulary):
     G    over Z's own bytes        the gradient operand (see _head.g_over_z): free
     E    (C, V) in the GEMM dtype  the entropy operand, only for an entropy basis
 so a chunk costs C · V · (4 + 2·k) bytes, k = 1 with E, else 0. The default chunk size fills
-`DEFAULT_CHUNK_BUDGET_BYTES` (256 MiB: 512 rows of a 128k vocabulary); pass `chunk_size=` to any public function to override it per call. Larger chunks
-amortise reading W (V, H) once per GEMM. A trainable head accumulates dW (V, H) in fp32 once per
+`DEFAULT_CHUNK_BUDGET_BYTES` (256 MiB: 512 rows of a 128k vocabulary); pass `chunk_size=` to
+any public function to override it per call. Larger chunks amortise reading W (V, H) once per
+GEMM. A trainable head accumulates dW (V, H) in fp32 once per
 chunk, so there the chunk is at least `MIN_ROWS_GRAD_WEIGHT` rows (measured on an H200 at
 V=128256, H=2048: 320-row chunks make the dW accumulation 3x slower than one GEMM, 1024-row
 chunks 1.3x), even above the budget.
@@ -68,6 +69,13 @@ def compact_rows(
     # nonzero_static needs no second host read: the size is already known.
     idx = torch.nonzero_static(keep, size=n_keep).squeeze(1)
     return idx, n_keep
+
+
+def valid_rows(t: torch.Tensor, idx: torch.Tensor | None) -> torch.Tensor:
+    """The rows of t (N, ...) at idx (all when idx is None), contiguous in the last dim, as a
+    GEMM operand needs them."""
+    r = t if idx is None else t.index_select(0, idx)
+    return r if r.dim() < 2 or r.stride(-1) == 1 else r.contiguous()
 
 
 def mm_f32(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from grpo_lce._checks import check_chunk_size, check_head, check_targets
-from grpo_lce._chunks import compact_rows
+from grpo_lce._chunks import compact_rows, valid_rows
 from grpo_lce._head import gemm_weight, head_forward
 from grpo_lce.logprobs import linear_logprobs
 
@@ -31,7 +31,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         N = h.shape[0]
         # α = 1/d per row: G = (p − e_y)/d is ∂loss/∂z. d stays on device (no host read).
-        alpha = divisor.reciprocal().expand(N).contiguous() if (need_h or need_w or need_b) else None
+        need_grad = need_h or need_w or need_b
+        alpha = divisor.reciprocal().expand(N).contiguous() if need_grad else None
         out = head_forward(
             h, gemm_weight(weight), bias, y, 1.0, chunk_size,
             want_basis=need_h, want_grad_weight=need_w, want_grad_bias=need_b,
@@ -109,25 +110,17 @@ def linear_cross_entropy(
         loss = -logp
         if not return_metrics:
             return loss
-        valid = labels != ignore_index
         metrics = {
-            "correct": _argmax_correct(hidden, weight, bias, labels, valid, chunk_size),
+            "correct": _argmax_correct(hidden, weight, bias, labels, ignore_index, chunk_size),
             "entropy_sum": ent.detach().sum(),
-            "num_tokens": valid.sum(),
+            "num_tokens": (labels != ignore_index).sum(),
         }
         return loss, metrics
 
-    H = hidden.shape[-1]
-    h = hidden.reshape(-1, H)
-    y = labels.reshape(-1)
-    idx, n_valid = compact_rows(y, weight.shape[0], ignore_index, "labels")
-    if idx is not None:
-        h, y = h.index_select(0, idx), y.index_select(0, idx)
-    h = h if h.stride(-1) == 1 else h.contiguous()
-
+    h, y, n_valid = _valid_rows_and_labels(hidden, weight, labels, ignore_index)
     divisor = _divisor(reduction, num_items, n_valid, hidden.device)
     loss, correct, entropy_sum = _LinearCrossEntropy.apply(
-        h, weight, bias, y.long(), divisor, chunk_size, bool(return_metrics)
+        h, weight, bias, y, divisor, chunk_size, bool(return_metrics)
     )
     if not return_metrics:
         return loss
@@ -149,14 +142,19 @@ def _divisor(reduction, num_items, n_valid, device) -> torch.Tensor:
     return torch.tensor(float(max(n_valid, 1)), device=device)
 
 
-def _argmax_correct(hidden, weight, bias, labels, valid, chunk_size) -> torch.Tensor:
+def _valid_rows_and_labels(hidden, weight, labels, ignore_index):
+    """(h (n, H), y (n,) int64, n) for the rows whose label is not ignore_index."""
+    y = labels.reshape(-1)
+    idx, n_valid = compact_rows(y, weight.shape[0], ignore_index, "labels")
+    h = valid_rows(hidden.reshape(-1, hidden.shape[-1]), idx)
+    return h, valid_rows(y, idx).long(), n_valid
+
+
+def _argmax_correct(hidden, weight, bias, labels, ignore_index, chunk_size) -> torch.Tensor:
     """argmax == label count for reduction='none' (a no-grad pass of the same chunk loop)."""
-    H = hidden.shape[-1]
-    idx = valid.reshape(-1).nonzero().squeeze(1)
-    h = hidden.detach().reshape(-1, H).index_select(0, idx)
-    y = labels.reshape(-1).index_select(0, idx).long()
+    h, y, _ = _valid_rows_and_labels(hidden.detach(), weight, labels, ignore_index)
     out = head_forward(
-        h.contiguous(), gemm_weight(weight.detach()), None if bias is None else bias.detach(),
+        h, gemm_weight(weight.detach()), None if bias is None else bias.detach(),
         y, 1.0, chunk_size, want_argmax=True,
     )
     return (out.argmax == y).sum()

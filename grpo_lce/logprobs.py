@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from grpo_lce._checks import check_chunk_size, check_head, check_targets, check_temperature
-from grpo_lce._chunks import compact_rows
+from grpo_lce._chunks import compact_rows, valid_rows
 from grpo_lce._head import gemm_weight, head_forward
 
 
@@ -33,7 +33,7 @@ class _LinearLogprobs(torch.autograd.Function):
         # hidden (N, H) all rows; idx (n,) the valid rows or None for all; y (n,) their targets
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         recompute = need_w or need_b
-        h = _valid_rows(hidden, idx)
+        h = valid_rows(hidden, idx)
         out = head_forward(
             h, gemm_weight(weight), bias, y, inv_tau, chunk_size,
             want_basis=need_h and not recompute,
@@ -56,38 +56,32 @@ class _LinearLogprobs(torch.autograd.Function):
             return (None, None, None) + none
         s = -ctx.inv_tau
         # per valid row: α = −g/τ, β = −g^H/τ  (upstream gradients of logp and entropy)
-        alpha = None if g_logp is None else _valid_rows(g_logp, idx).float() * s
-        beta = None if g_ent is None else _valid_rows(g_ent, idx).float() * s
+        alpha = None if g_logp is None else valid_rows(g_logp, idx).float() * s
+        beta = None if g_ent is None else valid_rows(g_ent, idx).float() * s
         if ctx.recompute:
             # D = α (p − e_y) + β p∘(z − z̄) is the whole ∂loss/∂(h Wᵀ) of a chunk
             out = head_forward(
-                _valid_rows(hidden, idx), gemm_weight(weight), bias, y, ctx.inv_tau,
+                valid_rows(hidden, idx), gemm_weight(weight), bias, y, ctx.inv_tau,
                 ctx.chunk_size, want_basis=need_h, want_grad_weight=need_w,
                 want_grad_bias=need_b,
                 alpha=torch.zeros_like(y, dtype=torch.float32) if alpha is None else alpha,
                 beta=beta,
             )
-            dh = _to_all_rows(out.basis, idx, hidden.shape[0]) if need_h else None
+            dh = _to_all_rows(out.basis.to(hidden.dtype), idx, hidden.shape[0]) if need_h else None
             dw = out.grad_weight.to(weight.dtype) if need_w else None
             db = out.grad_bias.to(bias.dtype) if need_b else None
-            return (None if dh is None else dh.to(hidden.dtype), dw, db) + none
+            return (dh, dw, db) + none
         # Frozen head: elementwise, dh = α · GW + β · EW
         acc = torch.zeros_like(basis) if alpha is None else basis * alpha[:, None]
         if beta is not None:
             if ebasis is None:
                 ebasis = head_forward(
-                    _valid_rows(hidden, idx), gemm_weight(weight), bias, y, ctx.inv_tau,
+                    valid_rows(hidden, idx), gemm_weight(weight), bias, y, ctx.inv_tau,
                     ctx.chunk_size, want_ebasis=True,
                 ).ebasis
             acc += ebasis * beta[:, None]
         dh = _to_all_rows(acc.to(hidden.dtype), idx, hidden.shape[0])
         return (dh, None, None) + none
-
-
-def _valid_rows(t: torch.Tensor, idx: torch.Tensor | None) -> torch.Tensor:
-    """The rows of t (N, ...) at idx, contiguous in the last dim (GEMM operand)."""
-    r = t if idx is None else t.index_select(0, idx)
-    return r if r.dim() < 2 or r.stride(-1) == 1 else r.contiguous()
 
 
 def _to_all_rows(vals: torch.Tensor, idx: torch.Tensor | None, n: int) -> torch.Tensor:

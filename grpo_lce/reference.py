@@ -20,7 +20,10 @@ def logprobs_ref(hidden, weight, targets, *, bias=None, temperature=1.0, ignore_
     """(logp, entropy) in fp64 with the leading shape of targets; 0 at ignored positions."""
     z = logits_ref(hidden, weight, bias, temperature)
     logp_all = torch.log_softmax(z, dim=-1)
-    valid = targets != ignore_index if ignore_index is not None else torch.ones_like(targets, dtype=torch.bool)
+    if ignore_index is None:
+        valid = torch.ones_like(targets, dtype=torch.bool)
+    else:
+        valid = targets != ignore_index
     y = torch.where(valid, targets, torch.zeros_like(targets))
     logp = logp_all.gather(-1, y.unsqueeze(-1).long()).squeeze(-1)
     ent = -(logp_all.exp() * logp_all).sum(-1)
