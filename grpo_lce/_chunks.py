@@ -5,9 +5,13 @@ Memory model of one chunk of C rows (V = vocabulary):
     G    over Z's own bytes        the gradient operand (see _head.g_over_z): free
     E    (C, V) in the GEMM dtype  the entropy operand, only for an entropy basis
 so a chunk costs C · V · (4 + 2·k) bytes, k = 1 with E, else 0. The default chunk size fills
-`DEFAULT_CHUNK_BUDGET_BYTES` (256 MiB: 512 rows of a 128k vocabulary); pass `chunk_size=` to
-any public function to override it per call. Larger chunks amortise reading W (V, H) once per
-GEMM. A trainable head accumulates dW (V, H) in fp32 once per
+`DEFAULT_CHUNK_BUDGET_BYTES` (256 MiB: 512 rows of a 128k vocabulary), but a call over few rows
+N uses at least `MIN_CHUNKS` chunks (of >= 64 rows): its chunk then holds <= 1/8 of the fp32
+logits of the call, so small calls cost memory in proportion to their tokens, like the
+activations around them (one 1024-token SFT row on a 128k vocabulary: 128 rows, 66 MB, where
+the full budget would add 256 MiB to a step whose backbone peak is ~0.2 GiB). Pass
+`chunk_size=` to any public function to override all this per call. Larger chunks amortise
+reading W (V, H) once per GEMM. A trainable head accumulates dW (V, H) in fp32 once per
 chunk, so there the chunk is at least `MIN_ROWS_GRAD_WEIGHT` rows (measured on an H200 at
 V=128256, H=2048: 320-row chunks make the dW accumulation 3x slower than one GEMM, 1024-row
 chunks 1.3x), even above the budget.
@@ -21,6 +25,7 @@ from grpo_lce._checks import check_target_range
 
 DEFAULT_CHUNK_BUDGET_BYTES = 256 * 2**20
 MIN_ROWS_GRAD_WEIGHT = 1024
+MIN_CHUNKS = 8
 
 # Keep the row count of a chunk a multiple of this, so the GEMMs see tensor-core friendly M.
 _ROW_ALIGN = 64
@@ -31,15 +36,20 @@ def default_chunk_size(
     n_operands: int = 0,
     operand_bytes: int = 2,
     budget_bytes: int | None = None,
+    n_rows: int | None = None,
 ) -> int:
     """Rows per chunk so that Z (fp32) plus `n_operands` separate (C, V) buffers fit the budget
-    (default `DEFAULT_CHUNK_BUDGET_BYTES`)."""
+    (default `DEFAULT_CHUNK_BUDGET_BYTES`); for a call over `n_rows` rows, also no more than
+    ⌈n_rows / MIN_CHUNKS⌉ rounded up to a multiple of 64 (module docstring)."""
     if budget_bytes is None:
         budget_bytes = DEFAULT_CHUNK_BUDGET_BYTES
     per_row = vocab * (4 + n_operands * operand_bytes)
     rows = max(1, budget_bytes // max(per_row, 1))
     if rows >= _ROW_ALIGN:
         rows -= rows % _ROW_ALIGN
+    if n_rows is not None:
+        share = -(-n_rows // MIN_CHUNKS)
+        rows = min(rows, max(_ROW_ALIGN, -(-share // _ROW_ALIGN) * _ROW_ALIGN))
     return int(rows)
 
 

@@ -67,7 +67,7 @@ def head_forward(
     dev = h.device
     want_g = want_basis or want_grad_weight or want_grad_bias
     # G is written over Z (see g_over_z), so only the entropy operand E costs a buffer
-    C = chunk_size or default_chunk_size(V, int(want_ebasis), w.element_size())
+    C = chunk_size or default_chunk_size(V, int(want_ebasis), w.element_size(), n_rows=N)
     if want_grad_weight and not chunk_size:
         C = max(C, MIN_ROWS_GRAD_WEIGHT)
     C = min(C, max(N, 1))
@@ -96,20 +96,19 @@ def head_forward(
         z = mm_f32(h_gemm[s:e], wt, out=z_buf[:n])  # (n, V) fp32, no bias / τ yet
         g = g_over_z(z_buf, n, w.dtype) if want_g else None
         eo = e_buf[:n] if want_ebasis else None
-        lse, z_y, ent, amax = row_softmax(
+        row_softmax(
             z, y[s:e], b, inv_tau,
             g_out=g, e_out=eo,
             alpha=None if alpha is None else alpha[s:e],
             beta=None if beta is None else beta[s:e],
             want_argmax=want_argmax,
+            out=(out.lse[s:e], out.z_y[s:e], out.entropy[s:e],
+                 out.argmax[s:e] if want_argmax else None),
         )
-        out.lse[s:e], out.z_y[s:e], out.entropy[s:e] = lse, z_y, ent
-        if want_argmax:
-            out.argmax[s:e] = amax
         if want_basis:
-            out.basis[s:e] = mm_f32(g, w)
+            mm_f32(g, w, out=out.basis[s:e])
         if want_ebasis:
-            out.ebasis[s:e] = mm_f32(eo, w)
+            mm_f32(eo, w, out=out.ebasis[s:e])
         if want_grad_weight:
             accumulate_mm(out.grad_weight, g.t(), h_gemm[s:e])
         if want_grad_bias:

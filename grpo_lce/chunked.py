@@ -119,7 +119,7 @@ def chunked_linear(
             raise ValueError(f"row_args[{i}] is on {r.device} but hidden is on {hidden.device}")
         rows.append(r.detach().reshape(x.shape[0], *r.shape[len(lead):]))
     n = x.shape[0]
-    chunk = chunk_size or default_chunk_size(weight.shape[0], n_operands=0)
+    chunk = chunk_size or default_chunk_size(weight.shape[0], n_operands=0, n_rows=n)
     chunk = min(chunk, max(n, 1))
     if n == 0:
         probe = fn(torch.zeros(0, weight.shape[0], device=x.device), *rows)

@@ -15,7 +15,9 @@ Parts (--parts):
                then `compute_loss` + `backward` (β = 0.04, loss_type "dapo"). G sequences of a
                64-token prompt and completions of ⌈L·(i+1)/G⌉ tokens (shuffled, right-padded to
                L: 56 % mean fill at G=8). Sweeps L at G=--base-batch and G at L=--base-length.
-               Systems: ours (trainers.GRPOTrainer), trl116, trl113 (stock trl.GRPOTrainer).
+               Systems: ours (trainers.GRPOTrainer, default packing="auto": packed through
+               varlen attention under SDPA), ours_padded (packing=False), ours_packed (packed
+               under flex_attention), trl116, trl113 (stock trl.GRPOTrainer).
     fit        the longest L (G=8) whose peak total memory (model + phase peak + AdamW state of
                the LoRA parameters) fits in 24 GiB and in 80 GiB: doubling grid, then --fit-bisect
                halvings. Computed from measured peaks; memory is not capped (on an 80 GB GPU an
@@ -63,7 +65,11 @@ Full run, one 10-minute call per line, each adding to the same results (--resume
     python3 scripts/bench_e2e.py --models 1b --parts sft --resume --budget-min 8.5
     python3 scripts/bench_e2e.py --models 1b --parts fit --resume --budget-min 8.5
     python3 scripts/bench_e2e.py --models 1b --parts lossmatch --resume --budget-min 8.5
-    python3 scripts/bench_e2e.py --models 8b --parts grpo --systems ours,trl116 --resume --budget-min 8.5
+    python3 scripts/bench_e2e.py --models 8b --parts grpo --systems ours,trl116,trl113 --reps 2 --resume --budget-min 8.5
+
+(the committed 8b run: --lengths 512,1024,2048,4096,8192,16384 --batches 8,16,32 over three
+calls; its fit table is read off that grid). `--report-only H200` rewrites the tables, plots
+and JSON from e2e_H200.jsonl without running anything.
 
 (repeat a line until its part is complete: finished points are skipped on --resume).
 
@@ -94,14 +100,18 @@ sys.path.insert(1, str(ROOT))
 
 import _e2e_common as E  # noqa: E402
 
-GRPO_SYSTEMS = ("ours", "ours_packed", "trl116", "trl113")
-# ours_packed: padding-free passes (trainers.packing) under flex_attention; the rest use sdpa
+GRPO_SYSTEMS = ("ours", "ours_padded", "ours_packed", "trl116", "trl113")
+# ours: the default packing="auto", which under sdpa on CUDA packs through torch's varlen
+# FlashAttention (trainers.varlen); ours_padded: packing=False; ours_packed: packing=True under
+# flex_attention. Every model is loaded with sdpa except ours_packed's.
 ATTN = {"ours_packed": "flex_attention"}
+GRPO_PACKING = {"ours": "auto", "ours_padded": False, "ours_packed": True}
 SFT_SYSTEMS = ("ours", "trl116", "hf", "liger")
 LOSSMATCH_SYSTEMS = ("ours", "trl116")
 PARTS = ("grpo", "fit", "sft", "lossmatch")
 SYSTEM_LABEL = {
-    "ours": "grpo_lce", "ours_packed": "grpo_lce packed (flex)", "trl116": "TRL 1.16",
+    "ours": "grpo_lce", "ours_padded": "grpo_lce padded", "ours_packed": "grpo_lce packed (flex)",
+    "trl116": "TRL 1.16",
     "trl113": "TRL 1.13", "hf": "transformers", "liger": "Liger FLCE",
 }
 
@@ -169,7 +179,7 @@ def unavailable(system: str, device: str) -> str | None:
     import trl
 
     v = trl.__version__
-    if system in ("ours", "ours_packed", "trl116", "hf", "liger") and not v.startswith("1.16"):
+    if system in (*GRPO_PACKING, "trl116", "hf", "liger") and not v.startswith("1.16"):
         return f"n/a: needs TRL 1.16, this process imports {v}"
     if system == "trl113" and not v.startswith("1.13"):
         return f"n/a: not installed (TRL 1.13 not on PYTHONPATH, this process imports {v})"
@@ -184,7 +194,7 @@ def unavailable(system: str, device: str) -> str | None:
 
 
 def grpo_trainer_cls(system: str):
-    if system in ("ours", "ours_packed"):
+    if system in GRPO_PACKING:
         from trainers import GRPOTrainer
 
         return GRPOTrainer
@@ -223,7 +233,7 @@ def build_grpo(system, model, tok, *, G, L, device, out, **extra):
         **base_args(out, device, bs=G, bf16=True), num_generations=G, max_completion_length=L,
         beta=0.04, loss_type="dapo", **extra)
     ds = Dataset.from_dict({"prompt": ["hello"] * G})
-    trainer_kw = {"packing": system == "ours_packed"} if system.startswith("ours") else {}
+    trainer_kw = {"packing": GRPO_PACKING[system]} if system in GRPO_PACKING else {}
     return grpo_trainer_cls(system)(
         **trainer_kw,
         model=model, reward_funcs=zero_reward, args=args, train_dataset=ds, processing_class=tok,
@@ -314,9 +324,11 @@ def grpo_point(tr, *, G, L, V, device, reps, warmup=True) -> dict:
 
     r = timed_phases({"ref": ref, "loss": loss}, device, reps, warmup)
     valid = mask[:, P:].bool()
+    # how the log-prob passes ran: "sdpa_varlen" / "block" packed, None padded (ours only)
+    kind = tr._lce_packing_kind(tr.model, False) if hasattr(tr, "_lce_packing_kind") else None
     return {"ref": r["ref"], "loss": r["loss"], "loss_value": r["_results"]["loss"],
             "ref_logp_mean": float(state["ref"][valid].float().mean()),
-            "tokens": int(mask.sum())}
+            "tokens": int(mask.sum()), "packing_kind": kind}
 
 
 def sft_point(tr, *, B, T, V, device, reps) -> dict:
@@ -725,7 +737,8 @@ def cell(rec, fn) -> str:
 
 def grpo_table(recs: dict, models, systems) -> str:
     rows = ["| model | L | G | system | ref ms | ref extra GiB | loss ms | loss extra GiB | "
-            "peak total GiB | loss |", "|---|---|---|---|---|---|---|---|---|---|"]
+            "peak total GiB | time vs TRL 1.16 | loss |",
+            "|---|---|---|---|---|---|---|---|---|---|---|"]
     pts = sorted({(r["model"], r["L"], r["G"]) for r in recs.values()
                   if r.get("part") == "grpo" and "L" in r}, key=lambda p: (p[0], p[2], p[1]))
     for model, L, G in pts:
@@ -735,13 +748,19 @@ def grpo_table(recs: dict, models, systems) -> str:
                 continue
             if r.get("status") != "ok":
                 rows.append(f"| {model} | {L} | {G} | {SYSTEM_LABEL[s]} | {cell(r, str)} |"
-                            + " |" * 5)
+                            + " |" * 6)
                 continue
             tot = max(r["ref"]["total_bytes"] or 0, r["loss"]["total_bytes"] or 0) or None
+            base = recs.get(f"grpo|{model}|trl116|L={L}|G={G}")
+            ratio = ""  # (ref + loss) time over TRL 1.16's at the same point
+            if base is not None and base.get("status") == "ok":
+                t, t_base = r["ref"]["ms"] + r["loss"]["ms"], base["ref"]["ms"] + base["loss"]["ms"]
+                ratio = f"{t / t_base:.2f}x"
             rows.append(
                 f"| {model} | {L} | {G} | {SYSTEM_LABEL[s]} | {r['ref']['ms']:.0f} | "
                 f"{gib(r['ref']['extra_bytes'])} | {r['loss']['ms']:.0f} | "
-                f"{gib(r['loss']['extra_bytes'])} | {gib(tot)} | {r['loss_value']:+.5f} |")
+                f"{gib(r['loss']['extra_bytes'])} | {gib(tot)} | {ratio} | "
+                f"{r['loss_value']:+.5f} |")
     return "\n".join(rows)
 
 
@@ -766,12 +785,25 @@ def sft_table(recs: dict, models, systems) -> str:
     return "\n".join(rows)
 
 
+def _fit_cells(total: dict, budgets_gib) -> list[str]:
+    """'L (< L_over)' per budget from {L: peak total bytes (inf = OOM)}."""
+    cells = []
+    for gib_ in budgets_gib:
+        fits = [L for L, v in total.items() if v <= gib_ * E.GIB]
+        over = [L for L, v in total.items() if not v <= gib_ * E.GIB and (not fits or L > max(fits))]
+        cell_ = "none" if not fits else str(max(fits))
+        cells.append(cell_ + (f" (< {min(over)})" if over else ""))
+    return cells
+
+
 def fit_table(recs: dict) -> str:
     rows = ["| model | system | G | longest L ≤ 24 GiB | longest L ≤ 80 GiB | note |",
             "|---|---|---|---|---|---|"]
-    for r in recs.values():
-        if r.get("part") != "fit" or r.get("kind") != "summary":
-            continue
+    order = {s: i for i, s in enumerate(GRPO_SYSTEMS)}
+    summaries = sorted(
+        (r for r in recs.values() if r.get("part") == "fit" and r.get("kind") == "summary"),
+        key=lambda r: (r["model"], order.get(r["system"], 99)))
+    for r in summaries:
         if r.get("status") != "ok":
             rows.append(f"| {r['model']} | {SYSTEM_LABEL[r['system']]} | {r.get('G', '')} | "
                         f"{r['status']} | | |")
@@ -782,6 +814,22 @@ def fit_table(recs: dict) -> str:
             cells.append(L + ("" if s["first_over"] is None else f" (< {s['first_over']})"))
         rows.append(f"| {r['model']} | {SYSTEM_LABEL[r['system']]} | {r['G']} | {cells[0]} | "
                     f"{cells[1]} | {r.get('note', '')} |")
+    # Models without a fit search: the same quantity read off their G=8 GRPO grid (the grid's
+    # lengths only, no bisection), from the same peak totals plus the AdamW state.
+    searched = {r["model"] for r in summaries}
+    grid = [r for r in recs.values() if r.get("part") == "grpo" and r.get("G") == 8
+            and r["model"] not in searched and r.get("status") in ("ok", "OOM")]
+    for model in sorted({r["model"] for r in grid}):
+        for system in GRPO_SYSTEMS:
+            pts = [r for r in grid if r["model"] == model and r["system"] == system]
+            if not pts:
+                continue
+            total = {r["L"]: float("inf") if r["status"] == "OOM" else
+                     max(r["ref"]["total_bytes"] or 0, r["loss"]["total_bytes"] or 0)
+                     + (r.get("opt_bytes") or 0) for r in pts}
+            cells = _fit_cells(total, (24, 80))
+            rows.append(f"| {model} | {SYSTEM_LABEL[system]} | 8 | {cells[0]} | {cells[1]} | "
+                        f"from the GRPO grid (L = {', '.join(str(L) for L in sorted(total))}) |")
     return "\n".join(rows)
 
 
@@ -951,6 +999,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tiny offline Llama, no 4-bit: a CPU smoke run of every code path")
     p.add_argument("--device", default=None, help="cuda (default when available) or cpu")
     p.add_argument("--out-dir", default=str(ROOT / "bench" / "results"))
+    p.add_argument("--report-only", metavar="TAG", default=None,
+                   help="run nothing: rewrite e2e_TAG.{md,json,png} from e2e_TAG.jsonl in --out-dir")
     p.add_argument("--model-cache", default="/tmp/grpo_lce_e2e_models",
                    help="where the random 1b / 8b models are built once (2.5 / 16 GB)")
     p.add_argument("--trl113-path", default="/tmp/site113",
@@ -1009,6 +1059,10 @@ def main(argv=None) -> int:
     if a.worker:
         return worker_main(a)
     grid = resolve(a)
+    if a.report_only:  # tables, plots and JSON again from a finished run's lines
+        out_dir = Path(a.out_dir)
+        print(report(a, a.report_only, out_dir / f"e2e_{a.report_only}.jsonl", out_dir))
+        return 0
     t_start = time.time()
     deadline = t_start + 60 * a.budget_min if a.budget_min else float("inf")
     out_dir = Path(a.out_dir)

@@ -9,7 +9,7 @@ fallback and the Triton row kernel (under TRITON_INTERPRET=1 on CPU). Run:
 import pytest
 import torch
 
-from grpo_lce import linear_logprobs
+from grpo_lce import default_chunk_size, linear_logprobs
 from grpo_lce.reference import logprobs_ref
 from _head_inputs import head_inputs
 from _tolerance import assert_3way, assert_close_scaled
@@ -227,3 +227,15 @@ def test_peaked_rows_keep_entropy_digits(backend, monkeypatch):
     torch_fp32 = -(z.exp() * z).sum(-1)  # plain torch fp32: the bar to meet
     assert ref.min() < 0.05  # the case is really peaked
     assert_3way(ent, torch_fp32, ref, k=2.0, atol=1e-6, what="peaked entropy")
+
+
+def test_default_chunk_size_budget_and_small_calls():
+    # The budget alone: 256 MiB of fp32 rows at V = 128256 is 523 rows -> 512 (a multiple of 64);
+    # with an entropy operand (2 more bytes per entry) 349 -> 320.
+    assert default_chunk_size(128256) == 512
+    assert default_chunk_size(128256, 1, 2) == 320
+    # A call over N rows: at most ceil(N / 8) rounded up to 64, never under 64 rows.
+    assert [default_chunk_size(128256, n_rows=n) for n in (1, 500, 1024, 2048, 4096, 10**6)] == [
+        64, 64, 128, 256, 512, 512]
+    # Tiny vocabularies: the budget allows far more rows than the call has.
+    assert default_chunk_size(100, n_rows=10_000) == 1280

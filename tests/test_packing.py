@@ -6,7 +6,9 @@ cannot be packed); log-probs and entropies of the policy and the adapter-disable
 loss and LoRA gradients (grpo and dapo, β > 0), packed vs padded in the same trainer; a short
 `train()` whose logs match padded step by step; the varlen kwargs reaching the attention
 function; flex_attention packing under "auto" (no-grad only: FlexAttention has no CPU
-backward in torch 2.13); and the padded fallback, logged once, under sdpa.
+backward in torch 2.13); sdpa models switched to `trainers.varlen` (the CUDA varlen kernel
+replaced by its contract in plain sdpa; unpacked calls bit-identical to sdpa; the dense
+fallback; refusals); and the padded fallback, logged once, under sdpa on CPU.
 
     python -m pytest tests/test_packing.py -q
 
@@ -44,7 +46,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, flash_atten
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from trl.trainer.utils import use_adapter
 
-from trainers import GRPOTrainer
+from trainers import GRPOTrainer, varlen
 from trainers.head import backbone, unwrap_causal_lm
 from trainers.packing import choose_packing, plan_packs, synthetic_ragged_batch, unpack
 from trainers.tiny import build_tiny_llama, build_tokenizer
@@ -387,3 +389,91 @@ def test_packing_blockers(tok):
     model.config._attn_implementation = "my_custom_attention"
     kind, msg = choose_packing(model, True)
     assert kind is None and "my_custom_attention" in msg
+
+
+# ---------------------------------------------------------------- sdpa through varlen_attn
+
+
+def _varlen_attn_reference(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=None,
+                           is_causal=None, enable_gqa=False):
+    """torch.nn.attention.varlen.varlen_attn's contract in plain sdpa, (T, H, D) layout: causal
+    attention inside each [cu[i], cu[i+1]) segment. Records what it was asked for."""
+    assert window_size == (-1, 0) or is_causal is True  # causal, one way or the other
+    assert torch.equal(cu_q, cu_k) and cu_q.dtype == torch.int32
+    cu = cu_q.tolist()
+    assert max_q == max_k == max(e - s for s, e in zip(cu[:-1], cu[1:], strict=True))
+    if k.shape[1] != q.shape[1]:
+        assert enable_gqa  # the other signature gets k, v already repeated
+        rep = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+    _varlen_attn_reference.seen.append(cu)
+    out = torch.cat([
+        F.scaled_dot_product_attention(
+            q[s:e].transpose(0, 1), k[s:e].transpose(0, 1), v[s:e].transpose(0, 1),
+            is_causal=True, scale=scale).transpose(0, 1)
+        for s, e in zip(cu[:-1], cu[1:], strict=True)
+    ])  # (T, H, D)
+    return out
+
+
+@pytest.mark.parametrize("signature", ["window_size,enable_gqa", "is_causal"])
+def test_sdpa_varlen_packs_sdpa_models(tok, tmp_path, monkeypatch, signature):
+    # trainers.varlen on CPU: the CUDA kernel is replaced by its contract in plain sdpa, for the
+    # two varlen_attn signatures torch has had (window_size + enable_gqa, or is_causal only).
+    params = frozenset({"scale", *signature.split(",")})
+    monkeypatch.setattr(varlen, "_varlen_attn", lambda: (_varlen_attn_reference, params))
+    monkeypatch.setattr(varlen, "_kernel_runs", lambda query: True)
+    monkeypatch.setattr(_varlen_attn_reference, "seen", [], raising=False)
+    tr = _trainer(tok, tmp_path, packing="auto")
+    lm = unwrap_causal_lm(tr.model)
+    ids, mask = _ragged(tok)
+    kw = dict(compute_entropy=True)
+    lp_sdpa, ent_sdpa, _ = tr._get_per_token_logps_and_entropies(tr.model, ids, mask, C, **kw)
+    assert lm.config._attn_implementation == "sdpa"  # CPU fp32: varlen_blocker said no
+    varlen.use_sdpa_varlen(lm)
+    assert choose_packing(tr.model, "auto") == ("sdpa_varlen", None)
+    tr.packing = False  # unpacked calls under IMPL are sdpa, bit for bit
+    lp_off, ent_off, _ = tr._get_per_token_logps_and_entropies(tr.model, ids, mask, C, **kw)
+    assert torch.equal(lp_off, lp_sdpa) and torch.equal(ent_off, ent_sdpa)
+    assert _varlen_attn_reference.seen == []
+    tr.packing = "auto"
+    with _BackboneCalls(tr.model) as calls:
+        lp, ent, _ = tr._get_per_token_logps_and_entropies(tr.model, ids, mask, C, **kw)
+    assert calls.shapes == [(1, N_PACKED)]
+    lens = [mask[b].sum().item() for b in range(B) if COMPLETION_LENS[b] > 0]
+    boundaries = torch.tensor([0, *lens]).cumsum(0).tolist()
+    assert _varlen_attn_reference.seen == [boundaries] * lm.config.num_hidden_layers
+    _assert_close(lp, lp_sdpa, atol=LOGP_ATOL, what="logp sdpa_varlen")
+    _assert_close(ent, ent_sdpa, atol=LOGP_ATOL, what="entropy sdpa_varlen")
+    # gradients flow through the packed call (the reference runs under autograd here)
+    (lp * mask[:, -C:]).sum().backward()
+    packed_grads = _grads(tr.model)
+    tr.model.zero_grad()
+    tr.packing = False
+    lp_pad, _, _ = tr._get_per_token_logps_and_entropies(tr.model, ids, mask, C)
+    (lp_pad * mask[:, -C:]).sum().backward()
+    for name, g in _grads(tr.model).items():
+        _assert_close(packed_grads[name], g, atol=GRAD_RTOL * g.abs().max().item(), what=name)
+
+
+def test_sdpa_varlen_dense_fallback_and_refusals(tok, tmp_path, caplog):
+    # Where the kernel cannot run (here: CPU fp32), a packed call under IMPL still keeps the
+    # rows apart, with the block-diagonal mask; a packed call with a sliding window is refused.
+    tr = _trainer(tok, tmp_path, packing=True)
+    lm = unwrap_causal_lm(tr.model)
+    ids, mask = _ragged(tok)
+    with torch.no_grad():
+        tr.packing = False
+        lp_pad, _, _ = tr._get_per_token_logps_and_entropies(tr.model, ids, mask, C)
+        varlen.use_sdpa_varlen(lm)
+        tr.packing = True
+        with _BackboneCalls(tr.model) as calls:
+            lp, _, _ = tr._get_per_token_logps_and_entropies(tr.model, ids, mask, C)
+    assert calls.shapes == [(1, N_PACKED)]
+    _assert_close(lp, lp_pad, atol=LOGP_ATOL, what="logp sdpa_varlen dense fallback")
+    reason = varlen.varlen_blocker(build_tiny_llama(tok, hidden_size=32, num_layers=1))
+    assert "CUDA" in reason or "varlen_attn" in reason
+    q = torch.zeros(1, 2, 4, 8)
+    cu = torch.tensor([0, 4], dtype=torch.int32)
+    with pytest.raises(NotImplementedError, match="sliding_window"):
+        varlen.sdpa_varlen_attention(None, q, q, q, None, cu_seq_lens_q=cu, sliding_window=2)

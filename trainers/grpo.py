@@ -28,9 +28,11 @@ into one sequence per `max_packed_tokens` (position_ids restarting at 0 per row,
 attention_mask), the backbone runs on Σ n_b tokens instead of B·L, only the completion positions
 reach the head, and the results are scattered back to (B, K). `packing="auto"` (the default)
 packs when the attention implementation keeps packed rows apart without a dense (T, T) mask:
-flash_attention_2/3/4 (varlen) and flex_attention. Under sdpa / eager it stays padded and says
-so once; `packing=True` packs there too (correct, with a warning: the mask is dense);
-`packing=False` never packs. Never packed, whatever the option: the MoE aux-loss pass,
+flash_attention_2/3/4 (varlen), flex_attention, and sdpa on CUDA in fp16/bf16 (the model is
+switched to `trainers.varlen.IMPL`: sdpa for every other call, PyTorch's varlen FlashAttention
+for packed ones). Under eager, or sdpa where that kernel cannot run (CPU, fp32), it stays
+padded and says so once; `packing=True` packs there too (correct, with a warning: the mask is
+dense); `packing=False` never packs. Never packed, whatever the option: the MoE aux-loss pass,
 prompt-learning PEFT adapters, models with non-attention layers, batches whose mask is not one
 contiguous run per row after a non-empty prompt.
 
@@ -43,6 +45,8 @@ parameters are sharded outside the module's forward).
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 import trl
@@ -58,6 +62,7 @@ from trainers.head import (
     lm_head_params,
 )
 from trainers.packing import PackPlan, choose_packing, plan_packs, unpack
+from trainers.varlen import packed_forward
 
 logger = logging.get_logger(__name__)
 
@@ -108,7 +113,8 @@ class GRPOTrainer(trl.GRPOTrainer):
         return fused_head_unsupported_reason(model)
 
     def _lce_packing_kind(self, model, compute_aux_loss: bool) -> str | None:
-        """How to pack for `model` ("varlen", "block", "dense"), or None for the padded path."""
+        """How to pack for `model` ("varlen", "block", "sdpa_varlen", "dense"), or None for the
+        padded path."""
         if compute_aux_loss and self.packing is not False:
             self._lce_packing_warning(
                 "grpo_lce packing off for the MoE aux-loss pass (the router's load-balancing loss "
@@ -196,8 +202,9 @@ class GRPOTrainer(trl.GRPOTrainer):
         """(logps (B, K), entropies (B, K) or None) from one forward per pack: the hidden
         states before the scored tokens, (N, H) over all packs, go through the head at once."""
         hidden = []
+        maybe_packed = packed_forward if kind == "sdpa_varlen" else contextlib.nullcontext
         for pack in plan.packs:
-            with self.accelerator.autocast():
+            with self.accelerator.autocast(), maybe_packed():
                 h, _ = forward_hidden_states(model, **pack.model_inputs(kind))  # (1, T, H)
             hidden.append(h[0, pack.hidden_index])  # (N_p, H)
         out = head_logprobs(torch.cat(hidden), weight, bias, plan.targets, **head_kwargs)

@@ -36,11 +36,16 @@ restricts attention to each row. What that costs depends on the attention implem
               explicitly, so transformers skips its per-layer scan of position_ids.
     "block"   flex_attention: a BlockMask, O((T/128)²) block indices; fully masked blocks
               between rows are skipped.
-    "dense"   sdpa, eager: a dense (1, 1, T, T) mask. Correct, but T² mask bytes and T²
-              attention work instead of B·L², i.e. more, not less, once T > L·√B.
+    "sdpa_varlen"  sdpa models on CUDA in fp16/bf16: switched to `trainers.varlen.IMPL`, which
+              is sdpa for every other call and PyTorch's own varlen FlashAttention
+              (`torch.nn.attention.varlen`) over the same cu_seqlens for packed ones, with no
+              mask (see trainers.varlen; no flash-attn install needed).
+    "dense"   eager, and sdpa where varlen_attn cannot run (CPU, fp32, sliding windows, ...): a
+              dense (1, 1, T, T) mask. Correct, but T² mask bytes and T² attention work instead
+              of B·L², i.e. more, not less, once T > L·√B.
 
-so `packing="auto"` packs for "varlen" and "block" only; `packing=True` also packs under a
-"dense" implementation (with a warning), which is how the CPU tests check correctness.
+so `packing="auto"` packs for "varlen", "block" and "sdpa_varlen"; `packing=True` also packs
+under a "dense" implementation (with a warning), which is how the CPU tests check correctness.
 
 Positions. Packed rows start at position 0, as generation saw them (transformers derives
 positions from the attention mask, vLLM never pads); TRL's padded forward numbers a left-padded
@@ -53,8 +58,8 @@ Memory. Each pack holds at most `max_tokens` tokens; the trainer's default is TR
 means one pack per padded chunk at most). A row longer than `max_tokens` gets a pack of its own.
 
 Benchmark (packed vs padded, same trainer and batch; e.g. a Llama-3.2-1B shape, B=8, L=1024 /
-4096, the e2e benchmark's ragged fill). The model needs a packing attention: load it with
-attn_implementation="flash_attention_2" (flash-attn installed) or switch a loaded one with
+4096, the e2e benchmark's ragged fill). Any of the packing attentions above works: the default
+sdpa (on CUDA, bf16), attn_implementation="flash_attention_2" (flash-attn installed) or
 `model.set_attn_implementation("flex_attention")` (compiled on first use per shape: warm up).
 
     ids, mask = synthetic_ragged_batch(8, 64, 1024, vocab, device="cuda")
@@ -86,6 +91,7 @@ from transformers.masking_utils import (
     sdpa_mask,
 )
 
+from trainers import varlen
 from trainers.head import PeftModel, unwrap_causal_lm
 
 # Layer kinds that only attend: packing relies on attention being the one place where tokens
@@ -106,9 +112,9 @@ class Pack:
 
     def model_inputs(self, kind: str | None) -> dict:
         """Keyword arguments of the model call: no attention_mask (rows are told apart by
-        position_ids), plus the varlen boundaries when `kind` is "varlen" (flash attention)."""
+        position_ids), plus the varlen boundaries for the "varlen" and "sdpa_varlen" kinds."""
         inputs = {"input_ids": self.input_ids, "position_ids": self.position_ids}
-        if kind == "varlen":
+        if kind in ("varlen", "sdpa_varlen"):
             inputs.update(
                 cu_seq_lens_q=self.cu_seqlens, cu_seq_lens_k=self.cu_seqlens,
                 max_length_q=self.max_seqlen, max_length_k=self.max_seqlen,
@@ -203,8 +209,9 @@ def unpack(values: torch.Tensor, plan: PackPlan) -> torch.Tensor:
 
 
 def attention_packing_kind(model: torch.nn.Module) -> str | None:
-    """"varlen" (flash), "block" (flex), "dense" (sdpa / eager) or None (an implementation
-    without transformers' packed-sequence handling: packed rows would see each other)."""
+    """"varlen" (flash), "block" (flex), "sdpa_varlen" (trainers.varlen), "dense" (sdpa /
+    eager) or None (an implementation without transformers' packed-sequence handling: packed
+    rows would see each other). As the model is now; `choose_packing` may switch sdpa."""
     impl = unwrap_causal_lm(model).config._attn_implementation
     # Hub kernels register the mask function of the implementation they stand in for, so the
     # mask function, not the name, says how a packed sequence will be masked.
@@ -215,6 +222,8 @@ def attention_packing_kind(model: torch.nn.Module) -> str | None:
         return "varlen"
     if mask_fn is flex_attention_mask:
         return "block"
+    if impl == varlen.IMPL:
+        return "sdpa_varlen"
     if mask_fn in (sdpa_mask, eager_mask):
         return "dense"
     return None
@@ -245,12 +254,17 @@ def choose_packing(model: torch.nn.Module, packing: bool | str) -> tuple[str | N
         return None, None
     reason = packing_blocker(model)
     kind = attention_packing_kind(model) if reason is None else None
-    impl = unwrap_causal_lm(model).config._attn_implementation
+    lm = unwrap_causal_lm(model)
+    impl = lm.config._attn_implementation
+    if kind == "dense" and varlen.varlen_blocker(lm) is None:
+        varlen.use_sdpa_varlen(lm)  # sdpa for every unpacked call, varlen for packed ones
+        kind = "sdpa_varlen"
     if kind == "dense" and packing == "auto":
         reason = (
             f"attn_implementation={impl!r} keeps packed rows apart only with a dense (T, T) "
-            "mask; load the model with attn_implementation='flash_attention_2' or "
-            "'flex_attention', or pass packing=True to pack anyway"
+            f"mask here ({varlen.varlen_blocker(lm) or 'eager attention'}); load the model "
+            "with attn_implementation='flash_attention_2' or 'flex_attention', or pass "
+            "packing=True to pack anyway"
         )
     if reason is not None:
         return None, f"grpo_lce packing off ({reason}); using padded forwards."

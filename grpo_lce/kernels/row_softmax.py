@@ -170,10 +170,13 @@ def row_softmax(
     alpha: torch.Tensor | None = None,
     beta: torch.Tensor | None = None,
     want_argmax: bool = False,
+    out: tuple | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Statistics of the rows of z (C, V) fp32; writes the operands g_out / e_out (C, V) if given.
 
-    Returns (lse, z_y, entropy, argmax), each (C,); fp32 but argmax (int64, or None).
+    Returns (lse, z_y, entropy, argmax), each (C,); fp32 but argmax (int64, or None); written
+    into `out`'s four contiguous (C,) tensors when given (the chunk's slices of the caller's
+    results: no per-chunk allocation or copy, which is what small calls pay for).
     `alpha`, `beta` (C,) fp32 are the per-row coefficients of G (defaults 1 and 0).
     g_out may alias z: a view of z's own rows (fp32 in place, or a narrower dtype over the first
     half of each fp32 row's bytes); z is then consumed.
@@ -183,14 +186,25 @@ def row_softmax(
     assert y.shape == (C,)
     if beta is not None:
         assert g_out is not None
-    lse = torch.empty(C, device=z.device, dtype=torch.float32)
-    z_y = torch.empty_like(lse)
-    ent = torch.empty_like(lse)
-    amax = torch.empty(C, device=z.device, dtype=torch.int64) if want_argmax else None
+    if out is None:
+        lse = torch.empty(C, device=z.device, dtype=torch.float32)
+        z_y = torch.empty_like(lse)
+        ent = torch.empty_like(lse)
+        amax = torch.empty(C, device=z.device, dtype=torch.int64) if want_argmax else None
+    else:
+        lse, z_y, ent, amax = out
+        assert all(t.shape == (C,) and t.is_contiguous() for t in (lse, z_y, ent))
+        assert (amax is not None) == want_argmax
     if C == 0:
         return lse, z_y, ent, amax
     if _backend(z) == "torch":
-        return _row_softmax_torch(z, y, bias, inv_tau, g_out, e_out, alpha, beta, want_argmax)
+        res = _row_softmax_torch(z, y, bias, inv_tau, g_out, e_out, alpha, beta, want_argmax)
+        if out is None:
+            return res
+        for dst, src in zip(out, res, strict=True):
+            if dst is not None:
+                dst.copy_(src)
+        return lse, z_y, ent, amax
     for t in (g_out, e_out):
         assert t is None or t.stride(1) == 1
     _row_softmax_kernel[(C,)](
