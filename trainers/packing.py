@@ -82,7 +82,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from accelerate.utils import extract_model_from_parallel
 from transformers.masking_utils import (
     ALL_MASK_ATTENTION_FUNCTIONS,
     eager_mask,
@@ -92,7 +91,7 @@ from transformers.masking_utils import (
 )
 
 from trainers import varlen
-from trainers.head import PeftModel, unwrap_causal_lm
+from trainers.head import PeftModel, unwrap_causal_lm, unwrap_model
 
 # Layer kinds that only attend: packing relies on attention being the one place where tokens
 # of different rows meet. Recurrent or convolutional layers (Mamba, linear attention) carry
@@ -231,7 +230,7 @@ def attention_packing_kind(model: torch.nn.Module) -> str | None:
 
 def packing_blocker(model: torch.nn.Module) -> str | None:
     """Why packing would not be exact for `model` whatever the option says, or None."""
-    peft = extract_model_from_parallel(model, keep_torch_compile=False)
+    peft = unwrap_model(model)
     if PeftModel and isinstance(peft, PeftModel) and peft.active_peft_config.is_prompt_learning:
         return "a prompt-learning PEFT adapter (virtual tokens or a prefix cache per row)"
     config = unwrap_causal_lm(model).config
