@@ -30,7 +30,7 @@ from trl.trainer.utils import use_adapter
 
 from trainers import GRPOTrainer
 from trainers.head import check_fused_head, forward_hidden_states, lm_head_params
-from trainers.tiny import build_tokenizer, tiny_model_dir
+from trainers.tiny import build_tiny_llama, build_tokenizer, tiny_model_dir
 from _tiny_models import lora_tiny_llama as _model
 
 LOGP_ATOL = 5e-5
@@ -351,3 +351,21 @@ def test_supported_prerelease_accepted(monkeypatch):
 
     monkeypatch.setattr(trl, "__version__", "1.16.1.dev0")
     check_trl_version("GRPOTrainer")
+
+
+def test_unwrap_model_peels_wrappers_like_accelerate(tok):
+    # trainers.head.unwrap_model replaces accelerate's extract_model_from_parallel on the hot
+    # path; it must peel the same wrappers (DataParallel, torch.compile), and it also peels a
+    # compiled module inside DataParallel, which accelerate leaves compiled. PEFT on top.
+    from accelerate.utils import extract_model_from_parallel
+    from peft import LoraConfig, get_peft_model
+
+    from trainers.head import unwrap_causal_lm, unwrap_model
+
+    model = build_tiny_llama(tok, hidden_size=32, num_layers=1)
+    for wrapped in (model, torch.nn.DataParallel(model), torch.compile(model)):
+        assert unwrap_model(wrapped) is model
+        assert extract_model_from_parallel(wrapped, keep_torch_compile=False) is model
+    assert unwrap_model(torch.nn.DataParallel(torch.compile(model))) is model
+    peft = get_peft_model(model, LoraConfig(r=2, target_modules=["q_proj"]))
+    assert unwrap_causal_lm(torch.nn.DataParallel(peft)) is model

@@ -81,10 +81,13 @@ def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
     its per-call cost (it re-reads package metadata and walks every submodule on each call: ~2 ms
     per call, several calls per training step, measured as a fixed host-side cost per step)."""
     containers = _container_types()
+    compiled = torch._dynamo.eval_frame.OptimizedModule  # what torch.compile(module) returns
     while True:
         if isinstance(model, containers):
             model = model.module
-        elif "_orig_mod" in model.__dict__:  # torch.compile's OptimizedModule
+        elif isinstance(model, compiled):
+            model = model._orig_mod
+        elif "_orig_mod" in model.__dict__:  # a module whose regions were compiled in place
             model = model.__dict__["_orig_mod"]
         else:
             return model
