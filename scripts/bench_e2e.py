@@ -465,17 +465,24 @@ def worker_fit(a, sink, task, deadline, path, tok, out):
                 measure(mid)
     except TimeoutError:
         stop = "budget reached before the search ended"
-    summary = []
-    for b, gib in zip(budgets, task["budgets"]):
-        fits = [L for L, v in total.items() if v <= b]
-        over = [L for L, v in total.items() if not v <= b]
-        summary.append({
-            "budget_gib": gib, "max_L": max(fits) if fits else None,
-            "first_over": min((L for L in over if not fits or L > max(fits)), default=None),
-        })
+    summary = fit_summary(total, task["budgets"])
     status = "ok" if cuda else "n/a: needs CUDA memory statistics"
     sink.write({"key": task["key"], "kind": "summary", "G": G, "status": status,
                 "summary": summary, "note": stop})
+
+
+def fit_summary(total: dict, budgets_gib) -> list[dict]:
+    """Per budget (GiB): the longest L whose peak total fits and the first longer L that does
+    not, from {L: peak total bytes (inf = OOM)}."""
+    summary = []
+    for gib_ in budgets_gib:
+        fits = [L for L, v in total.items() if v <= gib_ * E.GIB]
+        over = [L for L, v in total.items() if not v <= gib_ * E.GIB]
+        summary.append({
+            "budget_gib": gib_, "max_L": max(fits) if fits else None,
+            "first_over": min((L for L in over if not fits or L > max(fits)), default=None),
+        })
+    return summary
 
 
 def worker_sft(a, sink, tasks, deadline, path, tok, out):
@@ -754,8 +761,8 @@ def grpo_table(recs: dict, models, systems) -> str:
             base = recs.get(f"grpo|{model}|trl116|L={L}|G={G}")
             ratio = ""  # (ref + loss) time over TRL 1.16's at the same point
             if base is not None and base.get("status") == "ok":
-                t, t_base = r["ref"]["ms"] + r["loss"]["ms"], base["ref"]["ms"] + base["loss"]["ms"]
-                ratio = f"{t / t_base:.2f}x"
+                t = r["ref"]["ms"] + r["loss"]["ms"]
+                ratio = f"{t / (base['ref']['ms'] + base['loss']['ms']):.2f}x"
             rows.append(
                 f"| {model} | {L} | {G} | {SYSTEM_LABEL[s]} | {r['ref']['ms']:.0f} | "
                 f"{gib(r['ref']['extra_bytes'])} | {r['loss']['ms']:.0f} | "
@@ -785,15 +792,10 @@ def sft_table(recs: dict, models, systems) -> str:
     return "\n".join(rows)
 
 
-def _fit_cells(total: dict, budgets_gib) -> list[str]:
-    """'L (< L_over)' per budget from {L: peak total bytes (inf = OOM)}."""
-    cells = []
-    for gib_ in budgets_gib:
-        fits = [L for L, v in total.items() if v <= gib_ * E.GIB]
-        over = [L for L, v in total.items() if not v <= gib_ * E.GIB and (not fits or L > max(fits))]
-        cell_ = "none" if not fits else str(max(fits))
-        cells.append(cell_ + (f" (< {min(over)})" if over else ""))
-    return cells
+def _fit_cells(summary: list[dict]) -> list[str]:
+    """'L (< L_over)' per budget of a `fit_summary`."""
+    return [("none" if s["max_L"] is None else str(s["max_L"]))
+            + ("" if s["first_over"] is None else f" (< {s['first_over']})") for s in summary]
 
 
 def fit_table(recs: dict) -> str:
@@ -808,10 +810,7 @@ def fit_table(recs: dict) -> str:
             rows.append(f"| {r['model']} | {SYSTEM_LABEL[r['system']]} | {r.get('G', '')} | "
                         f"{r['status']} | | |")
             continue
-        cells = []
-        for s in r["summary"]:
-            L = "none" if s["max_L"] is None else str(s["max_L"])
-            cells.append(L + ("" if s["first_over"] is None else f" (< {s['first_over']})"))
+        cells = _fit_cells(r["summary"])
         rows.append(f"| {r['model']} | {SYSTEM_LABEL[r['system']]} | {r['G']} | {cells[0]} | "
                     f"{cells[1]} | {r.get('note', '')} |")
     # Models without a fit search: the same quantity read off their G=8 GRPO grid (the grid's
@@ -827,7 +826,7 @@ def fit_table(recs: dict) -> str:
             total = {r["L"]: float("inf") if r["status"] == "OOM" else
                      max(r["ref"]["total_bytes"] or 0, r["loss"]["total_bytes"] or 0)
                      + (r.get("opt_bytes") or 0) for r in pts}
-            cells = _fit_cells(total, (24, 80))
+            cells = _fit_cells(fit_summary(total, (24, 80)))
             rows.append(f"| {model} | {SYSTEM_LABEL[system]} | 8 | {cells[0]} | {cells[1]} | "
                         f"from the GRPO grid (L = {', '.join(str(L) for L in sorted(total))}) |")
     return "\n".join(rows)
@@ -1000,7 +999,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default=None, help="cuda (default when available) or cpu")
     p.add_argument("--out-dir", default=str(ROOT / "bench" / "results"))
     p.add_argument("--report-only", metavar="TAG", default=None,
-                   help="run nothing: rewrite e2e_TAG.{md,json,png} from e2e_TAG.jsonl in --out-dir")
+                   help="run nothing: rewrite e2e_TAG.{md,json,png} from e2e_TAG.jsonl in "
+                   "--out-dir")
     p.add_argument("--model-cache", default="/tmp/grpo_lce_e2e_models",
                    help="where the random 1b / 8b models are built once (2.5 / 16 GB)")
     p.add_argument("--trl113-path", default="/tmp/site113",

@@ -255,13 +255,14 @@ def choose_packing(model: torch.nn.Module, packing: bool | str) -> tuple[str | N
     kind = attention_packing_kind(model) if reason is None else None
     lm = unwrap_causal_lm(model)
     impl = lm.config._attn_implementation
-    if kind == "dense" and varlen.varlen_blocker(lm) is None:
+    no_varlen = varlen.varlen_blocker(lm) if kind == "dense" else None
+    if kind == "dense" and no_varlen is None:
         varlen.use_sdpa_varlen(lm)  # sdpa for every unpacked call, varlen for packed ones
         kind = "sdpa_varlen"
     if kind == "dense" and packing == "auto":
         reason = (
             f"attn_implementation={impl!r} keeps packed rows apart only with a dense (T, T) "
-            f"mask here ({varlen.varlen_blocker(lm) or 'eager attention'}); load the model "
+            f"mask here ({no_varlen}); load the model "
             "with attn_implementation='flash_attention_2' or 'flex_attention', or pass "
             "packing=True to pack anyway"
         )
