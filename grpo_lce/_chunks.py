@@ -1,6 +1,8 @@
 """Row compaction, chunk sizing and the fp32-output GEMM shared by every op.
 
-Memory model of one chunk of C rows (V = vocabulary):
+Fused path (_head_fused, Hopper + bf16): a chunk holds G' (C, V) in bf16 when a gradient is
+wanted (`fused_chunk_size`), otherwise only per-tile statistics. Unfused path, memory model of
+one chunk of C rows (V = vocabulary):
     Z    (C, V) fp32              the logits of the chunk, one reused buffer
     G    over Z's own bytes        the gradient operand (see _head.g_over_z): free
     E    (C, V) in the GEMM dtype  the entropy operand, only for an entropy basis
@@ -25,6 +27,11 @@ from grpo_lce._checks import check_target_range
 
 DEFAULT_CHUNK_BUDGET_BYTES = 256 * 2**20
 MIN_ROWS_GRAD_WEIGHT = 1024
+# The fused loop's G' is bf16 (2 bytes a logit): 4096 rows hold 1 GiB at 128k. dW's fp32
+# read-modify-write per chunk (2 GiB at 128k x 2048) is what small chunks pay for: on an H200
+# (bench_head, case iii, llama-1b) 2048-row chunks ran 1.12x three GEMMs, 4096-row ones 1.09x
+# (2.2 GiB extra in all, against torch.compile's 2.5 GiB).
+MIN_ROWS_GRAD_WEIGHT_FUSED = 4096
 MIN_CHUNKS = 8
 
 # Keep the row count of a chunk a multiple of this, so the GEMMs see tensor-core friendly M.
@@ -38,12 +45,28 @@ def default_chunk_size(
     budget_bytes: int | None = None,
     n_rows: int | None = None,
 ) -> int:
-    """Rows per chunk so that Z (fp32) plus `n_operands` separate (C, V) buffers fit the budget
-    (default `DEFAULT_CHUNK_BUDGET_BYTES`); for a call over `n_rows` rows, also no more than
-    ⌈n_rows / MIN_CHUNKS⌉ rounded up to a multiple of 64 (module docstring)."""
+    """Rows per chunk of the unfused loop, so that Z (fp32) plus `n_operands` separate (C, V)
+    buffers fit the budget (default `DEFAULT_CHUNK_BUDGET_BYTES`); for a call over `n_rows`
+    rows, also no more than ⌈n_rows / MIN_CHUNKS⌉ rounded up to a multiple of 64 (module
+    docstring)."""
+    return _rows_within(vocab * (4 + n_operands * operand_bytes), budget_bytes, n_rows)
+
+
+def fused_chunk_size(
+    vocab: int, n_parts: int, n_part_arrays: int, with_operand: bool, n_rows: int
+) -> int:
+    """Rows per chunk of the fused loop (_head_fused). With a gradient the chunk holds G' (C, V)
+    in bf16 (rows padded to 16 bytes): the budget rule above with 2 bytes per logit instead of
+    4. Without one it holds only the partial statistics (n_parts per row, 4 bytes each, in
+    `n_part_arrays` arrays: ~16 KB a row at 128k), so the whole call usually fits one chunk."""
+    if with_operand:
+        return _rows_within(-(-vocab // 8) * 8 * 2, None, n_rows)
+    return _rows_within(n_parts * 4 * n_part_arrays, None, None)
+
+
+def _rows_within(per_row: int, budget_bytes: int | None, n_rows: int | None) -> int:
     if budget_bytes is None:
         budget_bytes = DEFAULT_CHUNK_BUDGET_BYTES
-    per_row = vocab * (4 + n_operands * operand_bytes)
     rows = max(1, budget_bytes // max(per_row, 1))
     if rows >= _ROW_ALIGN:
         rows -= rows % _ROW_ALIGN
@@ -101,6 +124,21 @@ def mm_f32(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) ->
             return torch.mm(a, b, out_dtype=torch.float32)
         return torch.mm(a, b, out_dtype=torch.float32, out=out)
     return torch.mm(a.float(), b.float(), out=out)
+
+
+def accumulate_mm(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, first: bool = False
+                  ) -> None:
+    """acc (fp32) += a @ b with fp32 accumulation, without an fp32 temporary of acc's size;
+    `first`: acc = a @ b (acc's old contents, e.g. torch.empty's, are not read)."""
+    if first:
+        mm_f32(a, b, out=acc)
+        return
+    if a.dtype == torch.float32:
+        acc.addmm_(a, b)
+    elif acc.is_cuda:
+        torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+    else:
+        acc.addmm_(a.float(), b.float())
 
 
 def chunk_bounds(n: int, chunk: int):

@@ -18,14 +18,23 @@ from dataclasses import dataclass
 
 import torch
 
-from grpo_lce._chunks import MIN_ROWS_GRAD_WEIGHT, chunk_bounds, default_chunk_size, mm_f32
-from grpo_lce.kernels.row_softmax import row_softmax
+from grpo_lce._chunks import (
+    MIN_ROWS_GRAD_WEIGHT,
+    accumulate_mm,
+    chunk_bounds,
+    default_chunk_size,
+    mm_f32,
+)
+from grpo_lce._head_fused import head_forward_fused, use_fused
+from grpo_lce.kernels.row_softmax import row_softmax, select_backend
 
 
 def gemm_weight(weight: torch.Tensor) -> torch.Tensor:
     """The weight as the GEMMs consume it. On CUDA the bf16/fp16 weight itself (cuBLAS writes
-    fp32); on CPU, which has no mixed-dtype GEMM, one fp32 copy per call instead of per chunk."""
-    if weight.is_cuda or weight.dtype == torch.float32:
+    fp32); on CPU, which has no mixed-dtype GEMM, one fp32 copy per call instead of per chunk
+    (except under the Triton backend, i.e. the interpreter in tests, whose fused GEMM takes
+    bf16 tiles)."""
+    if weight.is_cuda or weight.dtype == torch.float32 or select_backend(weight) == "triton":
         return weight
     return weight.float()
 
@@ -34,7 +43,7 @@ def gemm_weight(weight: torch.Tensor) -> torch.Tensor:
 class HeadOut:
     lse: torch.Tensor  # (N,) fp32
     z_y: torch.Tensor  # (N,) fp32
-    entropy: torch.Tensor  # (N,) fp32
+    entropy: torch.Tensor | None  # (N,) fp32; None unless want_entropy (fused path)
     argmax: torch.Tensor | None = None  # (N,) int64
     basis: torch.Tensor | None = None  # (N, H) fp32: G W
     ebasis: torch.Tensor | None = None  # (N, H) fp32: E W
@@ -55,41 +64,55 @@ def head_forward(
     want_grad_weight: bool = False,
     want_grad_bias: bool = False,
     want_argmax: bool = False,
+    want_entropy: bool = True,
     alpha: torch.Tensor | None = None,
     beta: torch.Tensor | None = None,
 ) -> HeadOut:
     """One pass over the rows of h in chunks. `w` is `gemm_weight(weight)`.
 
     want_basis/want_grad_weight/want_grad_bias all use the same operand G (α, β per row).
+    On a Hopper GPU most calls take the fused path of `_head_fused` (same outputs; entropy only
+    when `want_entropy`); the loop below is the reference algorithm and the CPU one.
     """
     N, H = h.shape
     V = w.shape[0]
     dev = h.device
     want_g = want_basis or want_grad_weight or want_grad_bias
-    # G is written over Z (see g_over_z), so only the entropy operand E costs a buffer
-    C = chunk_size or default_chunk_size(V, int(want_ebasis), w.element_size(), n_rows=N)
-    if want_grad_weight and not chunk_size:
-        C = max(C, MIN_ROWS_GRAD_WEIGHT)
-    C = min(C, max(N, 1))
-
+    h_gemm = h if h.dtype == w.dtype else h.to(w.dtype)
+    fused = N > 0 and use_fused(
+        h_gemm, w, want_ebasis=want_ebasis, want_grad_bias=want_grad_bias, beta=beta
+    )
     out = HeadOut(
         lse=torch.empty(N, device=dev, dtype=torch.float32),
         z_y=torch.empty(N, device=dev, dtype=torch.float32),
-        entropy=torch.empty(N, device=dev, dtype=torch.float32),
+        entropy=torch.empty(N, device=dev, dtype=torch.float32)
+        if want_entropy or not fused else None,
         argmax=torch.empty(N, device=dev, dtype=torch.int64) if want_argmax else None,
         basis=torch.empty(N, H, device=dev, dtype=torch.float32) if want_basis else None,
         ebasis=torch.empty(N, H, device=dev, dtype=torch.float32) if want_ebasis else None,
-        grad_weight=torch.zeros(V, H, device=dev, dtype=torch.float32)
+        # the fused loop's first chunk writes dW (no zero fill of V x H fp32 first)
+        grad_weight=(torch.empty if fused else torch.zeros)(V, H, device=dev,
+                                                             dtype=torch.float32)
         if want_grad_weight else None,
         grad_bias=torch.zeros(V, device=dev, dtype=torch.float32) if want_grad_bias else None,
     )
     if N == 0:
         return out
+    if fused:
+        return head_forward_fused(
+            out, h_gemm, w, b, y, inv_tau, chunk_size, want_basis=want_basis,
+            want_grad_weight=want_grad_weight, want_entropy=want_entropy,
+            want_argmax=want_argmax, alpha=alpha,
+        )
 
+    # G is written over Z (see g_over_z), so only the entropy operand E costs a buffer
+    C = chunk_size or default_chunk_size(V, int(want_ebasis), w.element_size(), n_rows=N)
+    if want_grad_weight and not chunk_size:
+        C = max(C, MIN_ROWS_GRAD_WEIGHT)
+    C = min(C, N)
     z_buf = torch.empty(C, V, device=dev, dtype=torch.float32)  # (C, V) fp32 <- the big one
     e_buf = torch.empty(C, V, device=dev, dtype=w.dtype) if want_ebasis else None
     wt = w.t()
-    h_gemm = h if h.dtype == w.dtype else h.to(w.dtype)
 
     for s, e in chunk_bounds(N, C):
         n = e - s
@@ -128,13 +151,3 @@ def g_over_z(z_buf: torch.Tensor, n: int, dtype: torch.dtype) -> torch.Tensor:
     if dtype == torch.float32:
         return z_buf[:n]
     return z_buf.view(dtype)[:n, :V]
-
-
-def accumulate_mm(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """acc (fp32) += a @ b with fp32 accumulation, without an fp32 temporary of acc's size."""
-    if a.dtype == torch.float32:
-        acc.addmm_(a, b)
-    elif acc.is_cuda:
-        torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
-    else:
-        acc.addmm_(a.float(), b.float())

@@ -20,6 +20,7 @@ import torch
 from grpo_lce._checks import check_chunk_size, check_head, check_targets
 from grpo_lce._chunks import compact_rows, valid_rows
 from grpo_lce._head import gemm_weight, head_forward
+from grpo_lce.kernels.scale_cast import scale_cast
 from grpo_lce.logprobs import linear_logprobs
 
 _REDUCTIONS = ("mean", "sum", "none")
@@ -36,7 +37,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         out = head_forward(
             h, gemm_weight(weight), bias, y, 1.0, chunk_size,
             want_basis=need_h, want_grad_weight=need_w, want_grad_bias=need_b,
-            want_argmax=want_metrics, alpha=alpha,
+            want_argmax=want_metrics, want_entropy=want_metrics, alpha=alpha,
         )
         loss = (out.lse - out.z_y).sum() / divisor
         ctx.save_for_backward(out.basis, out.grad_weight, out.grad_bias)
@@ -54,9 +55,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
         basis, gw, gb = ctx.saved_tensors
         h_dt, w_dt, b_dt = ctx.dtypes
         g = g_loss.float()
-        dh = None if basis is None else (basis * g).to(h_dt)
-        dw = None if gw is None else (gw * g).to(w_dt)
-        db = None if gb is None else (gb * g).to(b_dt)
+        dh = None if basis is None else scale_cast(basis, g, h_dt)
+        dw = None if gw is None else scale_cast(gw, g, w_dt)
+        db = None if gb is None else scale_cast(gb, g, b_dt)
         return dh, dw, db, None, None, None, None
 
 
@@ -155,6 +156,6 @@ def _argmax_correct(hidden, weight, bias, labels, ignore_index, chunk_size) -> t
     h, y, _ = _valid_rows_and_labels(hidden.detach(), weight, labels, ignore_index)
     out = head_forward(
         h, gemm_weight(weight.detach()), None if bias is None else bias.detach(),
-        y, 1.0, chunk_size, want_argmax=True,
+        y, 1.0, chunk_size, want_argmax=True, want_entropy=False,
     )
     return (out.argmax == y).sum()

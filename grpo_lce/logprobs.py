@@ -29,7 +29,8 @@ from grpo_lce._head import gemm_weight, head_forward
 
 class _LinearLogprobs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, bias, y, idx, inv_tau, chunk_size, entropy_basis):
+    def forward(ctx, hidden, weight, bias, y, idx, inv_tau, chunk_size, entropy_basis,
+                want_entropy):
         # hidden (N, H) all rows; idx (n,) the valid rows or None for all; y (n,) their targets
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         recompute = need_w or need_b
@@ -37,7 +38,7 @@ class _LinearLogprobs(torch.autograd.Function):
         out = head_forward(
             h, gemm_weight(weight), bias, y, inv_tau, chunk_size,
             want_basis=need_h and not recompute,
-            want_ebasis=need_h and not recompute and entropy_basis,
+            want_ebasis=need_h and not recompute and entropy_basis, want_entropy=want_entropy,
         )
         ctx.inv_tau, ctx.chunk_size, ctx.recompute = inv_tau, chunk_size, recompute
         # The frozen path needs only the (n, H) bases. `hidden` is the caller's tensor (no copy),
@@ -45,13 +46,15 @@ class _LinearLogprobs(torch.autograd.Function):
         ctx.save_for_backward(hidden, weight, bias, y, idx, out.basis, out.ebasis)
         ctx.set_materialize_grads(False)
         N = hidden.shape[0]
-        return _to_all_rows(out.z_y - out.lse, idx, N), _to_all_rows(out.entropy, idx, N)
+        # without return_entropy the caller never sees the second output (its value is 0)
+        ent = out.lse.new_zeros(out.lse.shape) if out.entropy is None else out.entropy
+        return _to_all_rows(out.z_y - out.lse, idx, N), _to_all_rows(ent, idx, N)
 
     @staticmethod
     def backward(ctx, g_logp, g_ent):
         hidden, weight, bias, y, idx, basis, ebasis = ctx.saved_tensors
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
-        none = (None,) * 5
+        none = (None,) * 6
         if g_logp is None and g_ent is None:
             return (None, None, None) + none
         s = -ctx.inv_tau
@@ -141,7 +144,8 @@ def linear_logprobs(
     idx, _ = compact_rows(y, weight.shape[0], ignore_index, "targets")
     y = (y if idx is None else y.index_select(0, idx)).long()
     logp, ent = _LinearLogprobs.apply(
-        h, weight, bias, y, idx, inv_tau, chunk_size, bool(entropy_requires_grad)
+        h, weight, bias, y, idx, inv_tau, chunk_size, bool(entropy_requires_grad),
+        bool(return_entropy),
     )
     logp, ent = logp.reshape(lead), ent.reshape(lead)
     return (logp, ent) if return_entropy else logp

@@ -114,3 +114,33 @@ def test_bad_target_on_gpu_is_an_error_not_a_crash():
     y[5] = V + 3
     with pytest.raises(ValueError, match="targets contains"):
         linear_logprobs(h, w, y)
+
+
+@pytest.mark.parametrize("fused", ["1", "0"], ids=["fused", "unfused"])
+def test_far_targets_and_both_paths_at_scale(fused, monkeypatch):
+    """Rows whose target has log p < -66 take the fused path's exact fallback (kernels/
+    gemm_softmax.py); both paths agree with fp64 on them and on ordinary rows, frozen and
+    trainable head."""
+    monkeypatch.setenv("GRPO_LCE_FUSED", fused)
+    n = 512
+    h, w, y = _inputs()
+    h, y = h[:n].clone(), y[:n].clone()
+    h[: n // 2] *= 40  # logits of std ~100 on half the rows ...
+    z = (h[: n // 2].float() @ w.float().t())
+    y[: n // 2 : 2] = z[::2].argmin(1)  # ... and the least likely token as target on a quarter
+    h.requires_grad_()
+    wt = w.clone().requires_grad_()
+    g = torch.randn(n, device="cuda")
+    lp = linear_logprobs(h, wt, y)
+    (lp * g).sum().backward()
+    h64, w64 = h.detach().double().requires_grad_(), w.double().requires_grad_()
+    rl, _ = logprobs_ref(h64, w64, y)
+    (rl * g.double()).sum().backward()
+    assert rl[: n // 2 : 2].max() < -66  # the fallback's rows exist
+    # fp32 logits of magnitude ~700 here: an H-term fp32 dot is ~1e-6..1e-5 relative of that
+    assert_3way(lp, None, rl, k=0, atol=1e-4 + 1e-5 * rl.abs().max().item(), what="logp")
+    assert_close_scaled(h.grad, h64.grad, rtol=1e-2, what="d hidden")
+    assert_close_scaled(wt.grad, w64.grad, rtol=1e-2, what="d weight")
+    hf = h.detach().clone().requires_grad_()
+    (linear_logprobs(hf, w, y) * g).sum().backward()
+    assert_close_scaled(hf.grad, h64.grad, rtol=1e-2, what="d hidden, frozen head")

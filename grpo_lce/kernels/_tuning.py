@@ -8,3 +8,10 @@ of the best across the vocabularies we target (32k-152k); autotuning would only 
 # 4096 or 16 warps are 5-15% slower, 16384 columns spill.
 ROW_BLOCK_V = 8192  # columns per loop step; fewer for small vocabularies
 ROW_NUM_WARPS = 8
+
+# The fused GEMM 1 of kernels/gemm_softmax.py (persistent, TMA tiles), measured on an H200 with
+# scripts/tune_gemm.py at V=128256, H=2048: statistics only (no G' to write) and with G'.
+GEMM_STATS = dict(BM=128, BN=256, BK=64, GROUP_M=32, EPI_SPLIT=1, FLATTEN=True, num_warps=8,
+                  num_stages=3)
+GEMM_GRAD = dict(BM=128, BN=256, BK=64, GROUP_M=8, EPI_SPLIT=2, FLATTEN=True, num_warps=8,
+                 num_stages=3)

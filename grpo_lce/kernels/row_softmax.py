@@ -144,7 +144,7 @@ if HAS_TRITON:
                     tl.store(e_row + cols, pc.to(e_ptr.dtype.element_ty), mask=mask)
 
 
-def _backend(z: torch.Tensor) -> str:
+def select_backend(z: torch.Tensor) -> str:
     """'triton' on CUDA (or anywhere when GRPO_LCE_BACKEND=triton, e.g. TRITON_INTERPRET=1 on
     CPU in tests), 'torch' otherwise or when GRPO_LCE_BACKEND=torch. Read per call."""
     choice = os.environ.get("GRPO_LCE_BACKEND", "auto").lower()
@@ -197,7 +197,7 @@ def row_softmax(
         assert (amax is not None) == want_argmax
     if C == 0:
         return lse, z_y, ent, amax
-    if _backend(z) == "torch":
+    if select_backend(z) == "torch":
         res = _row_softmax_torch(z, y, bias, inv_tau, g_out, e_out, alpha, beta, want_argmax)
         if out is None:
             return res

@@ -1,0 +1,112 @@
+"""head_forward on Hopper GPUs: softmax statistics in GEMM 1's epilogue, no fp32 logits.
+
+Per chunk of C rows (see kernels/gemm_softmax.py for the kernel and its precision argument):
+
+    GEMM 1 + epilogue   partial (max, Σ2^, Σ2^·z, argmax) per (row, 128 columns), z₂ at the
+                        target, and, for a gradient, G' = 2^(z₂ − c) in bf16 (C, V)
+    reduce              lse, z_y, entropy, argmax; factor_r = α_r 2^(c_r − lse₂_r)
+    GEMM 2 (cuBLAS)     basis = factor ∘ (G' W) − α ∘ W[y]                  = α (p − e_y) W
+    GEMM 3 (cuBLAS)     dW += G'ᵀ (factor ∘ X),  dW[y] −= α ∘ X             = α (p − e_y)ᵀ X
+    fixup               the exact terms of flagged rows (usually none; no host sync)
+
+Compared with the unfused loop (fp32 Z written by GEMM 1, read twice by the row kernel, G written
+over it) this moves C · V · 10 bytes less per chunk and writes the operand of GEMM 2 directly.
+Memory: G' (C, V) in bf16 (half the unfused fp32 chunk) and partials of C · V / 128 · 8-16
+bytes. Without a gradient, no (C, V) buffer at all: the chunk then only bounds the partials.
+The entropy-gradient operand p ∘ (z − z̄), a trainable bias, and fp32 or pre-Hopper GPUs take the
+unfused path, which stays the reference algorithm (and the CPU one).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from grpo_lce._chunks import (
+    MIN_ROWS_GRAD_WEIGHT_FUSED,
+    accumulate_mm,
+    chunk_bounds,
+    fused_chunk_size,
+    mm_f32,
+)
+from grpo_lce.kernels import gemm_softmax as gs
+from grpo_lce.kernels.row_softmax import select_backend
+
+
+def use_fused(h: torch.Tensor, w: torch.Tensor, *, want_ebasis: bool, want_grad_bias: bool,
+              beta: torch.Tensor | None) -> bool:
+    """The fused path serves everything but the entropy-gradient operand and a bias gradient.
+    GRPO_LCE_FUSED=0 turns it off (read per call: A/B comparisons, a suspected kernel bug)."""
+    if os.environ.get("GRPO_LCE_FUSED", "1") == "0":
+        return False
+    if want_ebasis or want_grad_bias or beta is not None:
+        return False
+    return select_backend(h) == "triton" and gs.fused_supported(h, w)
+
+
+def head_forward_fused(out, h, w, b, y, inv_tau, chunk_size, *, want_basis, want_grad_weight,
+                       want_entropy, want_argmax, alpha):
+    """Fill `out` (a HeadOut with its tensors allocated) for rows h (N, H) in w's dtype."""
+    N, H = h.shape
+    V = w.shape[0]
+    dev = h.device
+    want_g = want_basis or want_grad_weight
+    T = gs.n_parts(V, want_g)
+    kinds = "ms" + ("d" if want_entropy else "")
+    C = chunk_size or fused_chunk_size(V, T, len(kinds) + want_argmax, want_g, n_rows=N)
+    if want_grad_weight and not chunk_size:  # dW accumulates once per chunk (see _chunks)
+        C = max(C, MIN_ROWS_GRAD_WEIGHT_FUSED)
+    C = min(C, N)
+
+    parts = {k: torch.empty(T * C, device=dev, dtype=torch.float32) for k in kinds}
+    if want_argmax:
+        parts["a"] = torch.empty(T * C, device=dev, dtype=torch.int32)
+    parts["zy2"] = torch.empty(C, device=dev, dtype=torch.float32)
+    scale2 = inv_tau * gs.LOG2E
+    b2 = None if b is None else b.float() * scale2
+    if want_g:
+        g_buf = torch.empty(C, gs.g_row_stride(V), device=dev, dtype=w.dtype)
+        factor = torch.empty(N, device=dev, dtype=torch.float32)
+        flag_rows = torch.empty(C, device=dev, dtype=torch.int32)
+        n_flag = torch.empty(1, device=dev, dtype=torch.int32)
+
+    for s, e in chunk_bounds(N, C):
+        n = e - s
+        x, yc = h[s:e], y[s:e]
+        a = None if alpha is None else alpha[s:e]
+        c2 = g = w_y = None
+        if want_g:
+            # c = ẑ₂_y + SHIFT2 from one dot product per row (bf16 is precise enough for a shift)
+            w_y = w.index_select(0, yc)
+            z_y = torch.bmm(w_y[:, None, :], x[:, :, None]).view(n).float()
+            if b is not None:
+                z_y += b[yc].float()
+            c2 = z_y * scale2 + gs.SHIFT2
+            g = g_buf[:n, :V]
+            n_flag.zero_()
+        gs.gemm_softmax(x, w, yc, b2, inv_tau, parts, c2=c2, g_out=g,
+                        want_d=want_entropy, want_argmax=want_argmax)
+        gs.reduce_partials(
+            parts, n, T,
+            (out.lse[s:e], out.z_y[s:e], out.entropy[s:e] if want_entropy else None,
+             out.argmax[s:e] if want_argmax else None),
+            c2=c2, alpha=a,
+            factor=factor[s:e] if want_g else None,
+            flag_rows=flag_rows if want_g else None, n_flag=n_flag if want_g else None,
+        )
+        if not want_g:
+            continue
+        f = factor[s:e, None]
+        a_col = torch.ones_like(f) if a is None else a[:, None]
+        basis = grad_w = None
+        if want_basis:  # α (p − e_y) W = factor ∘ (G' W) − α ∘ W[y]
+            basis = mm_f32(g, w, out=out.basis[s:e])
+            basis.mul_(f).addcmul_(w_y, a_col, value=-1.0)
+        if want_grad_weight:  # α (p − e_y)ᵀ X = G'ᵀ (factor ∘ X) − scatter of α ∘ X at y
+            grad_w = out.grad_weight
+            accumulate_mm(grad_w, g.t(), (x * f).to(w.dtype), first=s == 0)
+            grad_w.index_add_(0, yc, x.float() * a_col, alpha=-1.0)
+        gs.fixup_flagged(x, w, b, inv_tau, out.lse[s:e], a, flag_rows, n_flag,
+                         basis=basis, grad_weight=grad_w)
+    return out

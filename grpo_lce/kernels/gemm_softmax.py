@@ -1,0 +1,451 @@
+"""GEMM 1 with the softmax statistics in its epilogue: the logits never reach memory.
+
+For a chunk of rows X (M, K) and the head W (V, K), each tile Z = X_tile W_tileᵀ (fp32
+accumulators, BM x BN) is turned, while still in registers, into per-(row, tile) partials in
+base 2 (z₂ = z · log₂e, with z = (x·w + b) / τ):
+
+    m_t = max z₂      s_t = Σ 2^(z₂ − m_t)      d_t = Σ 2^(z₂ − m_t)(z₂ − m_t)      argmax_t
+
+plus z₂ at the target column. `reduce_partials` folds the T = V / BN partials of a row into
+lse, the target logit, the entropy (lse − z̄ kept relative to the max, as in row_softmax) and the
+argmax: exact fp32 statistics of the fp32 logits, after reading M · T numbers instead of the
+M · V logits twice.
+
+The gradient operand. The basis GEMM needs p = softmax(z) in bf16, and p needs the row's lse,
+which no tile knows. So the epilogue writes instead
+
+    G'[r, v] = 2^(min(z₂[r, v] − c_r, CLAMP2))      in the GEMM dtype
+
+with a per-row shift c_r fixed BEFORE the GEMM: c_r = ẑ₂_y + SHIFT2, ẑ_y an estimate of the
+target's logit (one dot product per row). Then p = G' · 2^(c_r − lse₂), a per-row factor applied
+after GEMM 2 (basis = factor · G'W − W[y]), never to the (M, V) operand. bf16 has fp32's exponent
+range, so G' keeps 8 significant bits whatever the shift, as long as it neither overflows nor
+drops mass that matters:
+  - max z₂ − c_r ≤ CLAMP2 (64): G' ≤ 2^64 and G'W sums stay far inside fp32. A row beyond it
+    (max z − z_y > 96 ln 2 ≈ 66.5 nats, i.e. log p(target) below about −66) is *flagged*: its
+    factor is 0 (its clamped, finite G' contributes exactly nothing) and `fixup_flagged` adds
+    its exact contribution from W directly. Such a row is a target of probability < e^-66:
+    never sampled, and a broken model in SFT; correct, but slow (one pass over W per row).
+  - c_r ≤ max z₂ + SHIFT2 (32), since z_y ≤ max z: the entries G' rounds to 0
+    (z₂ < c_r − 126) carry < V · 2^(−126 + 32) ≈ 1e-23 of the row's mass.
+Both follow from c_r's construction, so a wrong estimate of z_y costs at most the fallback.
+
+Layout: partials are (T, M) arrays (row index fastest), so the epilogue's stores of a tile's BM
+rows and the reduction's loads are both contiguous.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+
+from grpo_lce.kernels import _tuning
+
+try:
+    import triton
+    import triton.language as tl
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    HAS_TMA = True
+except ImportError:  # pragma: no cover - old triton or none: the unfused path is used
+    HAS_TMA = False
+
+SHIFT2 = 32.0  # c = ẑ₂_y + SHIFT2 (base-2 units)
+CLAMP2 = 64.0  # G' = 2^min(z₂ − c, CLAMP2); a row whose max exceeds c + CLAMP2 is flagged
+LOG2E = 1.0 / math.log(2.0)
+LN2 = math.log(2.0)
+
+
+if HAS_TMA:
+
+    @triton.jit
+    def _tile_coords(tile, num_m, num_n, GROUP_M: tl.constexpr):
+        # Tiles of GROUP_M row blocks share each W tile while it is in L2: W (V, K) is the big
+        # operand, read once per group of row blocks instead of once per row block.
+        per_group = GROUP_M * num_n
+        first_m = (tile // per_group) * GROUP_M
+        size_m = tl.minimum(num_m - first_m, GROUP_M)
+        pid_m = first_m + (tile % per_group) % size_m
+        pid_n = (tile % per_group) // size_m
+        return pid_m, pid_n
+
+    @triton.jit
+    def _round_to_bf16(x):
+        # Triton's interpreter (CPU tests) truncates fp32 -> bf16 where the GPU rounds to nearest
+        # even: round here so the cast is exact and the tests see the GPU's arithmetic.
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        return bits.to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _epilogue_part(
+        acc, off_m, off_n, part,
+        M, V, scale2,
+        b2_ptr, y_ptr, c2_ptr, g_desc,
+        pm_ptr, ps_ptr, pd_ptr, pa_ptr, zy2_ptr,
+        BM: tl.constexpr, BN: tl.constexpr,
+        HAS_BIAS: tl.constexpr, WRITE_G: tl.constexpr,
+        WANT_D: tl.constexpr, WANT_ARGMAX: tl.constexpr, CLAMP: tl.constexpr,
+        ROUND_BF16: tl.constexpr,
+    ):
+        rows = off_m + tl.arange(0, BM)
+        cols = off_n + tl.arange(0, BN)
+        rmask = rows < M
+        cmask = cols < V
+        z = acc * scale2
+        if HAS_BIAS:
+            z += tl.load(b2_ptr + cols, mask=cmask, other=0.0)[None, :]
+        # columns past V read -inf: they add 2^-inf = 0 and never win the max
+        z = tl.where(cmask[None, :], z, float("-inf"))
+        m = tl.max(z, axis=1)
+        m_safe = tl.where(m == float("-inf"), 0.0, m)  # a tile of only -inf logits
+        e = tl.exp2(z - m_safe[:, None])
+        dst = part * M + rows
+        tl.store(pm_ptr + dst, m, mask=rmask)
+        tl.store(ps_ptr + dst, tl.sum(e, axis=1), mask=rmask)
+        if WANT_D:
+            # e · (z − m) is 0 · (−inf) = nan where z = −inf: those terms are 0
+            ed = tl.where(e > 0.0, e * (z - m_safe[:, None]), 0.0)
+            tl.store(pd_ptr + dst, tl.sum(ed, axis=1), mask=rmask)
+        if WANT_ARGMAX:
+            tl.store(pa_ptr + dst, off_n + tl.argmax(z, axis=1, tie_break_left=True), mask=rmask)
+        y = tl.load(y_ptr + rows, mask=rmask, other=-1)
+        zy = tl.sum(tl.where(cols[None, :] == y[:, None], z, 0.0), axis=1)
+        tl.store(zy2_ptr + rows, zy, mask=rmask & (y >= off_n) & (y < off_n + BN))
+        if WRITE_G:
+            c2 = tl.load(c2_ptr + rows, mask=rmask, other=0.0)
+            g = tl.exp2(tl.minimum(z - c2[:, None], CLAMP))
+            if ROUND_BF16:
+                g = _round_to_bf16(g)
+            g_desc.store([off_m, off_n], g.to(g_desc.dtype))
+
+    @triton.jit
+    def _gemm_softmax_kernel(
+        x_desc, w_desc, g_desc,
+        b2_ptr, y_ptr, c2_ptr,
+        pm_ptr, ps_ptr, pd_ptr, pa_ptr, zy2_ptr,
+        M, V, K, scale2,
+        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+        GROUP_M: tl.constexpr, NUM_PROGS: tl.constexpr, EPI_SPLIT: tl.constexpr,
+        HAS_BIAS: tl.constexpr, WRITE_G: tl.constexpr,
+        WANT_D: tl.constexpr, WANT_ARGMAX: tl.constexpr,
+        DOT_F32: tl.constexpr, FLATTEN: tl.constexpr, CLAMP: tl.constexpr,
+        G_BF16: tl.constexpr,
+    ):
+        num_m = tl.cdiv(M, BM)
+        num_n = tl.cdiv(V, BN)
+        k_tiles = tl.cdiv(K, BK)
+        # persistent: one program per SM walks the tiles, so tile i+1's loads overlap tile i's
+        # epilogue (the exp2 work of a tile is ~10 % of its tensor-core time)
+        for tile in tl.range(tl.program_id(0), num_m * num_n, NUM_PROGS, flatten=FLATTEN):
+            pid_m, pid_n = _tile_coords(tile, num_m, num_n, GROUP_M)
+            off_m = pid_m * BM
+            off_n = pid_n * BN
+            acc = tl.zeros((BM, BN), dtype=tl.float32)
+            for ki in range(k_tiles):
+                a = x_desc.load([off_m, ki * BK])
+                b = w_desc.load([off_n, ki * BK])
+                if DOT_F32:  # Triton's interpreter (CPU tests) mis-multiplies bf16 tiles
+                    a = a.to(tl.float32)
+                    b = b.to(tl.float32)
+                acc = tl.dot(a, b.T, acc)
+            if EPI_SPLIT == 1:
+                _epilogue_part(
+                    acc, off_m, off_n, pid_n, M, V, scale2, b2_ptr, y_ptr, c2_ptr, g_desc,
+                    pm_ptr, ps_ptr, pd_ptr, pa_ptr, zy2_ptr,
+                    BM, BN, HAS_BIAS, WRITE_G, WANT_D, WANT_ARGMAX, CLAMP, DOT_F32 and G_BF16,
+                )
+            else:
+                # two column halves, one after the other: half the live registers of the
+                # exp2 temporaries; each half is its own partial
+                acc0, acc1 = tl.split(tl.permute(tl.reshape(acc, (BM, 2, BN // 2)), (0, 2, 1)))
+                _epilogue_part(
+                    acc0, off_m, off_n, 2 * pid_n, M, V, scale2, b2_ptr, y_ptr, c2_ptr,
+                    g_desc, pm_ptr, ps_ptr, pd_ptr, pa_ptr, zy2_ptr,
+                    BM, BN // 2, HAS_BIAS, WRITE_G, WANT_D, WANT_ARGMAX, CLAMP,
+                    DOT_F32 and G_BF16,
+                )
+                _epilogue_part(
+                    acc1, off_m, off_n + BN // 2, 2 * pid_n + 1, M, V, scale2, b2_ptr, y_ptr,
+                    c2_ptr, g_desc, pm_ptr, ps_ptr, pd_ptr, pa_ptr, zy2_ptr,
+                    BM, BN // 2, HAS_BIAS, WRITE_G, WANT_D, WANT_ARGMAX, CLAMP,
+                    DOT_F32 and G_BF16,
+                )
+
+    @triton.jit
+    def _reduce_kernel(
+        pm_ptr, ps_ptr, pd_ptr, pa_ptr, zy2_ptr, c2_ptr, alpha_ptr,
+        lse_ptr, zy_ptr, ent_ptr, amax_ptr, factor_ptr, flag_rows_ptr, n_flag_ptr,
+        M, T,
+        WANT_D: tl.constexpr, WANT_ARGMAX: tl.constexpr, WANT_FACTOR: tl.constexpr,
+        HAS_ALPHA: tl.constexpr, CLAMP: tl.constexpr, LN2_: tl.constexpr,
+        BR: tl.constexpr, BT: tl.constexpr,
+    ):
+        rows = tl.program_id(0) * BR + tl.arange(0, BR)
+        rmask = rows < M
+        m = tl.full((BR,), float("-inf"), tl.float32)
+        s = tl.zeros((BR,), tl.float32)
+        d = tl.zeros((BR,), tl.float32)
+        best_v = tl.full((BR,), float("-inf"), tl.float32)
+        best_i = tl.zeros((BR,), tl.int32)
+        for t0 in range(0, T, BT):
+            t = t0 + tl.arange(0, BT)
+            off = t[:, None] * M + rows[None, :]
+            mk = (t < T)[:, None] & rmask[None, :]
+            pm = tl.load(pm_ptr + off, mask=mk, other=float("-inf"))
+            ps = tl.load(ps_ptr + off, mask=mk, other=0.0)
+            m_blk = tl.max(pm, axis=0)
+            m_new = tl.maximum(m, m_blk)
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            w_old = tl.exp2(m - m_safe)
+            w_prt = tl.exp2(pm - m_safe[None, :])
+            if WANT_D:
+                # a partial's d is relative to its own max: moving it to m adds s · (m_t − m)
+                pd = tl.load(pd_ptr + off, mask=mk, other=0.0)
+                moved = tl.where(ps > 0.0, w_prt * (pd + ps * (pm - m_safe[None, :])), 0.0)
+                d_old = tl.where(s > 0.0, d + s * (m - m_safe), 0.0)
+                d = d_old * w_old + tl.sum(moved, axis=0)
+            s = s * w_old + tl.sum(w_prt * ps, axis=0)
+            if WANT_ARGMAX:
+                pa = tl.load(pa_ptr + off, mask=mk, other=0)
+                i_blk = tl.argmax(pm, axis=0, tie_break_left=True)
+                a_blk = tl.sum(tl.where(tl.arange(0, BT)[:, None] == i_blk[None, :], pa, 0), 0)
+                take = m_blk > best_v  # strict: the first (lowest-column) maximum wins
+                best_i = tl.where(take, a_blk, best_i)
+                best_v = tl.where(take, m_blk, best_v)
+            m = m_new
+        log2s = tl.log2(s)
+        lse2 = m + log2s
+        tl.store(lse_ptr + rows, lse2 * LN2_, mask=rmask)
+        tl.store(zy_ptr + rows, tl.load(zy2_ptr + rows, mask=rmask, other=0.0) * LN2_, mask=rmask)
+        if WANT_D:
+            tl.store(ent_ptr + rows, (log2s - d / s) * LN2_, mask=rmask)
+        if WANT_ARGMAX:
+            tl.store(amax_ptr + rows, best_i.to(tl.int64), mask=rmask)
+        if WANT_FACTOR:
+            c2 = tl.load(c2_ptr + rows, mask=rmask, other=0.0)
+            flag = ((m - c2) > CLAMP) & rmask
+            factor = tl.exp2(c2 - lse2)
+            if HAS_ALPHA:
+                factor *= tl.load(alpha_ptr + rows, mask=rmask, other=0.0)
+            tl.store(factor_ptr + rows, tl.where(flag, 0.0, factor), mask=rmask)
+            n_here = tl.sum(flag.to(tl.int32), axis=0)
+            first = tl.atomic_add(n_flag_ptr, n_here)
+            pos = first + tl.cumsum(flag.to(tl.int32), axis=0) - 1
+            tl.store(flag_rows_ptr + pos, rows, mask=flag)
+
+    @triton.jit
+    def _fixup_kernel(
+        x_ptr, stride_x, w_ptr, stride_w, b_ptr,
+        flag_rows_ptr, n_flag_ptr, lse_ptr, alpha_ptr,
+        basis_ptr, stride_basis, dw_ptr, stride_dw,
+        V, H, inv_tau,
+        HAS_BIAS: tl.constexpr, HAS_ALPHA: tl.constexpr,
+        WANT_BASIS: tl.constexpr, WANT_DW: tl.constexpr,
+        BV: tl.constexpr, BH: tl.constexpr,
+    ):
+        # One program per block of BV vocabulary rows; for each flagged row r (usually none:
+        # the loop count is read on the device, no host sync) it recomputes z = W_blk x_r and
+        # p = exp(z − lse_r) exactly in fp32 and adds α p W_blk to basis[r], α p ⊗ x_r to dW_blk.
+        v = tl.program_id(0) * BV + tl.arange(0, BV)
+        vmask = v < V
+        v64 = v.to(tl.int64)
+        n_flag = tl.load(n_flag_ptr)
+        for i in range(n_flag):
+            r = tl.load(flag_rows_ptr + i).to(tl.int64)
+            z = tl.zeros((BV,), tl.float32)
+            for h0 in range(0, H, BH):
+                hh = h0 + tl.arange(0, BH)
+                hmask = hh < H
+                x = tl.load(x_ptr + r * stride_x + hh, mask=hmask, other=0.0).to(tl.float32)
+                w = tl.load(w_ptr + v64[:, None] * stride_w + hh[None, :],
+                            mask=vmask[:, None] & hmask[None, :], other=0.0).to(tl.float32)
+                z += tl.sum(w * x[None, :], axis=1)
+            if HAS_BIAS:
+                z += tl.load(b_ptr + v, mask=vmask, other=0.0).to(tl.float32)
+            p = tl.exp(z * inv_tau - tl.load(lse_ptr + r))
+            if HAS_ALPHA:
+                p *= tl.load(alpha_ptr + r)
+            p = tl.where(vmask, p, 0.0)
+            for h0 in range(0, H, BH):
+                hh = h0 + tl.arange(0, BH)
+                hmask = hh < H
+                m2 = vmask[:, None] & hmask[None, :]
+                if WANT_BASIS:
+                    w = tl.load(w_ptr + v64[:, None] * stride_w + hh[None, :], mask=m2,
+                                other=0.0).to(tl.float32)
+                    tl.atomic_add(basis_ptr + r * stride_basis + hh,
+                                  tl.sum(p[:, None] * w, axis=0), mask=hmask)
+                if WANT_DW:
+                    x = tl.load(x_ptr + r * stride_x + hh, mask=hmask, other=0.0).to(tl.float32)
+                    dwp = dw_ptr + v64[:, None] * stride_dw + hh[None, :]
+                    tl.store(dwp, tl.load(dwp, mask=m2, other=0.0) + p[:, None] * x[None, :],
+                             mask=m2)
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+_NUM_SMS: dict[int, int] = {}
+
+
+def _num_programs(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4  # the interpreter: a few programs exercise the persistent loop
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _NUM_SMS:
+        _NUM_SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _NUM_SMS[idx]
+
+
+def fused_supported(h: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether the fused GEMM can run on these operands: Triton with tensor descriptors, a
+    Hopper-or-newer GPU (or the interpreter), bf16, and the TMA's 16-byte alignment of base
+    addresses and row strides."""
+    # bf16 only: G' relies on bf16 having fp32's exponent range (fp16's 2^-24..2^16 would need
+    # the shift within a few units of the row max, which no tile knows)
+    if not HAS_TMA or h.dtype != torch.bfloat16 or w.dtype != h.dtype:
+        return False
+    if h.is_cuda:
+        if torch.cuda.get_device_capability(h.device)[0] < 9:
+            return False
+    elif not _interpreting():
+        return False
+    K = h.shape[1]
+    return (
+        h.stride(1) == 1 and w.stride(1) == 1
+        and (K * h.element_size()) % 16 == 0
+        and (h.stride(0) * h.element_size()) % 16 == 0
+        and (w.stride(0) * w.element_size()) % 16 == 0
+        and h.data_ptr() % 16 == 0 and w.data_ptr() % 16 == 0
+    )
+
+
+def g_row_stride(V: int) -> int:
+    """Row stride (elements) of a G' buffer: V rounded up to 16 bytes, as TMA stores need."""
+    return -(-V // 8) * 8
+
+
+def _config(with_g: bool) -> dict:
+    return _tuning.GEMM_GRAD if with_g else _tuning.GEMM_STATS
+
+
+def n_parts(V: int, with_g: bool) -> int:
+    """Partials per row (T) of the launch with or without G'."""
+    cfg = _config(with_g)
+    return -(-V // cfg["BN"]) * cfg["EPI_SPLIT"]
+
+
+def gemm_softmax(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    y: torch.Tensor,
+    b2: torch.Tensor | None,
+    inv_tau: float,
+    parts: dict[str, torch.Tensor],
+    *,
+    c2: torch.Tensor | None = None,
+    g_out: torch.Tensor | None = None,
+    want_d: bool = False,
+    want_argmax: bool = False,
+) -> None:
+    """Launch GEMM 1 with the statistics epilogue over the rows of x (M, K).
+
+    `parts` holds (T, M)-shaped (or larger, flattened) fp32 buffers "m", "s", "d" and int32 "a",
+    and "zy2" (M,). `b2` is the bias already scaled by log₂e / τ (fp32). With `g_out` (M, V)
+    (row stride `g_row_stride(V)`), also writes G' with the per-row shifts `c2` (M,).
+    """
+    M, K = x.shape
+    V = w.shape[0]
+    cfg = _config(g_out is not None)
+    BM, BN, BK = cfg["BM"], cfg["BN"], cfg["BK"]
+    x_desc = TensorDescriptor.from_tensor(x, [BM, BK])
+    w_desc = TensorDescriptor.from_tensor(w, [BN, BK])
+    if g_out is not None:
+        assert g_out.shape == (M, V) and g_out.stride(1) == 1 and c2 is not None
+        g_desc = TensorDescriptor(g_out, [M, V], [g_out.stride(0), 1],
+                                  [BM, BN // cfg["EPI_SPLIT"]])
+    else:
+        g_desc = x_desc  # unused (WRITE_G=False); any descriptor fills the slot
+    n_prog = _num_programs(x.device)
+    tiles = triton.cdiv(M, BM) * triton.cdiv(V, BN)
+    m_buf = parts["m"]
+    _gemm_softmax_kernel[(min(n_prog, tiles),)](
+        x_desc, w_desc, g_desc,
+        b2 if b2 is not None else m_buf, y, c2 if c2 is not None else m_buf,
+        m_buf, parts["s"], parts.get("d", m_buf), parts.get("a", m_buf), parts["zy2"],
+        M, V, K, inv_tau * LOG2E,
+        BM=BM, BN=BN, BK=BK, GROUP_M=cfg["GROUP_M"], NUM_PROGS=min(n_prog, tiles),
+        EPI_SPLIT=cfg["EPI_SPLIT"],
+        HAS_BIAS=b2 is not None, WRITE_G=g_out is not None,
+        WANT_D=want_d, WANT_ARGMAX=want_argmax,
+        DOT_F32=not x.is_cuda, FLATTEN=cfg["FLATTEN"], CLAMP=CLAMP2,
+        G_BF16=g_out is not None and g_out.dtype == torch.bfloat16,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+
+
+def reduce_partials(
+    parts: dict[str, torch.Tensor],
+    M: int,
+    T: int,
+    out: tuple,
+    *,
+    c2: torch.Tensor | None = None,
+    alpha: torch.Tensor | None = None,
+    factor: torch.Tensor | None = None,
+    flag_rows: torch.Tensor | None = None,
+    n_flag: torch.Tensor | None = None,
+) -> None:
+    """Fold the partials into out = (lse, z_y, entropy or None, argmax or None), each (M,).
+
+    With `factor`, also the per-row factor α · 2^(c₂ − lse₂) that turns G' into α · p (0 for a
+    flagged row), and appends the flagged rows to `flag_rows`, counting them in `n_flag`
+    (int32, (1,), zeroed by the caller).
+    """
+    lse, z_y, ent, amax = out
+    m_buf = parts["m"]
+    BR = 32
+    _reduce_kernel[(triton.cdiv(M, BR),)](
+        m_buf, parts["s"], parts.get("d", m_buf), parts.get("a", m_buf), parts["zy2"],
+        c2 if c2 is not None else m_buf, alpha if alpha is not None else m_buf,
+        lse, z_y, ent if ent is not None else lse, amax if amax is not None else lse,
+        factor if factor is not None else lse,
+        flag_rows if flag_rows is not None else lse, n_flag if n_flag is not None else lse,
+        M, T,
+        WANT_D=ent is not None, WANT_ARGMAX=amax is not None, WANT_FACTOR=factor is not None,
+        HAS_ALPHA=alpha is not None, CLAMP=CLAMP2, LN2_=LN2,
+        BR=BR, BT=64, num_warps=4,
+    )
+
+
+def fixup_flagged(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    bias: torch.Tensor | None,
+    inv_tau: float,
+    lse: torch.Tensor,
+    alpha: torch.Tensor | None,
+    flag_rows: torch.Tensor,
+    n_flag: torch.Tensor,
+    *,
+    basis: torch.Tensor | None = None,
+    grad_weight: torch.Tensor | None = None,
+) -> None:
+    """Add the exact α p W (to basis rows) and α p ⊗ x (to grad_weight) of the flagged rows."""
+    V, H = w.shape
+    BV, BH = 64, 128
+    _fixup_kernel[(triton.cdiv(V, BV),)](
+        x, x.stride(0), w, w.stride(0), bias if bias is not None else lse,
+        flag_rows, n_flag, lse, alpha if alpha is not None else lse,
+        basis if basis is not None else lse, basis.stride(0) if basis is not None else 0,
+        grad_weight if grad_weight is not None else lse,
+        grad_weight.stride(0) if grad_weight is not None else 0,
+        V, H, inv_tau,
+        HAS_BIAS=bias is not None, HAS_ALPHA=alpha is not None,
+        WANT_BASIS=basis is not None, WANT_DW=grad_weight is not None,
+        BV=BV, BH=BH, num_warps=4,
+    )

@@ -1,0 +1,36 @@
+"""out = (t · g).to(dtype) for an fp32 tensor t and a 0-dim fp32 tensor g, in one pass.
+
+The cross-entropy backward scales the gradients built in the forward by grad_output and returns
+them in the parameters' dtype. torch's mixed-dtype `mul(t, g, out=bf16)` runs a non-vectorised
+kernel (1.1 ms for a 128k x 2048 dW on an H200, 3x its traffic); this reads t once and writes
+the result once, with g read on the device (no host sync) and one rounding.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from grpo_lce.kernels.row_softmax import HAS_TRITON, select_backend
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _scale_cast_kernel(t_ptr, g_ptr, out_ptr, n, BLOCK: tl.constexpr):
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n
+        g = tl.load(g_ptr)
+        t = tl.load(t_ptr + offs, mask=mask, other=0.0)
+        tl.store(out_ptr + offs, (t * g).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def scale_cast(t: torch.Tensor, g: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """(t * g) in `dtype`; t fp32 contiguous, g a 0-dim fp32 tensor on t's device."""
+    if select_backend(t) == "torch" or not t.is_contiguous() or t.numel() == 0:
+        return torch.mul(t, g, out=torch.empty_like(t, dtype=dtype))
+    out = torch.empty_like(t, dtype=dtype)
+    BLOCK = 4096
+    _scale_cast_kernel[(triton.cdiv(t.numel(), BLOCK),)](t, g, out, t.numel(), BLOCK=BLOCK,
+                                                          num_warps=8)
+    return out

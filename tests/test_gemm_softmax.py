@@ -1,0 +1,163 @@
+"""The fused path (GEMM 1 with the softmax statistics in its epilogue, kernels/gemm_softmax.py)
+against fp64 and against the unfused loop, interpreted on CPU (bf16 tiles upcast, see DOT_F32).
+
+Run: python -m pytest tests/test_gemm_softmax.py -q
+"""
+
+import pytest
+import torch
+
+import grpo_lce._head_fused as head_fused
+from grpo_lce import linear_cross_entropy, linear_logprobs
+from grpo_lce._head_fused import use_fused
+from grpo_lce.reference import cross_entropy_ref, logits_ref, logprobs_ref
+from _head_inputs import head_inputs
+from _tolerance import assert_3way, assert_close_scaled
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+# values come from fp32 logits on both paths (1e-6 at these sizes); gradients from a bf16
+# operand (2^-8 relative) returned in bf16: 1e-2 of the gradient's scale
+VALUE_ATOL = 5e-5
+GRAD_RTOL = 1e-2
+
+
+@pytest.fixture(autouse=True)
+def _triton_backend(monkeypatch):
+    monkeypatch.setenv("GRPO_LCE_BACKEND", "triton")
+    monkeypatch.delenv("GRPO_LCE_FUSED", raising=False)
+
+
+def _spy_fused(monkeypatch):
+    """Record the flagged-row count of every fused chunk (proves which path ran)."""
+    flagged = []
+    real = head_fused.gs.fixup_flagged
+
+    def spy(*args, **kw):
+        flagged.append(int(args[7].item()))  # n_flag
+        return real(*args, **kw)
+
+    monkeypatch.setattr(head_fused.gs, "fixup_flagged", spy)
+    return flagged
+
+
+def _to(dev, *ts):
+    return [None if t is None else t.to(dev) for t in ts]
+
+
+def test_path_selection(monkeypatch):
+    h, w, _, _ = head_inputs(8, 32, 300, torch.bfloat16, False, 0)
+    h, w = _to(DEV, h, w)
+    kw = dict(want_ebasis=False, want_grad_bias=False, beta=None)
+    assert use_fused(h, w, **kw)
+    assert not use_fused(h.float(), w.float(), **kw)  # fp32: the unfused loop
+    assert not use_fused(h.half(), w.half(), **kw)  # fp16's exponent range (module docstring)
+    h12, w12, _, _ = head_inputs(8, 12, 300, torch.bfloat16, False, 0)  # 24-byte rows: no TMA
+    assert not use_fused(*_to(DEV, h12, w12), **kw)
+    assert not use_fused(h, w, want_ebasis=True, want_grad_bias=False, beta=None)
+    assert not use_fused(h, w, want_ebasis=False, want_grad_bias=True, beta=None)
+    monkeypatch.setenv("GRPO_LCE_FUSED", "0")
+    assert not use_fused(h, w, **kw)
+
+
+# N not a multiple of the 128-row tile, V not a multiple of the 256-column tile, N = 1
+@pytest.mark.parametrize("N, H, V, chunk", [(1, 16, 101, None), (150, 24, 700, 64),
+                                            (37, 32, 257, None)])
+@pytest.mark.parametrize("train_head", [False, True], ids=["frozenW", "trainW"])
+def test_fused_matches_fp64_and_unfused(N, H, V, chunk, train_head, monkeypatch):
+    h, w, b, y = head_inputs(N, H, V, torch.bfloat16, True, N // 6)
+    h, w, b, y = _to(DEV, h, w, b, y)
+    g = torch.randn(N, generator=torch.Generator().manual_seed(3)).to(DEV)
+    results = {}
+    for fused in ("1", "0"):
+        monkeypatch.setenv("GRPO_LCE_FUSED", fused)
+        flagged = _spy_fused(monkeypatch)
+        hh = h.clone().requires_grad_()
+        ww = w.clone().requires_grad_(train_head)
+        lp = linear_logprobs(hh, ww, y, bias=b, temperature=0.8, chunk_size=chunk)
+        (lp * g).sum().backward()
+        results[fused] = (lp, hh.grad, ww.grad)
+        assert bool(flagged) == (fused == "1") and not any(flagged)
+    h64, w64 = h.double().requires_grad_(), w.double().requires_grad_(train_head)
+    rl, _ = logprobs_ref(h64, w64, y, bias=b.double(), temperature=0.8)
+    (rl * g.double()).sum().backward()
+    for fused, (lp, dh, dw) in results.items():
+        assert_3way(lp, None, rl, k=0, atol=VALUE_ATOL, what=f"logp fused={fused}")
+        assert_close_scaled(dh, h64.grad, rtol=GRAD_RTOL, what=f"d hidden fused={fused}")
+        if train_head:
+            assert_close_scaled(dw, w64.grad, rtol=GRAD_RTOL, what=f"d weight fused={fused}")
+    torch.testing.assert_close(results["1"][0], results["0"][0], rtol=0, atol=2e-5)
+
+
+def test_cross_entropy_metrics_and_trainable_head(monkeypatch):
+    N, H, V = 90, 32, 520
+    h, w, _, y = head_inputs(N, H, V, torch.bfloat16, False, 9)
+    h, w, y = _to(DEV, h, w, y)
+    flagged = _spy_fused(monkeypatch)
+    hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
+    loss, m = linear_cross_entropy(hh, ww, y, return_metrics=True, chunk_size=32)
+    loss.backward()
+    assert len(flagged) == 3  # 81 valid rows in chunks of 32
+    h64, w64 = h.double().requires_grad_(), w.double().requires_grad_()
+    ref = cross_entropy_ref(h64, w64, y)
+    ref.backward()
+    assert_3way(loss, None, ref, k=0, atol=VALUE_ATOL, what="CE")
+    assert_close_scaled(hh.grad, h64.grad, rtol=GRAD_RTOL, what="CE d hidden")
+    assert_close_scaled(ww.grad, w64.grad, rtol=GRAD_RTOL, what="CE d weight")
+    z = h64.detach() @ w64.detach().t()
+    valid = y != -100
+    assert int(m["correct"]) == int((z.argmax(1) == y)[valid].sum())
+    p = torch.softmax(z[valid], 1)
+    ent = -(p * torch.log(p)).sum()
+    assert abs(float(m["entropy_sum"]) - float(ent)) <= VALUE_ATOL * int(valid.sum())
+
+
+@pytest.mark.parametrize("train_head", [False, True], ids=["frozenW", "trainW"])
+def test_far_targets_take_the_exact_fallback(train_head, monkeypatch):
+    """Targets 100+ nats below the row max overflow no shift: those rows are flagged, G' drops
+    them and the fixup kernel adds their exact gradient (module docstring of gemm_softmax)."""
+    N, H, V = 40, 32, 600
+    h, w, _, _ = head_inputs(N, H, V, torch.bfloat16, False, 0)
+    h = (h.float() * 30).to(torch.bfloat16)  # logits of std ~90
+    z = h.double() @ w.double().t()
+    y = torch.randint(0, V, (N,), generator=torch.Generator().manual_seed(5))
+    y[::2] = z[::2].argmin(1)  # half the rows: the least likely token
+    h, w, y = _to(DEV, h, w, y)
+    flagged = _spy_fused(monkeypatch)
+    hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_(train_head)
+    g = torch.randn(N, generator=torch.Generator().manual_seed(6)).to(DEV)
+    lp = linear_logprobs(hh, ww, y, chunk_size=16)
+    (lp * g).sum().backward()
+    h64, w64 = h.double().requires_grad_(), w.double().requires_grad_(train_head)
+    rl, _ = logprobs_ref(h64, w64, y)
+    (rl * g.double()).sum().backward()
+    assert rl[::2].max() < -100 and sum(flagged) >= N // 2
+    # fp32 logits of magnitude ~300: relative 1e-6 of them on top of the usual bound
+    assert_3way(lp, None, rl, k=0, atol=VALUE_ATOL + 1e-6 * rl.abs().max().item(), what="logp")
+    assert_close_scaled(hh.grad, h64.grad, rtol=GRAD_RTOL, what="d hidden")
+    if train_head:
+        assert_close_scaled(ww.grad, w64.grad, rtol=GRAD_RTOL, what="d weight")
+
+
+def test_minus_inf_bias_tiles_are_exact(monkeypatch):
+    """A bias of -inf masking a whole 256-column tile and scattered columns: no nan, exact."""
+    N, H, V = 20, 16, 700
+    h, w, b, y = head_inputs(N, H, V, torch.bfloat16, True, 2)
+    b[256:512] = float("-inf")
+    b[::7] = float("-inf")
+    y[(y >= 256) & (y < 512)] = 3
+    y[y % 7 == 0] = 1
+    h, w, b, y = _to(DEV, h, w, b, y)
+    flagged = _spy_fused(monkeypatch)
+    hh = h.clone().requires_grad_()
+    lp, ent = linear_logprobs(hh, w, y, bias=b, return_entropy=True)
+    lp.sum().backward()
+    h64 = h.double().requires_grad_()
+    rl, _ = logprobs_ref(h64, w.double(), y, bias=b.double())
+    rl.sum().backward()
+    lp_all = torch.log_softmax(logits_ref(h64.detach(), w.double(), b.double()), -1)
+    re = -torch.where(lp_all > float("-inf"), lp_all.exp() * lp_all, 0.0).sum(-1)
+    re = torch.where(y != -100, re, 0.0)  # (the reference's own 0 · -inf is nan)
+    assert flagged == [0]
+    assert_3way(lp, None, rl, k=0, atol=VALUE_ATOL, what="logp")
+    assert_3way(ent, None, re, k=0, atol=VALUE_ATOL, what="entropy")
+    assert_close_scaled(hh.grad, h64.grad, rtol=GRAD_RTOL, what="d hidden")
