@@ -104,13 +104,6 @@ def compact_rows(
     return idx, n_keep
 
 
-def valid_rows(t: torch.Tensor, idx: torch.Tensor | None) -> torch.Tensor:
-    """The rows of t (N, ...) at idx (all when idx is None), contiguous in the last dim, as a
-    GEMM operand needs them."""
-    r = t if idx is None else t.index_select(0, idx)
-    return r if r.dim() < 2 or r.stride(-1) == 1 else r.contiguous()
-
-
 def mm_f32(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """a @ b with fp32 accumulation AND fp32 output, whatever the input dtype.
 

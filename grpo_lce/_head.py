@@ -67,8 +67,13 @@ def head_forward(
     want_entropy: bool = True,
     alpha: torch.Tensor | None = None,
     beta: torch.Tensor | None = None,
+    n_valid: torch.Tensor | None = None,
 ) -> HeadOut:
     """One pass over the rows of h in chunks. `w` is `gemm_weight(weight)`.
+
+    `n_valid` (int32 (1,) on the device): only the first n_valid rows are valid, the others
+    (zero hidden states, α = β = 0: _rows' device-counted layout) get 0 in every output. The
+    fused path skips their GEMM work; the unfused loop computes and then zeroes them.
 
     want_basis/want_grad_weight/want_grad_bias all use the same operand G (α, β per row).
     On a Hopper GPU most calls take the fused path of `_head_fused` (same outputs; entropy only
@@ -102,7 +107,7 @@ def head_forward(
         return head_forward_fused(
             out, h_gemm, w, b, y, inv_tau, chunk_size, want_basis=want_basis,
             want_grad_weight=want_grad_weight, want_entropy=want_entropy,
-            want_argmax=want_argmax, alpha=alpha,
+            want_argmax=want_argmax, alpha=alpha, n_valid=n_valid,
         )
 
     # G is written over Z (see g_over_z), so only the entropy operand E costs a buffer
@@ -136,7 +141,20 @@ def head_forward(
             accumulate_mm(out.grad_weight, g.t(), h_gemm[s:e])
         if want_grad_bias:
             out.grad_bias += g.float().sum(0)
+    if n_valid is not None:
+        _zero_past(out, n_valid)
     return out
+
+
+def _zero_past(out: HeadOut, n_valid: torch.Tensor) -> None:
+    """Per-row outputs of the rows at or past n_valid set to 0 (argmax −1), as the fused kernels
+    write them. dW and db need nothing: those rows' operand G is 0 (zero α and β)."""
+    valid = torch.arange(out.lse.shape[0], device=out.lse.device) < n_valid
+    for t in (out.lse, out.z_y, out.entropy, out.basis, out.ebasis):
+        if t is not None:
+            t.mul_(valid.view((-1,) + (1,) * (t.dim() - 1)))
+    if out.argmax is not None:
+        out.argmax.masked_fill_(~valid, -1)
 
 
 def g_over_z(z_buf: torch.Tensor, n: int, dtype: torch.dtype) -> torch.Tensor:

@@ -5,9 +5,16 @@ Per chunk of C rows (see kernels/gemm_softmax.py for the kernel and its precisio
     GEMM 1 + epilogue   partial (max, Σ2^, Σ2^·z, argmax) per (row, 128 columns), z₂ at the
                         target, and, for a gradient, G' = 2^(z₂ − c) in bf16 (C, V)
     reduce              lse, z_y, entropy, argmax; factor_r = α_r 2^(c_r − lse₂_r)
-    GEMM 2 (cuBLAS)     basis = factor ∘ (G' W) − α ∘ W[y]                  = α (p − e_y) W
-    GEMM 3 (cuBLAS)     dW += G'ᵀ (factor ∘ X),  dW[y] −= α ∘ X             = α (p − e_y)ᵀ X
+    GEMM 2              basis = factor ∘ (G' W) − α ∘ W[y]                  = α (p − e_y) W
+    GEMM 3              dW += G'ᵀ (factor ∘ X),  dW[y] −= α ∘ X             = α (p − e_y)ᵀ X
     fixup               the exact terms of flagged rows (usually none; no host sync)
+
+Rows: with `n_valid` (an int32 device tensor, the device-counted layout of _rows) every kernel
+reads the number of valid rows and skips the row blocks past it, and GEMM 3 is the Triton
+kernel of kernels/gemm_rows (its K loop stops there); without it all rows are valid (counted on
+the host) and GEMMs 2 (at H >= 2048) and 3 are cuBLAS, which is faster there (tune_gemm_rows).
+Otherwise GEMM 2 is the Triton split-K kernel: within 5 % of cuBLAS at H = 2048-4096, 1.7x
+faster at H = 896, where the (C, H) output has too few tiles to fill the GPU.
 
 Compared with the unfused loop (fp32 Z written by GEMM 1, read twice by the row kernel, G written
 over it) this moves C · V · 10 bytes less per chunk and writes the operand of GEMM 2 directly.
@@ -30,24 +37,32 @@ from grpo_lce._chunks import (
     fused_chunk_size,
     mm_f32,
 )
+from grpo_lce.kernels import gemm_rows as gr
 from grpo_lce.kernels import gemm_softmax as gs
 from grpo_lce.kernels.row_softmax import select_backend
 
 
+# GEMM 2 of host-counted rows at H >= this: cuBLAS, 2-5 % faster than the Triton split-K kernel
+# there (bench/results/tune_gemm_rows_H200.json); below it the Triton kernel is 1.7x faster.
+CUBLAS_BASIS_MIN_H = 2048
+
+
 def use_fused(h: torch.Tensor, w: torch.Tensor, *, want_ebasis: bool, want_grad_bias: bool,
-              beta: torch.Tensor | None) -> bool:
+              beta: torch.Tensor | None, gathered: bool = False) -> bool:
     """The fused path serves everything but the entropy-gradient operand and a bias gradient.
-    GRPO_LCE_FUSED=0 turns it off (read per call: A/B comparisons, a suspected kernel bug)."""
+    GRPO_LCE_FUSED=0 turns it off (read per call: A/B comparisons, a suspected kernel bug).
+    `gathered`: decide for a contiguous copy of h's rows (see gs.fused_supported)."""
     if os.environ.get("GRPO_LCE_FUSED", "1") == "0":
         return False
     if want_ebasis or want_grad_bias or beta is not None:
         return False
-    return select_backend(h) == "triton" and gs.fused_supported(h, w)
+    return select_backend(h) == "triton" and gs.fused_supported(h, w, gathered=gathered)
 
 
 def head_forward_fused(out, h, w, b, y, inv_tau, chunk_size, *, want_basis, want_grad_weight,
-                       want_entropy, want_argmax, alpha):
-    """Fill `out` (a HeadOut with its tensors allocated) for rows h (N, H) in w's dtype."""
+                       want_entropy, want_argmax, alpha, n_valid=None):
+    """Fill `out` (a HeadOut with its tensors allocated) for rows h (N, H) in w's dtype; rows
+    at or past the device count `n_valid` (None: all valid) get 0 everywhere."""
     N, H = h.shape
     V = w.shape[0]
     dev = h.device
@@ -65,6 +80,9 @@ def head_forward_fused(out, h, w, b, y, inv_tau, chunk_size, *, want_basis, want
     parts["zy2"] = torch.empty(C, device=dev, dtype=torch.float32)
     scale2 = inv_tau * gs.LOG2E
     b2 = None if b is None else b.float() * scale2
+    host_counted = n_valid is None
+    if host_counted:
+        n_valid = torch.full((1,), N, device=dev, dtype=torch.int32)
     if want_g:
         g_buf = torch.empty(C, gs.g_row_stride(V), device=dev, dtype=w.dtype)
         factor = torch.empty(N, device=dev, dtype=torch.float32)
@@ -86,7 +104,7 @@ def head_forward_fused(out, h, w, b, y, inv_tau, chunk_size, *, want_basis, want
             g = g_buf[:n, :V]
             n_flag.zero_()
         gs.gemm_softmax(x, w, yc, b2, inv_tau, parts, c2=c2, g_out=g,
-                        want_d=want_entropy, want_argmax=want_argmax)
+                        want_d=want_entropy, want_argmax=want_argmax, n_valid=n_valid, row0=s)
         gs.reduce_partials(
             parts, n, T,
             (out.lse[s:e], out.z_y[s:e], out.entropy[s:e] if want_entropy else None,
@@ -94,19 +112,27 @@ def head_forward_fused(out, h, w, b, y, inv_tau, chunk_size, *, want_basis, want
             c2=c2, alpha=a,
             factor=factor[s:e] if want_g else None,
             flag_rows=flag_rows if want_g else None, n_flag=n_flag if want_g else None,
+            n_valid=n_valid, row0=s,
         )
         if not want_g:
             continue
-        f = factor[s:e, None]
-        a_col = torch.ones_like(f) if a is None else a[:, None]
         basis = grad_w = None
         if want_basis:  # α (p − e_y) W = factor ∘ (G' W) − α ∘ W[y]
-            basis = mm_f32(g, w, out=out.basis[s:e])
-            basis.mul_(f).addcmul_(w_y, a_col, value=-1.0)
+            if host_counted and H >= CUBLAS_BASIS_MIN_H:
+                basis = mm_f32(g, w, out=out.basis[s:e])
+                a_col = torch.ones_like(basis[:, :1]) if a is None else a[:, None]
+                basis.mul_(factor[s:e, None]).addcmul_(w_y, a_col, value=-1.0)
+            else:
+                basis = gr.basis_gemm(g, w, factor[s:e], a, yc, n_valid, s, out.basis[s:e])
         if want_grad_weight:  # α (p − e_y)ᵀ X = G'ᵀ (factor ∘ X) − scatter of α ∘ X at y
             grad_w = out.grad_weight
-            accumulate_mm(grad_w, g.t(), (x * f).to(w.dtype), first=s == 0)
-            grad_w.index_add_(0, yc, x.float() * a_col, alpha=-1.0)
+            xf = (x * factor[s:e, None]).to(w.dtype)  # 0 past the valid rows (factor 0 there)
+            if host_counted:
+                accumulate_mm(grad_w, g.t(), xf, first=s == 0)
+            else:
+                gr.grad_w_gemm(grad_w, g, xf, n_valid, s, first=s == 0)
+            x_a = x.float() if a is None else x.float() * a[:, None]
+            grad_w.index_add_(0, yc, x_a, alpha=-1.0)
         gs.fixup_flagged(x, w, b, inv_tau, out.lse[s:e], a, flag_rows, n_flag,
                          basis=basis, grad_weight=grad_w)
     return out

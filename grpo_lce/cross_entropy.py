@@ -18,8 +18,8 @@ from __future__ import annotations
 import torch
 
 from grpo_lce._checks import check_chunk_size, check_head, check_targets
-from grpo_lce._chunks import compact_rows, valid_rows
 from grpo_lce._head import gemm_weight, head_forward
+from grpo_lce._rows import RowPlan, count_on_device, plan_rows, raise_deferred
 from grpo_lce.kernels.scale_cast import scale_cast
 from grpo_lce.logprobs import linear_logprobs
 
@@ -28,7 +28,9 @@ _REDUCTIONS = ("mean", "sum", "none")
 
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, h, weight, bias, y, divisor, chunk_size, want_metrics):
+    def forward(ctx, h, weight, bias, y, divisor, chunk_size, want_metrics, n_valid):
+        # h (n, H) the processed rows, y (n,); n_valid: the device count of valid rows (_rows'
+        # device-counted layout, the others giving 0) or None (all valid)
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         N = h.shape[0]
         # α = 1/d per row: G = (p − e_y)/d is ∂loss/∂z. d stays on device (no host read).
@@ -37,7 +39,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         out = head_forward(
             h, gemm_weight(weight), bias, y, 1.0, chunk_size,
             want_basis=need_h, want_grad_weight=need_w, want_grad_bias=need_b,
-            want_argmax=want_metrics, want_entropy=want_metrics, alpha=alpha,
+            want_argmax=want_metrics, want_entropy=want_metrics, alpha=alpha, n_valid=n_valid,
         )
         loss = (out.lse - out.z_y).sum() / divisor
         ctx.save_for_backward(out.basis, out.grad_weight, out.grad_bias)
@@ -58,7 +60,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         dh = None if basis is None else scale_cast(basis, g, h_dt)
         dw = None if gw is None else scale_cast(gw, g, w_dt)
         db = None if gb is None else scale_cast(gb, g, b_dt)
-        return dh, dw, db, None, None, None, None
+        return dh, dw, db, None, None, None, None, None
 
 
 def linear_cross_entropy(
@@ -95,6 +97,7 @@ def linear_cross_entropy(
     Returns:
         loss, or (loss, metrics) with `return_metrics`.
     """
+    raise_deferred()
     check_head(hidden, weight, bias)
     check_targets(labels, hidden, weight.shape[0], ignore_index, "labels")
     check_chunk_size(chunk_size)
@@ -118,44 +121,56 @@ def linear_cross_entropy(
         }
         return loss, metrics
 
-    h, y, n_valid = _valid_rows_and_labels(hidden, weight, labels, ignore_index)
+    trainable = torch.is_grad_enabled() and (
+        weight.requires_grad or (bias is not None and bias.requires_grad))
+    h, y, plan = _rows_and_labels(hidden, weight, labels, ignore_index, trainable)
+    n_valid = plan.n if plan.n_valid is None else plan.n_valid.reshape(())
     divisor = _divisor(reduction, num_items, n_valid, hidden.device)
     loss, correct, entropy_sum = _LinearCrossEntropy.apply(
-        h, weight, bias, y, divisor, chunk_size, bool(return_metrics)
+        h, weight, bias, y, divisor, chunk_size, bool(return_metrics), plan.n_valid
     )
+    if plan.bad is not None:  # a target out of range (reported by a later call): NaN
+        loss = torch.where(plan.bad.any(), float("nan"), loss)
     if not return_metrics:
         return loss
-    num_tokens = torch.tensor(n_valid, device=hidden.device)
+    # torch.full, not torch.tensor: a host value copied to the GPU makes the host wait
+    num_tokens = (torch.full((), n_valid, device=hidden.device) if plan.n_valid is None
+                  else n_valid.long())
     return loss, {"correct": correct, "entropy_sum": entropy_sum, "num_tokens": num_tokens}
 
 
 def _divisor(reduction, num_items, n_valid, device) -> torch.Tensor:
-    """The loss divisor as a 0-d fp32 tensor on device (a tensor num_items is never read back)."""
+    """The loss divisor as a 0-d fp32 tensor on device (a tensor num_items or n_valid is never
+    read back)."""
     if num_items is not None:
         if isinstance(num_items, torch.Tensor):
             return num_items.detach().to(device=device, dtype=torch.float32).reshape(())
         if num_items <= 0:
             raise ValueError(f"num_items must be > 0, got {num_items}")
-        return torch.tensor(float(num_items), device=device)
+        return torch.full((), float(num_items), device=device)
     if reduction == "sum":
         return torch.ones((), device=device)
     # mean over no valid token: the sum is 0, divide by 1 so the loss is 0, never nan
-    return torch.tensor(float(max(n_valid, 1)), device=device)
+    if isinstance(n_valid, torch.Tensor):
+        return n_valid.clamp_min(1).float()
+    return torch.full((), float(max(n_valid, 1)), device=device)
 
 
-def _valid_rows_and_labels(hidden, weight, labels, ignore_index):
-    """(h (n, H), y (n,) int64, n) for the rows whose label is not ignore_index."""
-    y = labels.reshape(-1)
-    idx, n_valid = compact_rows(y, weight.shape[0], ignore_index, "labels")
-    h = valid_rows(hidden.reshape(-1, hidden.shape[-1]), idx)
-    return h, valid_rows(y, idx).long(), n_valid
+def _rows_and_labels(hidden, weight, labels, ignore_index, trainable
+                     ) -> tuple[torch.Tensor, torch.Tensor, RowPlan]:
+    """(h (n, H), y (n,) int64, plan): the rows the chunk loop processes (grpo_lce._rows)."""
+    h = hidden.reshape(-1, hidden.shape[-1])
+    plan, y = plan_rows(labels.reshape(-1), weight.shape[0], ignore_index, "labels",
+                        on_device=count_on_device(h, weight, trainable=trainable))
+    return plan.rows(h), y, plan
 
 
 def _argmax_correct(hidden, weight, bias, labels, ignore_index, chunk_size) -> torch.Tensor:
-    """argmax == label count for reduction='none' (a no-grad pass of the same chunk loop)."""
-    h, y, _ = _valid_rows_and_labels(hidden.detach(), weight, labels, ignore_index)
+    """argmax == label count for reduction='none' (a no-grad pass of the same chunk loop; rows
+    past the valid ones have argmax −1 against label 0, so they never count)."""
+    h, y, plan = _rows_and_labels(hidden.detach(), weight, labels, ignore_index, False)
     out = head_forward(
         h, gemm_weight(weight.detach()), None if bias is None else bias.detach(),
-        y, 1.0, chunk_size, want_argmax=True, want_entropy=False,
+        y, 1.0, chunk_size, want_argmax=True, want_entropy=False, n_valid=plan.n_valid,
     )
     return (out.argmax == y).sum()

@@ -14,8 +14,9 @@ backward: 2 more GEMMs, still exact).
 
 Trainable head or bias: dW = Σ_n Dᵀ h needs the upstream gradient inside the sum, so backward
 recomputes each chunk with D = −(g (p − e_y) + g^H p∘(z − z̄)) / τ: 4 GEMMs in all.
-Extra memory: one chunk (see grpo_lce._chunks) plus the (n, H) fp32 basis of the n valid rows;
-the hidden states are not copied (ignored rows are gathered per use).
+Extra memory: one chunk (see grpo_lce._chunks) plus the (n, H) fp32 basis of the n processed
+rows (the valid ones, or all N in the device-counted layout of grpo_lce._rows, where the rows
+are also gathered once into valid-first order).
 """
 
 from __future__ import annotations
@@ -23,54 +24,58 @@ from __future__ import annotations
 import torch
 
 from grpo_lce._checks import check_chunk_size, check_head, check_targets, check_temperature
-from grpo_lce._chunks import compact_rows, valid_rows
 from grpo_lce._head import gemm_weight, head_forward
+from grpo_lce._rows import RowPlan, count_on_device, plan_rows, raise_deferred
 
 
 class _LinearLogprobs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, bias, y, idx, inv_tau, chunk_size, entropy_basis,
+    def forward(ctx, hidden, weight, bias, y, plan, inv_tau, chunk_size, entropy_basis,
                 want_entropy):
-        # hidden (N, H) all rows; idx (n,) the valid rows or None for all; y (n,) their targets
+        # hidden (N, H) all rows; plan (_rows.RowPlan) the rows processed; y (n,) their targets
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         recompute = need_w or need_b
-        h = valid_rows(hidden, idx)
         out = head_forward(
-            h, gemm_weight(weight), bias, y, inv_tau, chunk_size,
+            plan.rows(hidden), gemm_weight(weight), bias, y, inv_tau, chunk_size,
             want_basis=need_h and not recompute,
             want_ebasis=need_h and not recompute and entropy_basis, want_entropy=want_entropy,
+            n_valid=plan.n_valid,
         )
         ctx.inv_tau, ctx.chunk_size, ctx.recompute = inv_tau, chunk_size, recompute
+        ctx.n_rows = plan.n
         # The frozen path needs only the (n, H) bases. `hidden` is the caller's tensor (no copy),
         # kept for a recompute: a trainable head, or an entropy gradient without its basis.
-        ctx.save_for_backward(hidden, weight, bias, y, idx, out.basis, out.ebasis)
+        ctx.save_for_backward(hidden, weight, bias, y, out.basis, out.ebasis, *plan.saved())
         ctx.set_materialize_grads(False)
         N = hidden.shape[0]
         # without return_entropy the caller never sees the second output (its value is 0)
         ent = out.lse.new_zeros(out.lse.shape) if out.entropy is None else out.entropy
-        return _to_all_rows(out.z_y - out.lse, idx, N), _to_all_rows(ent, idx, N)
+        logp = plan.mark_bad(out.z_y - out.lse)
+        return plan.to_all_rows(logp, N), plan.to_all_rows(plan.mark_bad(ent), N)
 
     @staticmethod
     def backward(ctx, g_logp, g_ent):
-        hidden, weight, bias, y, idx, basis, ebasis = ctx.saved_tensors
+        hidden, weight, bias, y, basis, ebasis, *saved_plan = ctx.saved_tensors
+        plan = RowPlan.from_saved(ctx.n_rows, *saved_plan)
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         none = (None,) * 6
         if g_logp is None and g_ent is None:
             return (None, None, None) + none
         s = -ctx.inv_tau
-        # per valid row: α = −g/τ, β = −g^H/τ  (upstream gradients of logp and entropy)
-        alpha = None if g_logp is None else valid_rows(g_logp, idx).float() * s
-        beta = None if g_ent is None else valid_rows(g_ent, idx).float() * s
+        # per processed row: α = −g/τ, β = −g^H/τ (upstream gradients of logp and entropy);
+        # 0 past the valid rows of the device-counted layout
+        alpha = None if g_logp is None else plan.rows(g_logp).float() * s
+        beta = None if g_ent is None else plan.rows(g_ent).float() * s
         if ctx.recompute:
             # D = α (p − e_y) + β p∘(z − z̄) is the whole ∂loss/∂(h Wᵀ) of a chunk
             out = head_forward(
-                valid_rows(hidden, idx), gemm_weight(weight), bias, y, ctx.inv_tau,
+                plan.rows(hidden), gemm_weight(weight), bias, y, ctx.inv_tau,
                 ctx.chunk_size, want_basis=need_h, want_grad_weight=need_w,
                 want_grad_bias=need_b,
                 alpha=torch.zeros_like(y, dtype=torch.float32) if alpha is None else alpha,
-                beta=beta,
+                beta=beta, n_valid=plan.n_valid,
             )
-            dh = _to_all_rows(out.basis.to(hidden.dtype), idx, hidden.shape[0]) if need_h else None
+            dh = plan.to_all_rows(out.basis.to(hidden.dtype), hidden.shape[0]) if need_h else None
             dw = out.grad_weight.to(weight.dtype) if need_w else None
             db = out.grad_bias.to(bias.dtype) if need_b else None
             return (dh, dw, db) + none
@@ -79,19 +84,12 @@ class _LinearLogprobs(torch.autograd.Function):
         if beta is not None:
             if ebasis is None:
                 ebasis = head_forward(
-                    valid_rows(hidden, idx), gemm_weight(weight), bias, y, ctx.inv_tau,
-                    ctx.chunk_size, want_ebasis=True,
+                    plan.rows(hidden), gemm_weight(weight), bias, y, ctx.inv_tau,
+                    ctx.chunk_size, want_ebasis=True, n_valid=plan.n_valid,
                 ).ebasis
             acc += ebasis * beta[:, None]
-        dh = _to_all_rows(acc.to(hidden.dtype), idx, hidden.shape[0])
+        dh = plan.to_all_rows(acc.to(hidden.dtype), hidden.shape[0])
         return (dh, None, None) + none
-
-
-def _to_all_rows(vals: torch.Tensor, idx: torch.Tensor | None, n: int) -> torch.Tensor:
-    """(n, ...) zeros with vals at the rows idx (vals itself when idx is None)."""
-    if idx is None:
-        return vals
-    return vals.new_zeros((n, *vals.shape[1:])).index_copy_(0, idx, vals)
 
 
 def linear_logprobs(
@@ -130,9 +128,12 @@ def linear_logprobs(
         logp (...) fp32, or (logp, entropy) when `return_entropy`. Differentiable with respect to
         hidden, weight and bias for any upstream gradient on either output.
 
-    One host read per call (the number of valid rows, which sizes the GEMMs); none in the chunk
-    loop.
+    No host synchronisation on the fused path (bf16 on Hopper or newer, frozen head): ignored
+    rows are moved after the valid ones and the kernels read their number on the device; a
+    target out of range there gives NaN and a ValueError from a later call (see grpo_lce._rows).
+    Otherwise one host read per call (the number of valid rows sizes the GEMMs).
     """
+    raise_deferred()
     check_head(hidden, weight, bias)
     check_targets(targets, hidden, weight.shape[0], ignore_index, "targets")
     inv_tau = 1.0 / check_temperature(temperature)
@@ -141,10 +142,13 @@ def linear_logprobs(
     lead = targets.shape
     h = hidden.reshape(-1, hidden.shape[-1])
     y = targets.reshape(-1)
-    idx, _ = compact_rows(y, weight.shape[0], ignore_index, "targets")
-    y = (y if idx is None else y.index_select(0, idx)).long()
+    trainable = torch.is_grad_enabled() and (
+        weight.requires_grad or (bias is not None and bias.requires_grad))
+    on_device = count_on_device(h, weight, trainable=trainable,
+                                want_ebasis=bool(entropy_requires_grad))
+    plan, y = plan_rows(y, weight.shape[0], ignore_index, "targets", on_device=on_device)
     logp, ent = _LinearLogprobs.apply(
-        h, weight, bias, y, idx, inv_tau, chunk_size, bool(entropy_requires_grad),
+        h, weight, bias, y, plan, inv_tau, chunk_size, bool(entropy_requires_grad),
         bool(return_entropy),
     )
     logp, ent = logp.reshape(lead), ent.reshape(lead)

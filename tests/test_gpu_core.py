@@ -86,8 +86,9 @@ def test_peak_memory_within_chunk_budget():
     (logp * g).sum().backward()
     torch.cuda.synchronize()
     extra = torch.cuda.max_memory_allocated() - base
-    # chunk budget + the (N, H) fp32 basis + dh (N, H) bf16 + per-row vectors + 32 MiB slack
-    bound = DEFAULT_CHUNK_BUDGET_BYTES + N * H * (4 + 2) + 32 * 2**20
+    # chunk budget + the (N, H) fp32 basis + dh (N, H) bf16 + the rows gathered valid-first
+    # (N, H) bf16 (grpo_lce/_rows.py) + per-row vectors + 32 MiB slack
+    bound = DEFAULT_CHUNK_BUDGET_BYTES + N * H * (4 + 2 + 2) + 32 * 2**20
     assert extra <= bound, f"extra peak {extra / 2**20:.0f} MiB > bound {bound / 2**20:.0f} MiB"
     assert extra <= 512 * 2**20, f"extra peak {extra / 2**20:.0f} MiB > 512 MiB target"
     assert logp.isfinite().all()
@@ -108,12 +109,52 @@ def test_chunked_linear_on_gpu():
     assert_close_scaled(h.grad, h64.grad, rtol=1e-2, what="chunked d hidden")
 
 
-def test_bad_target_on_gpu_is_an_error_not_a_crash():
-    h, w, y = _inputs()
+def test_bad_target_on_gpu_is_a_deferred_error_not_a_crash(monkeypatch):
+    """The fused path checks targets without a host sync (grpo_lce/_rows.py): the bad row is
+    NaN, the others exact, and a later call raises; GRPO_LCE_SYNC_CHECKS=1 and the unfused
+    (fp16) path raise in the call itself."""
+    monkeypatch.delenv("GRPO_LCE_SYNC_CHECKS", raising=False)
+    h, w, y = _inputs(n_ignored=100)
     y = y.clone()
     y[5] = V + 3
+    ok = linear_logprobs(h, w, torch.where(torch.arange(N, device="cuda") == 5, 0, y))
+    lp = linear_logprobs(h, w, y)
+    assert torch.isnan(lp[5])
+    others = torch.arange(N, device="cuda") != 5
+    torch.testing.assert_close(lp[others], ok[others], rtol=0, atol=0)
+    torch.cuda.synchronize()  # the flag has reached the host: the next call reports it
+    with pytest.raises(ValueError, match="targets contained a value outside"):
+        linear_logprobs(h[:4], w, y[:4].clamp_min(0))
+    linear_logprobs(h[:4], w, y[:4].clamp_min(0))  # reported once
     with pytest.raises(ValueError, match="targets contains"):
-        linear_logprobs(h, w, y)
+        linear_logprobs(h.half(), w.half(), y)
+    monkeypatch.setenv("GRPO_LCE_SYNC_CHECKS", "1")
+    with pytest.raises(ValueError, match="labels contains"):
+        linear_cross_entropy(h, w, y)
+
+
+def test_no_host_sync_on_the_fused_path():
+    """bf16 on Hopper, frozen head, ignored rows: log-probs (+ entropy) and CE (+ metrics),
+    forward and backward, with CUDA's sync debug mode set to raise on any synchronisation."""
+    h, w, y = _inputs(n_ignored=N // 3)
+    h.requires_grad_()
+    g = torch.randn(N, device="cuda")
+
+    def step():
+        lp, ent = linear_logprobs(h, w, y, temperature=0.9, return_entropy=True)
+        (lp * g).sum().backward()
+        loss, m = linear_cross_entropy(h, w, y, return_metrics=True, num_items=1000)
+        loss.backward()
+        return lp, ent, loss, m
+
+    step()  # compile the kernels and fill the allocators' caches first
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        lp, ent, loss, m = step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert lp.isfinite().all() and loss.isfinite() and int(m["num_tokens"]) == N - N // 3
 
 
 @pytest.mark.parametrize("fused", ["1", "0"], ids=["fused", "unfused"])

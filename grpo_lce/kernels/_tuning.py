@@ -15,3 +15,8 @@ GEMM_STATS = dict(BM=128, BN=256, BK=64, GROUP_M=32, EPI_SPLIT=1, FLATTEN=True, 
                   num_stages=3)
 GEMM_GRAD = dict(BM=128, BN=256, BK=64, GROUP_M=8, EPI_SPLIT=2, FLATTEN=True, num_warps=8,
                  num_stages=3)
+
+# GEMMs 2 and 3 of the fused loop (kernels/gemm_rows.py), bounded by the device row count;
+# scripts/tune_gemm_rows.py.
+BASIS_GEMM = dict(BM=128, BN=256, BK=64, num_warps=8, num_stages=3)
+GRAD_W_GEMM = dict(BV=128, BN=256, BK=64, GROUP_V=8, FLATTEN=True, num_warps=8, num_stages=4)

@@ -42,15 +42,14 @@ import os
 import torch
 
 from grpo_lce.kernels import _tuning
+from grpo_lce.kernels._tma_common import HAS_TMA, num_programs
 
-try:
+if HAS_TMA:
     import triton
     import triton.language as tl
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    HAS_TMA = True
-except ImportError:  # pragma: no cover - old triton or none: the unfused path is used
-    HAS_TMA = False
+    from grpo_lce.kernels._tma_common import tile_coords, valid_in_chunk
 
 SHIFT2 = 32.0  # c = ẑ₂_y + SHIFT2 (base-2 units)
 CLAMP2 = 64.0  # G' = 2^min(z₂ − c, CLAMP2); a row whose max exceeds c + CLAMP2 is flagged
@@ -59,17 +58,6 @@ LN2 = math.log(2.0)
 
 
 if HAS_TMA:
-
-    @triton.jit
-    def _tile_coords(tile, num_m, num_n, GROUP_M: tl.constexpr):
-        # Tiles of GROUP_M row blocks share each W tile while it is in L2: W (V, K) is the big
-        # operand, read once per group of row blocks instead of once per row block.
-        per_group = GROUP_M * num_n
-        first_m = (tile // per_group) * GROUP_M
-        size_m = tl.minimum(num_m - first_m, GROUP_M)
-        pid_m = first_m + (tile % per_group) % size_m
-        pid_n = (tile % per_group) // size_m
-        return pid_m, pid_n
 
     @triton.jit
     def _round_to_bf16(x):
@@ -82,7 +70,7 @@ if HAS_TMA:
     @triton.jit
     def _epilogue_part(
         acc, off_m, off_n, part,
-        M, V, scale2,
+        M, m_valid, V, scale2,
         b2_ptr, y_ptr, c2_ptr, g_desc,
         pm_ptr, ps_ptr, pd_ptr, pa_ptr, zy2_ptr,
         BM: tl.constexpr, BN: tl.constexpr,
@@ -92,7 +80,7 @@ if HAS_TMA:
     ):
         rows = off_m + tl.arange(0, BM)
         cols = off_n + tl.arange(0, BN)
-        rmask = rows < M
+        rmask = rows < m_valid  # the partials' row stride stays M
         cmask = cols < V
         z = acc * scale2
         if HAS_BIAS:
@@ -117,15 +105,17 @@ if HAS_TMA:
         if WRITE_G:
             c2 = tl.load(c2_ptr + rows, mask=rmask, other=0.0)
             g = tl.exp2(tl.minimum(z - c2[:, None], CLAMP))
+            # rows past the valid ones are 0: GEMM 3's last K block reads them (gemm_rows)
+            g = tl.where(rmask[:, None], g, 0.0)
             if ROUND_BF16:
                 g = _round_to_bf16(g)
             g_desc.store([off_m, off_n], g.to(g_desc.dtype))
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["row0"])
     def _gemm_softmax_kernel(
         x_desc, w_desc, g_desc,
         b2_ptr, y_ptr, c2_ptr,
-        pm_ptr, ps_ptr, pd_ptr, pa_ptr, zy2_ptr,
+        pm_ptr, ps_ptr, pd_ptr, pa_ptr, zy2_ptr, n_valid_ptr, row0,
         M, V, K, scale2, num_progs,
         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
         GROUP_M: tl.constexpr, EPI_SPLIT: tl.constexpr,
@@ -134,13 +124,15 @@ if HAS_TMA:
         DOT_F32: tl.constexpr, FLATTEN: tl.constexpr, CLAMP: tl.constexpr,
         G_BF16: tl.constexpr,
     ):
-        num_m = tl.cdiv(M, BM)
+        # only the row blocks holding valid rows (the count is read on the device: gemm_rows)
+        m_valid = valid_in_chunk(n_valid_ptr, row0, M)
+        num_m = tl.cdiv(m_valid, BM)
         num_n = tl.cdiv(V, BN)
         k_tiles = tl.cdiv(K, BK)
         # persistent: one program per SM walks the tiles, so tile i+1's loads overlap tile i's
         # epilogue (the exp2 work of a tile is ~10 % of its tensor-core time)
         for tile in tl.range(tl.program_id(0), num_m * num_n, num_progs, flatten=FLATTEN):
-            pid_m, pid_n = _tile_coords(tile, num_m, num_n, GROUP_M)
+            pid_m, pid_n = tile_coords(tile, num_m, num_n, GROUP_M)
             off_m = pid_m * BM
             off_n = pid_n * BN
             acc = tl.zeros((BM, BN), dtype=tl.float32)
@@ -153,7 +145,7 @@ if HAS_TMA:
                 acc = tl.dot(a, b.T, acc)
             if EPI_SPLIT == 1:
                 _epilogue_part(
-                    acc, off_m, off_n, pid_n, M, V, scale2, b2_ptr, y_ptr, c2_ptr, g_desc,
+                    acc, off_m, off_n, pid_n, M, m_valid, V, scale2, b2_ptr, y_ptr, c2_ptr, g_desc,
                     pm_ptr, ps_ptr, pd_ptr, pa_ptr, zy2_ptr,
                     BM, BN, HAS_BIAS, WRITE_G, WANT_D, WANT_ARGMAX, CLAMP, DOT_F32 and G_BF16,
                 )
@@ -162,29 +154,32 @@ if HAS_TMA:
                 # exp2 temporaries; each half is its own partial
                 acc0, acc1 = tl.split(tl.permute(tl.reshape(acc, (BM, 2, BN // 2)), (0, 2, 1)))
                 _epilogue_part(
-                    acc0, off_m, off_n, 2 * pid_n, M, V, scale2, b2_ptr, y_ptr, c2_ptr,
+                    acc0, off_m, off_n, 2 * pid_n, M, m_valid, V, scale2, b2_ptr, y_ptr, c2_ptr,
                     g_desc, pm_ptr, ps_ptr, pd_ptr, pa_ptr, zy2_ptr,
                     BM, BN // 2, HAS_BIAS, WRITE_G, WANT_D, WANT_ARGMAX, CLAMP,
                     DOT_F32 and G_BF16,
                 )
                 _epilogue_part(
-                    acc1, off_m, off_n + BN // 2, 2 * pid_n + 1, M, V, scale2, b2_ptr, y_ptr,
+                    acc1, off_m, off_n + BN // 2, 2 * pid_n + 1, M, m_valid, V, scale2, b2_ptr,
+                    y_ptr,
                     c2_ptr, g_desc, pm_ptr, ps_ptr, pd_ptr, pa_ptr, zy2_ptr,
                     BM, BN // 2, HAS_BIAS, WRITE_G, WANT_D, WANT_ARGMAX, CLAMP,
                     DOT_F32 and G_BF16,
                 )
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["row0"])
     def _reduce_kernel(
         pm_ptr, ps_ptr, pd_ptr, pa_ptr, zy2_ptr, c2_ptr, alpha_ptr,
         lse_ptr, zy_ptr, ent_ptr, amax_ptr, factor_ptr, flag_rows_ptr, n_flag_ptr,
-        M, T,
+        n_valid_ptr, row0, M, T,
         WANT_D: tl.constexpr, WANT_ARGMAX: tl.constexpr, WANT_FACTOR: tl.constexpr,
         HAS_ALPHA: tl.constexpr, CLAMP: tl.constexpr, LN2_: tl.constexpr,
         BR: tl.constexpr, BT: tl.constexpr,
     ):
+        # rows past the valid ones (never written by GEMM 1) get 0 everywhere, argmax −1
         rows = tl.program_id(0) * BR + tl.arange(0, BR)
         rmask = rows < M
+        valid = rows < valid_in_chunk(n_valid_ptr, row0, M)
         m = tl.full((BR,), float("-inf"), tl.float32)
         s = tl.zeros((BR,), tl.float32)
         d = tl.zeros((BR,), tl.float32)
@@ -193,7 +188,7 @@ if HAS_TMA:
         for t0 in range(0, T, BT):
             t = t0 + tl.arange(0, BT)
             off = t[:, None] * M + rows[None, :]
-            mk = (t < T)[:, None] & rmask[None, :]
+            mk = (t < T)[:, None] & valid[None, :]
             pm = tl.load(pm_ptr + off, mask=mk, other=float("-inf"))
             ps = tl.load(ps_ptr + off, mask=mk, other=0.0)
             m_blk = tl.max(pm, axis=0)
@@ -216,21 +211,22 @@ if HAS_TMA:
                 best_i = tl.where(take, a_blk, best_i)
                 best_v = tl.where(take, m_blk, best_v)
             m = m_new
+        s = tl.where(valid, s, 1.0)  # (a row past the valid ones: no 0/0 below)
         log2s = tl.log2(s)
-        lse2 = m + log2s
+        lse2 = tl.where(valid, m + log2s, 0.0)
         tl.store(lse_ptr + rows, lse2 * LN2_, mask=rmask)
-        tl.store(zy_ptr + rows, tl.load(zy2_ptr + rows, mask=rmask, other=0.0) * LN2_, mask=rmask)
+        tl.store(zy_ptr + rows, tl.load(zy2_ptr + rows, mask=valid, other=0.0) * LN2_, mask=rmask)
         if WANT_D:
-            tl.store(ent_ptr + rows, (log2s - d / s) * LN2_, mask=rmask)
+            tl.store(ent_ptr + rows, tl.where(valid, (log2s - d / s) * LN2_, 0.0), mask=rmask)
         if WANT_ARGMAX:
-            tl.store(amax_ptr + rows, best_i.to(tl.int64), mask=rmask)
+            tl.store(amax_ptr + rows, tl.where(valid, best_i, -1).to(tl.int64), mask=rmask)
         if WANT_FACTOR:
-            c2 = tl.load(c2_ptr + rows, mask=rmask, other=0.0)
-            flag = ((m - c2) > CLAMP) & rmask
+            c2 = tl.load(c2_ptr + rows, mask=valid, other=0.0)
+            flag = ((m - c2) > CLAMP) & valid
             factor = tl.exp2(c2 - lse2)
             if HAS_ALPHA:
-                factor *= tl.load(alpha_ptr + rows, mask=rmask, other=0.0)
-            tl.store(factor_ptr + rows, tl.where(flag, 0.0, factor), mask=rmask)
+                factor *= tl.load(alpha_ptr + rows, mask=valid, other=0.0)
+            tl.store(factor_ptr + rows, tl.where(flag | ~valid, 0.0, factor), mask=rmask)
             n_here = tl.sum(flag.to(tl.int32), axis=0)
             first = tl.atomic_add(n_flag_ptr, n_here)
             pos = first + tl.cumsum(flag.to(tl.int32), axis=0) - 1
@@ -289,22 +285,11 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-_NUM_SMS: dict[int, int] = {}
-
-
-def _num_programs(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 4  # the interpreter: a few programs exercise the persistent loop
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _NUM_SMS:
-        _NUM_SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    return _NUM_SMS[idx]
-
-
-def fused_supported(h: torch.Tensor, w: torch.Tensor) -> bool:
+def fused_supported(h: torch.Tensor, w: torch.Tensor, *, gathered: bool = False) -> bool:
     """Whether the fused GEMM can run on these operands: Triton with tensor descriptors, a
     Hopper-or-newer GPU (or the interpreter), bf16, and the TMA's 16-byte alignment of base
-    addresses and row strides."""
+    addresses and row strides. `gathered`: for a fresh contiguous copy of h's rows (only its
+    row length matters)."""
     # bf16 only: G' relies on bf16 having fp32's exponent range (fp16's 2^-24..2^16 would need
     # the shift within a few units of the row max, which no tile knows)
     if not HAS_TMA or h.dtype != torch.bfloat16 or w.dtype != h.dtype:
@@ -314,7 +299,10 @@ def fused_supported(h: torch.Tensor, w: torch.Tensor) -> bool:
             return False
     elif not _interpreting():
         return False
-    K = h.shape[1]
+    K = h.shape[-1]
+    if gathered:
+        return (K * h.element_size()) % 16 == 0 and w.stride(1) == 1 and (
+            w.stride(0) * w.element_size()) % 16 == 0 and w.data_ptr() % 16 == 0
     return (
         h.stride(1) == 1 and w.stride(1) == 1
         and (K * h.element_size()) % 16 == 0
@@ -351,8 +339,13 @@ def gemm_softmax(
     g_out: torch.Tensor | None = None,
     want_d: bool = False,
     want_argmax: bool = False,
+    n_valid: torch.Tensor | None = None,
+    row0: int = 0,
 ) -> None:
     """Launch GEMM 1 with the statistics epilogue over the rows of x (M, K).
+
+    Only the rows below `n_valid` − `row0` are computed (n_valid: int32 (1,) on the device, the
+    valid rows of the whole call, x the chunk starting at row0; None: all M); G' is 0 past them.
 
     `parts` holds (T, M)-shaped (or larger, flattened) fp32 buffers "m", "s", "d" and int32 "a",
     and "zy2" (M,). `b2` is the bias already scaled by log₂e / τ (fp32). With `g_out` (M, V)
@@ -371,12 +364,13 @@ def gemm_softmax(
     else:
         g_desc = x_desc  # unused (WRITE_G=False); any descriptor fills the slot
     # a run-time program count: small calls (fewer tiles than SMs) compile no new variant
-    n_prog = min(_num_programs(x.device), triton.cdiv(M, BM) * triton.cdiv(V, BN))
+    n_prog = min(num_programs(x.device), triton.cdiv(M, BM) * triton.cdiv(V, BN))
     m_buf = parts["m"]
     _gemm_softmax_kernel[(n_prog,)](
         x_desc, w_desc, g_desc,
         b2 if b2 is not None else m_buf, y, c2 if c2 is not None else m_buf,
         m_buf, parts["s"], parts.get("d", m_buf), parts.get("a", m_buf), parts["zy2"],
+        _count(n_valid, row0 + M, x.device), row0,
         M, V, K, inv_tau * LOG2E, n_prog,
         BM=BM, BN=BN, BK=BK, GROUP_M=cfg["GROUP_M"],
         EPI_SPLIT=cfg["EPI_SPLIT"],
@@ -399,8 +393,11 @@ def reduce_partials(
     factor: torch.Tensor | None = None,
     flag_rows: torch.Tensor | None = None,
     n_flag: torch.Tensor | None = None,
+    n_valid: torch.Tensor | None = None,
+    row0: int = 0,
 ) -> None:
     """Fold the partials into out = (lse, z_y, entropy or None, argmax or None), each (M,).
+    Rows past the valid ones (see gemm_softmax) get 0, argmax −1, factor 0.
 
     With `factor`, also the per-row factor α · 2^(c₂ − lse₂) that turns G' into α · p (0 for a
     flagged row), and appends the flagged rows to `flag_rows`, counting them in `n_flag`
@@ -415,11 +412,17 @@ def reduce_partials(
         lse, z_y, ent if ent is not None else lse, amax if amax is not None else lse,
         factor if factor is not None else lse,
         flag_rows if flag_rows is not None else lse, n_flag if n_flag is not None else lse,
-        M, T,
+        _count(n_valid, row0 + M, lse.device), row0, M, T,
         WANT_D=ent is not None, WANT_ARGMAX=amax is not None, WANT_FACTOR=factor is not None,
         HAS_ALPHA=alpha is not None, CLAMP=CLAMP2, LN2_=LN2,
         BR=BR, BT=64, num_warps=4,
     )
+
+
+def _count(n_valid: torch.Tensor | None, default: int, device) -> torch.Tensor:
+    if n_valid is not None:
+        return n_valid
+    return torch.full((1,), default, device=device, dtype=torch.int32)
 
 
 def fixup_flagged(

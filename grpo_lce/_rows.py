@@ -1,0 +1,164 @@
+"""Which rows of a call the chunk loop processes, and how its results go back to the caller's.
+
+Rows whose target is `ignore_index` must cost no GEMM work, yet on CUDA their number must not
+be read back to the host (a sync per call: the GPU idles while the host waits, then issues the
+first kernel). Two layouts:
+
+  host-counted  `compact_rows`: the valid rows gathered, their number read on the host, every
+                GEMM sized by it. The unfused loop (fp16 / fp32, pre-Hopper GPUs, the entropy
+                basis, a trainable bias) and a trainable head (its dW GEMM is cuBLAS: the
+                Triton one measured up to 1.2x slower, bench/results/tune_gemm_rows_H200.json)
+                use it, and everything when GRPO_LCE_SYNC_CHECKS=1.
+  device-counted  all N rows in a fixed order, valid ones first (a stable partition, no host
+                read), the hidden states of the others zero, `n_valid` an int32 (1,) tensor on
+                the device. The fused kernels (kernels/gemm_softmax, kernels/gemm_rows) read it
+                and skip the row blocks past it: no host sync, and ignored rows still cost no
+                GEMM work (only an (N, H) gather and the per-row elementwise passes).
+
+Targets out of range cannot raise at once without a sync in the device-counted layout: such a
+row is computed against target 0 and its outputs set to NaN (never a silently wrong number, never
+an out-of-bounds read), and the error is raised, naming the argument, by the first call that
+finds the flag copied back (`raise_deferred`; GRPO_LCE_SYNC_CHECKS=1 raises in the call itself).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from grpo_lce._checks import check_target_range
+from grpo_lce._chunks import compact_rows
+from grpo_lce._head_fused import use_fused
+
+
+def sync_checks() -> bool:
+    """GRPO_LCE_SYNC_CHECKS=1: host-counted rows everywhere, target errors raised in the call."""
+    return os.environ.get("GRPO_LCE_SYNC_CHECKS", "0") == "1"
+
+
+def count_on_device(h: torch.Tensor, w: torch.Tensor, *, trainable: bool,
+                    want_ebasis: bool = False) -> bool:
+    """Whether a call over hidden rows h (N, H) and head w takes the device-counted layout: its
+    forward runs on the fused path and its head is frozen (see the module docstring)."""
+    if trainable or want_ebasis or sync_checks():
+        return False
+    return use_fused(h, w, want_ebasis=False, want_grad_bias=False, beta=None, gathered=True)
+
+
+@dataclass
+class RowPlan:
+    n: int  # rows the chunk loop processes
+    idx: torch.Tensor | None  # host-counted: the valid rows (None: all); device: the order
+    n_valid: torch.Tensor | None  # device-counted: int32 (1,) on the device; else None
+    bad: torch.Tensor | None = None  # device-counted on CUDA: (n,) bool, target out of range
+
+    @property
+    def valid(self) -> torch.Tensor | None:
+        """Device-counted: (n,) bool, position < n_valid (made when used, never stored)."""
+        if self.n_valid is None:
+            return None
+        return torch.arange(self.n, device=self.n_valid.device) < self.n_valid
+
+    def saved(self) -> tuple:
+        """The tensors to keep for backward, through ctx.save_for_backward (so they are freed
+        with the node's other saved tensors, not kept until the graph dies)."""
+        return self.idx, self.n_valid
+
+    @classmethod
+    def from_saved(cls, n: int, idx: torch.Tensor | None, n_valid: torch.Tensor | None
+                   ) -> RowPlan:
+        return cls(n=n, idx=idx, n_valid=n_valid)
+
+    def rows(self, t: torch.Tensor) -> torch.Tensor:
+        """The processed rows of t (N, ...) (hidden states, upstream gradients), contiguous in
+        the last dim; in the device-counted layout the rows past n_valid are zero."""
+        r = t if self.idx is None else t.index_select(0, self.idx)
+        if r.dim() >= 2 and r.stride(-1) != 1:
+            r = r.contiguous()
+        valid = self.valid
+        if valid is not None:
+            shape = (-1,) + (1,) * (r.dim() - 1)
+            # a where, not a product: an ignored row's NaN hidden state must not leak
+            r = torch.where(valid.view(shape), r, r.new_zeros(()))
+        return r
+
+    def to_all_rows(self, vals: torch.Tensor, n_all: int) -> torch.Tensor:
+        """(n_all, ...) results of the caller's rows from the processed rows' vals, 0 at ignored
+        rows (the device-counted kernels already wrote 0 past n_valid)."""
+        if self.idx is None:
+            return vals
+        if self.n_valid is not None:  # a permutation: every row is written once
+            return torch.empty_like(vals).index_copy_(0, self.idx, vals)
+        return vals.new_zeros((n_all, *vals.shape[1:])).index_copy_(0, self.idx, vals)
+
+    def mark_bad(self, vals: torch.Tensor) -> torch.Tensor:
+        """NaN at the rows whose target was out of range (device-counted layout)."""
+        if self.bad is None:
+            return vals
+        return vals.masked_fill(self.bad.view((-1,) + (1,) * (vals.dim() - 1)), float("nan"))
+
+
+def plan_rows(
+    y: torch.Tensor, vocab: int, ignore_index: int | None, name: str, *, on_device: bool
+) -> tuple[RowPlan, torch.Tensor]:
+    """(plan, targets of the processed rows as int64) for targets y (N,)."""
+    N = y.numel()
+    if not on_device or N == 0 or sync_checks():
+        idx, n = compact_rows(y, vocab, ignore_index, name)
+        y_rows = y if idx is None else y.index_select(0, idx)
+        return RowPlan(n=n, idx=idx, n_valid=None), y_rows.long()
+
+    out_of_range = (y < 0) | (y >= vocab)
+    keep = torch.ones_like(y, dtype=torch.bool) if ignore_index is None else y != ignore_index
+    bad = out_of_range & keep
+    if not y.is_cuda:  # no sync to avoid: raise now, as the host-counted layout does
+        if bool(bad.any()):
+            check_target_range(y, vocab, ignore_index, name)
+        bad = None
+    else:
+        _defer_error(bad.any(), f"{name} contained a value outside [0, {vocab})"
+                     + (f" other than ignore_index={ignore_index}" if ignore_index is not None
+                        else ""))
+    # stable partition: valid rows first, in their order (argsort of a 0/1 key, on the device)
+    order = torch.argsort((~keep).to(torch.uint8), stable=True)
+    n_valid = keep.sum(dtype=torch.int32).reshape(1)
+    valid = torch.arange(N, device=y.device) < n_valid
+    y_rows = torch.where(valid, y.index_select(0, order), 0)
+    if bad is not None:
+        bad = bad.index_select(0, order)
+        y_rows = torch.where(bad, 0, y_rows)
+    return RowPlan(n=N, idx=order, n_valid=n_valid, bad=bad), y_rows.long()
+
+
+# --- deferred target-range errors (device-counted layout on CUDA) ---
+
+_pending: list[tuple[torch.Tensor, torch.cuda.Event, str]] = []
+
+
+def _defer_error(flag: torch.Tensor, message: str) -> None:
+    """Copy the 0-d bool `flag` to pinned host memory without waiting; `raise_deferred` reads
+    it once the copy has landed."""
+    host = torch.empty((), dtype=torch.bool, pin_memory=True)
+    host.copy_(flag, non_blocking=True)
+    event = torch.cuda.Event()
+    event.record()
+    _pending.append((host, event, message))
+
+
+def raise_deferred() -> None:
+    """Raise the error of an earlier call whose targets were out of range, if its flag has
+    reached the host (an event query: never waits)."""
+    still = []
+    for host, event, message in _pending:
+        if not event.query():
+            still.append((host, event, message))
+        elif bool(host):
+            _pending.clear()
+            raise ValueError(
+                f"{message} in an earlier call (its rows gave NaN). On CUDA the check runs "
+                "without a host sync and is reported late; set GRPO_LCE_SYNC_CHECKS=1 to "
+                "raise in the call itself."
+            )
+    _pending[:] = still

@@ -1,0 +1,47 @@
+"""Pieces shared by the TMA GEMM kernels (gemm_softmax, gemm_rows): tile order, SM count, and
+the device-side row count of a chunk."""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+
+    HAS_TMA = True
+except ImportError:  # pragma: no cover - old triton or none: the fused path is off
+    HAS_TMA = False
+
+
+if HAS_TMA:
+
+    @triton.jit
+    def tile_coords(tile, num_m, num_n, GROUP_M: tl.constexpr):
+        # Tiles of GROUP_M row blocks share each column block while it is in L2 (the big
+        # operand is read once per group of row blocks instead of once per row block).
+        per_group = GROUP_M * num_n
+        first_m = (tile // per_group) * GROUP_M
+        size_m = tl.minimum(num_m - first_m, GROUP_M)
+        pid_m = first_m + (tile % per_group) % size_m
+        pid_n = (tile % per_group) // size_m
+        return pid_m, pid_n
+
+    @triton.jit
+    def valid_in_chunk(n_valid_ptr, row0, M):
+        """Rows of the chunk [row0, row0 + M) below the device count *n_valid_ptr."""
+        return tl.minimum(tl.maximum(tl.load(n_valid_ptr) - row0, 0), M)
+
+
+_NUM_SMS: dict[int, int] = {}
+
+
+def num_programs(device: torch.device) -> int:
+    """Programs of a persistent launch: one per SM (a few under the CPU interpreter, enough to
+    exercise the persistent loop)."""
+    if device.type != "cuda":
+        return 4
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _NUM_SMS:
+        _NUM_SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _NUM_SMS[idx]

@@ -1,0 +1,177 @@
+"""The device-counted row layout (grpo_lce/_rows.py): ignored rows moved after the valid ones, their
+number read by the kernels on the device (kernels/gemm_rows.py), no host sync. On CPU the Triton
+kernels run in the interpreter; the GPU-only checks (no sync at all, the deferred error) are
+marked `gpu`.
+
+Run: python -m pytest tests/test_device_rows.py -q
+"""
+
+import pytest
+import torch
+
+import grpo_lce._rows as rows_mod
+from grpo_lce import linear_cross_entropy, linear_logprobs
+from grpo_lce.kernels import gemm_rows as gr
+from grpo_lce.kernels import gemm_softmax as gs
+from grpo_lce.reference import cross_entropy_ref, logprobs_ref
+from _head_inputs import head_inputs
+from _tolerance import assert_3way, assert_close_scaled
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+# as in test_gemm_softmax: fp32-logit values, bf16-operand gradients returned in bf16
+VALUE_ATOL = 5e-5
+GRAD_RTOL = 1e-2
+# fp32 accumulation of bf16 products against fp64: relative 1e-5 of the result's scale
+GEMM_RTOL = 1e-5
+
+
+@pytest.fixture(autouse=True)
+def _triton_backend(monkeypatch):
+    monkeypatch.setenv("GRPO_LCE_BACKEND", "triton")
+    monkeypatch.delenv("GRPO_LCE_FUSED", raising=False)
+    monkeypatch.delenv("GRPO_LCE_SYNC_CHECKS", raising=False)
+
+
+def _spy_plans(monkeypatch):
+    """Record whether each call's rows were counted on the device."""
+    seen = []
+    real = rows_mod.plan_rows
+
+    def spy(*args, **kw):
+        plan, y = real(*args, **kw)
+        seen.append(plan.n_valid is not None)
+        return plan, y
+
+    for mod in ("grpo_lce.logprobs", "grpo_lce.cross_entropy"):
+        monkeypatch.setattr(f"{mod}.plan_rows", spy)
+    return seen
+
+
+def _g_operand(M, V, gen):
+    """A G' buffer as the fused loop allocates it: rows padded to 16 bytes (TMA)."""
+    g = torch.empty(M, gs.g_row_stride(V), dtype=torch.bfloat16, device=DEV)[:, :V]
+    g.copy_(torch.rand(M, V, generator=gen))
+    return g
+
+
+@pytest.mark.parametrize("n_valid, row0", [(1000, 0), (45, 0), (100, 70), (3, 70), (0, 0)])
+def test_row_bounded_gemms_match_fp64(n_valid, row0):
+    """basis = factor ∘ (G' W) − α ∘ W[y] and dW += G'ᵀ X over the chunk's rows below the
+    device count; the basis rows past it are 0, dW gets nothing from them."""
+    gen = torch.Generator().manual_seed(0)
+    M, V, H = 70, 300, 48  # ragged against every tile size below
+    g = _g_operand(M, V, gen)
+    w = torch.randn(V, H, generator=gen).to(torch.bfloat16)
+    factor, alpha = torch.rand(M, generator=gen), torch.rand(M, generator=gen)
+    y = torch.randint(0, V, (M,), generator=gen)
+    m = max(0, min(n_valid - row0, M))
+    count = torch.tensor([n_valid], dtype=torch.int32)
+    w, factor, alpha, y, count = (t.to(DEV) for t in (w, factor, alpha, y, count))
+    ref = factor.double()[:, None] * (g.double() @ w.double()) \
+        - alpha.double()[:, None] * w.double()[y]
+    ref[m:] = 0
+    cfg = dict(BM=32, BN=32, BK=16, num_warps=4, num_stages=2)
+    for split in (1, 3):
+        out = torch.full((M, H), 7.0, device=DEV)
+        gr.basis_gemm(g, w, factor, alpha, y, count, row0, out, cfg=cfg, split=split)
+        assert (out[m:] == 0).all()
+        assert_close_scaled(out, ref, rtol=GEMM_RTOL, what=f"basis split={split}")
+
+    xf = torch.randn(M, H, generator=gen).to(torch.bfloat16).to(DEV)
+    g[m:] = 0  # as GEMM 1 writes it past the valid rows
+    xf[m:] = 0
+    ref_dw = 1.0 + g[:m].double().t() @ xf[:m].double()
+    for group in (1, 3):
+        cfg = dict(BV=32, BN=32, BK=16, GROUP_V=group, FLATTEN=True, num_warps=4, num_stages=2)
+        dw = torch.ones(V, H, device=DEV)
+        gr.grad_w_gemm(dw, g, xf, count, row0, first=False, cfg=cfg)
+        assert_close_scaled(dw, ref_dw, rtol=GEMM_RTOL, what=f"dW += group={group}")
+        gr.grad_w_gemm(dw, g, xf, count, row0, first=True, cfg=cfg)
+        assert_close_scaled(dw, ref_dw - 1.0, rtol=GEMM_RTOL, what=f"dW = group={group}")
+
+
+def test_split_count_fills_the_waves():
+    cpu = torch.device("cpu")  # 4 "SMs" under the interpreter
+    assert gr.n_splits(128, 256, 100_000, cpu) == 4  # 1 tile: 4 splits fill 4 SMs
+    assert gr.n_splits(1024, 2048, 100_000, cpu) == 1  # 64 tiles: already full waves
+    assert gr.n_splits(128, 256, 64, cpu) == 1  # K too short to split
+
+
+# chunk 32 over 150 rows with 100 ignored: two chunks are entirely past the valid rows
+@pytest.mark.parametrize("N, n_ignored, chunk", [(150, 100, 32), (37, 5, None), (1, 0, None),
+                                                 (40, 40, 16)])
+def test_logprobs_with_ignored_rows_match_fp64(N, n_ignored, chunk, monkeypatch):
+    H, V = 32, 300
+    h, w, b, y = head_inputs(N, H, V, torch.bfloat16, True, n_ignored, seed=1)
+    ignored = y == -100
+    h[ignored.nonzero()[:1, 0]] = float("nan")  # an ignored row's state must not leak
+    gen = torch.Generator().manual_seed(2)
+    g, g_ent = torch.randn(N, generator=gen), torch.randn(N, generator=gen)
+    h, w, b, y, g, g_ent = (t.to(DEV) for t in (h, w, b, y, g, g_ent))
+    seen = _spy_plans(monkeypatch)
+    hh = h.clone().requires_grad_()
+    lp, ent = linear_logprobs(hh, w, y, bias=b, temperature=0.7, return_entropy=True,
+                              chunk_size=chunk)
+    # upstream gradients on both outputs: the entropy's is recomputed over the padded layout
+    (lp * g + ent * g_ent).sum().backward()
+    assert seen == [True]
+    h_ref = torch.where(ignored.to(DEV)[:, None], 0.0, h.double()).requires_grad_()
+    rl, re = logprobs_ref(h_ref, w.double(), y, bias=b.double(), temperature=0.7)
+    (rl * g.double() + re * g_ent.double()).sum().backward()
+    assert_3way(lp, None, rl, k=0, atol=VALUE_ATOL, what="logp")
+    assert_3way(ent, None, re, k=0, atol=VALUE_ATOL, what="entropy")
+    assert (lp[ignored] == 0).all() and (ent[ignored] == 0).all()
+    assert torch.isfinite(hh.grad).all() and (hh.grad[ignored] == 0).all()
+    if n_ignored < N:
+        assert_close_scaled(hh.grad, h_ref.grad, rtol=GRAD_RTOL, what="d hidden")
+
+
+@pytest.mark.parametrize("reduction, num_items", [("mean", None), ("sum", None), ("sum", 7)])
+def test_cross_entropy_device_rows_match_host_rows(reduction, num_items, monkeypatch):
+    """Frozen head: device-counted rows; GRPO_LCE_SYNC_CHECKS=1: host-counted. Same loss,
+    gradient and metrics (argmax of the padding rows is −1, so never `correct`)."""
+    N, H, V = 150, 32, 520
+    h, w, _, y = head_inputs(N, H, V, torch.bfloat16, False, 60, seed=4)
+    y[y != -100] = 0  # many targets equal to the padding rows' placeholder label
+    h, w, y = (t.to(DEV) for t in (h, w, y))
+    results = {}
+    for sync in ("0", "1"):
+        monkeypatch.setenv("GRPO_LCE_SYNC_CHECKS", sync)
+        seen = _spy_plans(monkeypatch)
+        hh = h.clone().requires_grad_()
+        loss, m = linear_cross_entropy(hh, w, y, reduction=reduction, num_items=num_items,
+                                       return_metrics=True, chunk_size=32)
+        loss.backward()
+        assert seen == [sync == "0"]
+        results[sync] = (loss, hh.grad, m)
+    h64 = h.double().requires_grad_()
+    ref = cross_entropy_ref(h64, w.double(), y, reduction=reduction, num_items=num_items)
+    ref.backward()
+    (l0, d0, m0), (l1, d1, m1) = results["0"], results["1"]
+    assert_3way(l0, None, ref, k=0, atol=VALUE_ATOL, what="CE device rows")
+    assert_close_scaled(d0, h64.grad, rtol=GRAD_RTOL, what="CE d hidden")
+    torch.testing.assert_close(l0, l1, rtol=1e-6, atol=1e-6)  # sum order
+    torch.testing.assert_close(d0, d1, rtol=0, atol=0)
+    for k in ("correct", "num_tokens"):
+        assert int(m0[k]) == int(m1[k]), k
+    assert int(m0["num_tokens"]) == 90
+    torch.testing.assert_close(m0["entropy_sum"], m1["entropy_sum"], rtol=1e-6, atol=1e-5)
+
+
+def test_all_ignored_gives_zeros(monkeypatch):
+    h, w, _, y = head_inputs(20, 16, 200, torch.bfloat16, False, 20)
+    h, w, y = (t.to(DEV) for t in (h, w, y))
+    hh = h.clone().requires_grad_()
+    loss, m = linear_cross_entropy(hh, w, y, return_metrics=True)
+    loss.backward()
+    assert float(loss) == 0.0 and int(m["num_tokens"]) == 0 and int(m["correct"]) == 0
+    assert (hh.grad == 0).all()
+
+
+def test_out_of_range_target_raises_on_cpu_at_once():
+    if DEV != "cpu":
+        pytest.skip("on CUDA the error is deferred: test_gpu_core covers it")
+    h, w, _, y = head_inputs(10, 16, 200, torch.bfloat16, False, 2)
+    y[y != -100] = torch.where(y[y != -100] > 100, 200, y[y != -100])
+    with pytest.raises(ValueError, match="targets contains 200"):
+        linear_logprobs(h, w, y)
