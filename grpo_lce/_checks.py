@@ -58,9 +58,9 @@ def check_targets(
 ) -> None:
     """targets (...) integer, matching hidden's leading shape, in [0, V) or ignore_index.
 
-    The range check reads a reduction back to the host; it runs only on CPU tensors or when the
-    caller asks for it, so that the CUDA hot path has no synchronisation (the Triton kernel then
-    clamps the index, so a bad target gives a wrong number, never an illegal memory access).
+    The range check itself (`check_target_range`) reads a reduction back to the host: the
+    host-counted row layout runs it on the host read it already makes; the device-counted one
+    (grpo_lce._rows) flags bad targets on the device instead (NaN rows, a deferred error).
     """
     if not isinstance(targets, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(targets).__name__}")

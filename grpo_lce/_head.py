@@ -26,6 +26,7 @@ from grpo_lce._chunks import (
     mm_f32,
 )
 from grpo_lce._head_fused import head_forward_fused, use_fused
+from grpo_lce._rows import valid_mask
 from grpo_lce.kernels.row_softmax import row_softmax, select_backend
 
 
@@ -149,7 +150,7 @@ def head_forward(
 def _zero_past(out: HeadOut, n_valid: torch.Tensor) -> None:
     """Per-row outputs of the rows at or past n_valid set to 0 (argmax −1), as the fused kernels
     write them. dW and db need nothing: those rows' operand G is 0 (zero α and β)."""
-    valid = torch.arange(out.lse.shape[0], device=out.lse.device) < n_valid
+    valid = valid_mask(out.lse.shape[0], n_valid)
     for t in (out.lse, out.z_y, out.entropy, out.basis, out.ebasis):
         if t is not None:
             t.mul_(valid.view((-1,) + (1,) * (t.dim() - 1)))

@@ -38,13 +38,21 @@ def sync_checks() -> bool:
     return os.environ.get("GRPO_LCE_SYNC_CHECKS", "0") == "1"
 
 
-def count_on_device(h: torch.Tensor, w: torch.Tensor, *, trainable: bool,
+def count_on_device(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, *,
                     want_ebasis: bool = False) -> bool:
-    """Whether a call over hidden rows h (N, H) and head w takes the device-counted layout: its
-    forward runs on the fused path and its head is frozen (see the module docstring)."""
+    """Whether a call over hidden rows h (N, H) and head w (bias b) takes the device-counted
+    layout: its forward runs on the fused path and its head will get no gradient (see the
+    module docstring)."""
+    trainable = torch.is_grad_enabled() and (
+        w.requires_grad or (b is not None and b.requires_grad))
     if trainable or want_ebasis or sync_checks():
         return False
     return use_fused(h, w, want_ebasis=False, want_grad_bias=False, beta=None, gathered=True)
+
+
+def valid_mask(n: int, n_valid: torch.Tensor) -> torch.Tensor:
+    """(n,) bool: position < n_valid, the valid rows of the device-counted layout."""
+    return torch.arange(n, device=n_valid.device) < n_valid
 
 
 @dataclass
@@ -57,9 +65,7 @@ class RowPlan:
     @property
     def valid(self) -> torch.Tensor | None:
         """Device-counted: (n,) bool, position < n_valid (made when used, never stored)."""
-        if self.n_valid is None:
-            return None
-        return torch.arange(self.n, device=self.n_valid.device) < self.n_valid
+        return None if self.n_valid is None else valid_mask(self.n, self.n_valid)
 
     def saved(self) -> tuple:
         """The tensors to keep for backward, through ctx.save_for_backward (so they are freed
@@ -105,7 +111,7 @@ def plan_rows(
 ) -> tuple[RowPlan, torch.Tensor]:
     """(plan, targets of the processed rows as int64) for targets y (N,)."""
     N = y.numel()
-    if not on_device or N == 0 or sync_checks():
+    if not on_device or N == 0:
         idx, n = compact_rows(y, vocab, ignore_index, name)
         y_rows = y if idx is None else y.index_select(0, idx)
         return RowPlan(n=n, idx=idx, n_valid=None), y_rows.long()
@@ -124,8 +130,7 @@ def plan_rows(
     # stable partition: valid rows first, in their order (argsort of a 0/1 key, on the device)
     order = torch.argsort((~keep).to(torch.uint8), stable=True)
     n_valid = keep.sum(dtype=torch.int32).reshape(1)
-    valid = torch.arange(N, device=y.device) < n_valid
-    y_rows = torch.where(valid, y.index_select(0, order), 0)
+    y_rows = torch.where(valid_mask(N, n_valid), y.index_select(0, order), 0)
     if bad is not None:
         bad = bad.index_select(0, order)
         y_rows = torch.where(bad, 0, y_rows)

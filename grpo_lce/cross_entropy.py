@@ -121,9 +121,7 @@ def linear_cross_entropy(
         }
         return loss, metrics
 
-    trainable = torch.is_grad_enabled() and (
-        weight.requires_grad or (bias is not None and bias.requires_grad))
-    h, y, plan = _rows_and_labels(hidden, weight, labels, ignore_index, trainable)
+    h, y, plan = _rows_and_labels(hidden, weight, bias, labels, ignore_index)
     n_valid = plan.n if plan.n_valid is None else plan.n_valid.reshape(())
     divisor = _divisor(reduction, num_items, n_valid, hidden.device)
     loss, correct, entropy_sum = _LinearCrossEntropy.apply(
@@ -156,21 +154,22 @@ def _divisor(reduction, num_items, n_valid, device) -> torch.Tensor:
     return torch.full((), float(max(n_valid, 1)), device=device)
 
 
-def _rows_and_labels(hidden, weight, labels, ignore_index, trainable
+def _rows_and_labels(hidden, weight, bias, labels, ignore_index
                      ) -> tuple[torch.Tensor, torch.Tensor, RowPlan]:
     """(h (n, H), y (n,) int64, plan): the rows the chunk loop processes (grpo_lce._rows)."""
     h = hidden.reshape(-1, hidden.shape[-1])
     plan, y = plan_rows(labels.reshape(-1), weight.shape[0], ignore_index, "labels",
-                        on_device=count_on_device(h, weight, trainable=trainable))
+                        on_device=count_on_device(h, weight, bias))
     return plan.rows(h), y, plan
 
 
 def _argmax_correct(hidden, weight, bias, labels, ignore_index, chunk_size) -> torch.Tensor:
     """argmax == label count for reduction='none' (a no-grad pass of the same chunk loop; rows
     past the valid ones have argmax −1 against label 0, so they never count)."""
-    h, y, plan = _rows_and_labels(hidden.detach(), weight, labels, ignore_index, False)
+    weight, bias = weight.detach(), None if bias is None else bias.detach()
+    h, y, plan = _rows_and_labels(hidden.detach(), weight, bias, labels, ignore_index)
     out = head_forward(
-        h, gemm_weight(weight.detach()), None if bias is None else bias.detach(),
+        h, gemm_weight(weight), bias,
         y, 1.0, chunk_size, want_argmax=True, want_entropy=False, n_valid=plan.n_valid,
     )
     return (out.argmax == y).sum()

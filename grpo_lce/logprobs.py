@@ -142,10 +142,7 @@ def linear_logprobs(
     lead = targets.shape
     h = hidden.reshape(-1, hidden.shape[-1])
     y = targets.reshape(-1)
-    trainable = torch.is_grad_enabled() and (
-        weight.requires_grad or (bias is not None and bias.requires_grad))
-    on_device = count_on_device(h, weight, trainable=trainable,
-                                want_ebasis=bool(entropy_requires_grad))
+    on_device = count_on_device(h, weight, bias, want_ebasis=bool(entropy_requires_grad))
     plan, y = plan_rows(y, weight.shape[0], ignore_index, "targets", on_device=on_device)
     logp, ent = _LinearLogprobs.apply(
         h, weight, bias, y, plan, inv_tau, chunk_size, bool(entropy_requires_grad),
