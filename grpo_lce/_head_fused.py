@@ -42,7 +42,7 @@ from grpo_lce.kernels import gemm_softmax as gs
 from grpo_lce.kernels.row_softmax import select_backend
 
 
-# GEMM 2 of host-counted rows at H >= this: cuBLAS, 2-5 % faster than the Triton split-K kernel
+# GEMM 2 of host-counted rows at H >= this: cuBLAS, 1-5 % faster than the Triton split-K kernel
 # there (bench/results/tune_gemm_rows_H200.json); below it the Triton kernel is 1.7x faster.
 CUBLAS_BASIS_MIN_H = 2048
 

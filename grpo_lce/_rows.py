@@ -7,7 +7,7 @@ first kernel). Two layouts:
   host-counted  `compact_rows`: the valid rows gathered, their number read on the host, every
                 GEMM sized by it. The unfused loop (fp16 / fp32, pre-Hopper GPUs, the entropy
                 basis, a trainable bias) and a trainable head (its dW GEMM is cuBLAS: the
-                Triton one measured up to 1.2x slower, bench/results/tune_gemm_rows_H200.json)
+                Triton one measured up to 1.3x slower, bench/results/tune_gemm_rows_H200.json)
                 use it, and everything when GRPO_LCE_SYNC_CHECKS=1.
   device-counted  all N rows in a fixed order, valid ones first (a stable partition, no host
                 read), the hidden states of the others zero, `n_valid` an int32 (1,) tensor on
