@@ -36,6 +36,9 @@ MIN_CHUNKS = 8
 
 # Keep the row count of a chunk a multiple of this, so the GEMMs see tensor-core friendly M.
 _ROW_ALIGN = 64
+# The fused loop's chunks are whole row tiles of its Triton GEMMs (BM = 128): an 832-row chunk
+# (the 256 MiB budget at V = 151936) ran 6.5 tiles, its last one half empty, in GEMMs 1 and 2.
+_ROW_ALIGN_FUSED = 128
 
 
 def default_chunk_size(
@@ -55,24 +58,26 @@ def default_chunk_size(
 def fused_chunk_size(
     vocab: int, n_parts: int, n_part_arrays: int, with_operand: bool, n_rows: int
 ) -> int:
-    """Rows per chunk of the fused loop (_head_fused). With a gradient the chunk holds G' (C, V)
-    in bf16 (rows padded to 16 bytes): the budget rule above with 2 bytes per logit instead of
-    4. Without one it holds only the partial statistics (n_parts per row, 4 bytes each, in
-    `n_part_arrays` arrays: ~16 KB a row at 128k), so the whole call usually fits one chunk."""
+    """Rows per chunk of the fused loop (_head_fused), in multiples of 128 rows. With a gradient
+    the chunk holds G' (C, V) in bf16 (rows padded to 16 bytes): the budget rule above with 2
+    bytes per logit instead of 4. Without one it holds only the partial statistics (n_parts per
+    row, 4 bytes each, in `n_part_arrays` arrays: ~8 KB a row at 128k), so the whole call
+    usually fits one chunk."""
     if with_operand:
-        return _rows_within(-(-vocab // 8) * 8 * 2, None, n_rows)
-    return _rows_within(n_parts * 4 * n_part_arrays, None, None)
+        return _rows_within(-(-vocab // 8) * 8 * 2, None, n_rows, _ROW_ALIGN_FUSED)
+    return _rows_within(n_parts * 4 * n_part_arrays, None, None, _ROW_ALIGN_FUSED)
 
 
-def _rows_within(per_row: int, budget_bytes: int | None, n_rows: int | None) -> int:
+def _rows_within(per_row: int, budget_bytes: int | None, n_rows: int | None,
+                 align: int = _ROW_ALIGN) -> int:
     if budget_bytes is None:
         budget_bytes = DEFAULT_CHUNK_BUDGET_BYTES
     rows = max(1, budget_bytes // max(per_row, 1))
-    if rows >= _ROW_ALIGN:
-        rows -= rows % _ROW_ALIGN
+    if rows >= align:
+        rows -= rows % align
     if n_rows is not None:
         share = -(-n_rows // MIN_CHUNKS)
-        rows = min(rows, max(_ROW_ALIGN, -(-share // _ROW_ALIGN) * _ROW_ALIGN))
+        rows = min(rows, max(align, -(-share // align) * align))
     return int(rows)
 
 

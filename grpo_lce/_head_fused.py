@@ -41,7 +41,6 @@ from grpo_lce.kernels import gemm_rows as gr
 from grpo_lce.kernels import gemm_softmax as gs
 from grpo_lce.kernels.row_softmax import select_backend
 
-
 # GEMM 2 of host-counted rows at H >= this: cuBLAS, 1-5 % faster than the Triton split-K kernel
 # there (bench/results/tune_gemm_rows_H200.json); below it the Triton kernel is 1.7x faster.
 CUBLAS_BASIS_MIN_H = 2048
@@ -68,7 +67,8 @@ def head_forward_fused(out, h, w, b, y, inv_tau, chunk_size, *, want_basis, want
     dev = h.device
     want_g = want_basis or want_grad_weight
     T = gs.n_parts(V, want_g)
-    kinds = "ms" + ("d" if want_entropy else "")
+    kinds = "ms" + ("d" if want_entropy else "") + (
+        "v" if gs.keeps_tile_max(want_g, want_entropy, want_argmax) else "")
     C = chunk_size or fused_chunk_size(V, T, len(kinds) + want_argmax, want_g, n_rows=N)
     if want_grad_weight and not chunk_size:  # dW accumulates once per chunk (see _chunks)
         C = max(C, MIN_ROWS_GRAD_WEIGHT_FUSED)

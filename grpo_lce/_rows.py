@@ -31,6 +31,7 @@ import torch
 from grpo_lce._checks import check_target_range
 from grpo_lce._chunks import compact_rows
 from grpo_lce._head_fused import use_fused
+from grpo_lce.kernels.partition import partition_rows
 
 
 def sync_checks() -> bool:
@@ -61,21 +62,32 @@ class RowPlan:
     idx: torch.Tensor | None  # host-counted: the valid rows (None: all); device: the order
     n_valid: torch.Tensor | None  # device-counted: int32 (1,) on the device; else None
     bad: torch.Tensor | None = None  # device-counted on CUDA: (n,) bool, target out of range
+    valid_rows: torch.Tensor | None = None  # device-counted: (n,) bool, position < n_valid
+    n_bad: torch.Tensor | None = None  # device-counted on CUDA: 0-d int32, targets out of range
+    bad_message: str = ""
+
+    def report_bad(self) -> None:
+        """Queue the deferred target-range error (see `raise_deferred`). Called once the call's
+        kernels are issued: the copy back then waits behind them instead of delaying them."""
+        if self.n_bad is not None:
+            _defer_error(self.n_bad, self.bad_message)
 
     @property
     def valid(self) -> torch.Tensor | None:
-        """Device-counted: (n,) bool, position < n_valid (made when used, never stored)."""
-        return None if self.n_valid is None else valid_mask(self.n, self.n_valid)
+        """Device-counted: (n,) bool, position < n_valid."""
+        if self.valid_rows is None and self.n_valid is not None:
+            self.valid_rows = valid_mask(self.n, self.n_valid)
+        return self.valid_rows
 
     def saved(self) -> tuple:
         """The tensors to keep for backward, through ctx.save_for_backward (so they are freed
         with the node's other saved tensors, not kept until the graph dies)."""
-        return self.idx, self.n_valid
+        return self.idx, self.n_valid, self.valid
 
     @classmethod
-    def from_saved(cls, n: int, idx: torch.Tensor | None, n_valid: torch.Tensor | None
-                   ) -> RowPlan:
-        return cls(n=n, idx=idx, n_valid=n_valid)
+    def from_saved(cls, n: int, idx: torch.Tensor | None, n_valid: torch.Tensor | None,
+                   valid_rows: torch.Tensor | None) -> RowPlan:
+        return cls(n=n, idx=idx, n_valid=n_valid, valid_rows=valid_rows)
 
     def rows(self, t: torch.Tensor) -> torch.Tensor:
         """The processed rows of t (N, ...) (hidden states, upstream gradients), contiguous in
@@ -87,7 +99,7 @@ class RowPlan:
         if valid is not None:
             shape = (-1,) + (1,) * (r.dim() - 1)
             # a where, not a product: an ignored row's NaN hidden state must not leak
-            r = torch.where(valid.view(shape), r, r.new_zeros(()))
+            r = torch.where(valid.view(shape), r, 0.0 if r.is_floating_point() else 0)
         return r
 
     def to_all_rows(self, vals: torch.Tensor, n_all: int) -> torch.Tensor:
@@ -116,25 +128,23 @@ def plan_rows(
         y_rows = y if idx is None else y.index_select(0, idx)
         return RowPlan(n=n, idx=idx, n_valid=None), y_rows.long()
 
-    out_of_range = (y < 0) | (y >= vocab)
+    if y.is_cuda:
+        # one launch (kernels/partition): the first GEMM is not kept waiting on ~15 small ops
+        order, y_rows, bad, valid, counts = partition_rows(y.contiguous(), vocab, ignore_index)
+        message = f"{name} contained a value outside [0, {vocab})" + (
+            f" other than ignore_index={ignore_index}" if ignore_index is not None else "")
+        return RowPlan(n=N, idx=order, n_valid=counts[:1], bad=bad, valid_rows=valid,
+                       n_bad=counts[1], bad_message=message), y_rows
+
+    # the same layout in torch ops; no sync to avoid here: a bad target raises now
     keep = torch.ones_like(y, dtype=torch.bool) if ignore_index is None else y != ignore_index
-    bad = out_of_range & keep
-    if not y.is_cuda:  # no sync to avoid: raise now, as the host-counted layout does
-        if bool(bad.any()):
-            check_target_range(y, vocab, ignore_index, name)
-        bad = None
-    else:
-        _defer_error(bad.any(), f"{name} contained a value outside [0, {vocab})"
-                     + (f" other than ignore_index={ignore_index}" if ignore_index is not None
-                        else ""))
-    # stable partition: valid rows first, in their order (argsort of a 0/1 key, on the device)
+    if bool((((y < 0) | (y >= vocab)) & keep).any()):
+        check_target_range(y, vocab, ignore_index, name)
+    # stable partition: valid rows first, in their order (argsort of a 0/1 key)
     order = torch.argsort((~keep).to(torch.uint8), stable=True)
     n_valid = keep.sum(dtype=torch.int32).reshape(1)
     y_rows = torch.where(valid_mask(N, n_valid), y.index_select(0, order), 0)
-    if bad is not None:
-        bad = bad.index_select(0, order)
-        y_rows = torch.where(bad, 0, y_rows)
-    return RowPlan(n=N, idx=order, n_valid=n_valid, bad=bad), y_rows.long()
+    return RowPlan(n=N, idx=order, n_valid=n_valid), y_rows.long()
 
 
 # --- deferred target-range errors (device-counted layout on CUDA) ---
@@ -143,9 +153,9 @@ _pending: list[tuple[torch.Tensor, torch.cuda.Event, str]] = []
 
 
 def _defer_error(flag: torch.Tensor, message: str) -> None:
-    """Copy the 0-d bool `flag` to pinned host memory without waiting; `raise_deferred` reads
-    it once the copy has landed."""
-    host = torch.empty((), dtype=torch.bool, pin_memory=True)
+    """Copy the 0-d `flag` (nonzero: error) to pinned host memory without waiting;
+    `raise_deferred` reads it once the copy has landed."""
+    host = torch.empty((), dtype=flag.dtype, pin_memory=True)
     host.copy_(flag, non_blocking=True)
     event = torch.cuda.Event()
     event.record()

@@ -127,8 +127,9 @@ def linear_cross_entropy(
     loss, correct, entropy_sum = _LinearCrossEntropy.apply(
         h, weight, bias, y, divisor, chunk_size, bool(return_metrics), plan.n_valid
     )
-    if plan.bad is not None:  # a target out of range (reported by a later call): NaN
-        loss = torch.where(plan.bad.any(), float("nan"), loss)
+    if plan.n_bad is not None:  # a target out of range (reported by a later call): NaN
+        loss = torch.where(plan.n_bad > 0, float("nan"), loss)
+    plan.report_bad()
     if not return_metrics:
         return loss
     # torch.full, not torch.tensor: a host value copied to the GPU makes the host wait

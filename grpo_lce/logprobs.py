@@ -148,5 +148,6 @@ def linear_logprobs(
         h, weight, bias, y, plan, inv_tau, chunk_size, bool(entropy_requires_grad),
         bool(return_entropy),
     )
+    plan.report_bad()
     logp, ent = logp.reshape(lead), ent.reshape(lead)
     return (logp, ent) if return_entropy else logp

@@ -22,6 +22,7 @@ def main():
     ap.add_argument("--rows", type=int, default=25, help="kernels / functions listed")
     ap.add_argument("--host", action="store_true",
                     help="also the host side: issue time per call and a cProfile of 20 calls")
+    ap.add_argument("--sort", default="tottime", help="cProfile order (tottime, cumulative)")
     args = ap.parse_args()
     torch.manual_seed(0)
     h = torch.randn(args.n, args.h, device="cuda", dtype=torch.bfloat16)
@@ -52,7 +53,7 @@ def main():
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=args.rows,
                                     max_name_column_width=70))
     if args.host:
-        _host(run, args.rows)
+        _host(run, args.rows, args.sort)
         _gaps(run)
 
 
@@ -78,7 +79,7 @@ def _gaps(run, calls=5, min_gap_us=30.0):
             print(f"  gap {gap:8.1f} us after {a.name[:60]} before {b.name[:60]}")
 
 
-def _host(run, rows):
+def _host(run, rows, sort="tottime"):
     """Wall time per call (events) against the time the host takes to issue it."""
     import cProfile
     import pstats
@@ -104,7 +105,7 @@ def _host(run, rows):
         run()
     torch.cuda.synchronize()
     pr.disable()
-    pstats.Stats(pr).sort_stats("tottime").print_stats(rows)
+    pstats.Stats(pr).sort_stats(sort).print_stats(rows)
 
 
 if __name__ == "__main__":

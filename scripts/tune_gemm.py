@@ -24,6 +24,10 @@ def _bench(fn):
     return triton.testing.do_bench(fn, warmup=10, rep=60)
 
 
+_DEFAULT_GRAD = dict(_tuning.GEMM_GRAD)
+_DEFAULT_REDUCE = dict(_tuning.REDUCE)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--n", type=int, default=8192)
@@ -31,6 +35,8 @@ def main():
     ap.add_argument("--v", type=int, default=128256)
     ap.add_argument("--chunk", type=int, default=1024)
     ap.add_argument("--quick", action="store_true", help="a few configurations only")
+    ap.add_argument("--reduce", action="store_true",
+                    help="also sweep the reduction's configurations (one chunk, with G')")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     N, H, V, C = args.n, args.h, args.v, args.chunk
@@ -40,7 +46,7 @@ def main():
     w = torch.randn(V, H, device=dev, dtype=torch.bfloat16) * H**-0.5
     y = torch.randint(0, V, (N,), device=dev)
     T_max = -(-V // 64) * 2
-    parts = {k: torch.empty(T_max * N, device=dev) for k in "msd"}
+    parts = {k: torch.empty(T_max * N, device=dev) for k in "msdv"}
     parts["a"] = torch.empty(T_max * N, device=dev, dtype=torch.int32)
     parts["zy2"] = torch.empty(N, device=dev)
     g = torch.empty(C, gs.g_row_stride(V), device=dev, dtype=torch.bfloat16)[:, :V]
@@ -66,19 +72,22 @@ def main():
     am_r = zr.argmax(1)
     del zr
 
+    # (BN = 256 with one epilogue part at 4 stages, or BK = 128, needs more shared memory than
+    # an H100/H200 has)
+    base = dict(BM=128, BN=256, BK=64, num_warps=8, num_stages=3)
     grid = [
-        dict(BM=128, BN=256, BK=64, num_warps=8, num_stages=3, EPI_SPLIT=1),
-        dict(BM=128, BN=256, BK=64, num_warps=8, num_stages=4, EPI_SPLIT=1),
-        dict(BM=128, BN=256, BK=64, num_warps=8, num_stages=3, EPI_SPLIT=2),
-        dict(BM=128, BN=256, BK=128, num_warps=8, num_stages=2, EPI_SPLIT=1),
-        dict(BM=128, BN=256, BK=128, num_warps=8, num_stages=2, EPI_SPLIT=2),
-        dict(BM=256, BN=128, BK=64, num_warps=8, num_stages=3, EPI_SPLIT=1),
+        dict(base, EPI_SPLIT=1),
+        dict(base, EPI_SPLIT=2),
+        dict(base, num_stages=4, EPI_SPLIT=2),
+        dict(base, BK=128, num_stages=2, EPI_SPLIT=2),
+        dict(base, BM=256, BN=128, EPI_SPLIT=1),
     ]
+    groups = (8, 32)
     if args.quick:
-        grid = grid[:2]
+        grid, groups = grid[:2], (8,)
     rows = []
-    for base, flatten, group_m in itertools.product(grid, (True,), (8, 32)):
-        cfg = dict(base, FLATTEN=flatten, GROUP_M=group_m)
+    for point, group_m in itertools.product(grid, groups):
+        cfg = dict(point, FLATTEN=True, GROUP_M=group_m)
         _tuning.GEMM_STATS = _tuning.GEMM_GRAD = cfg
         T = gs.n_parts(V, True)
         lse = torch.empty(N, device=dev)
@@ -126,11 +135,57 @@ def main():
         rows.append(row)
         print(f"{cfg}\n   stats {t_stats:.3f} ms ({row['stats_x']:.3f}x floor)  "
               f"stats+G' {t_g:.3f} ms ({row['g_x']:.3f}x chunked floor)  err {err}", flush=True)
+    reduce_rows = _sweep_reduce(x, w, y, c2, g, parts, C) if args.reduce else []
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(gpu=name, N=N, H=H, V=V, chunk=C, floor=floor_all,
                            floor_f32=floor_f32, floor_chunks=floor_chunks, gemm2=gemm2,
-                           rows=rows), f, indent=1)
+                           rows=rows, reduce=reduce_rows), f, indent=1)
+
+
+REDUCE_CFGS = [dict(BR=32, BT=64, num_warps=4), dict(BR=16, BT=64, num_warps=4),
+               dict(BR=16, BT=128, num_warps=4), dict(BR=8, BT=128, num_warps=4),
+               dict(BR=16, BT=256, num_warps=8), dict(BR=8, BT=256, num_warps=4),
+               dict(BR=32, BT=128, num_warps=8), dict(BR=8, BT=512, num_warps=8),
+               dict(BR=4, BT=256, num_warps=4)]
+
+
+def _sweep_reduce(x, w, y, c2, g, parts, C):
+    """Time the reduction of one chunk's partials after a launch with G', per configuration:
+    bare (log-probs with a gradient) and with entropy and argmax (the SFT metrics); compare
+    each with the first configuration (sums in another order: fp32 rounding only)."""
+    dev = x.device
+    V = w.shape[0]
+    _tuning.GEMM_GRAD = dict(_DEFAULT_GRAD)
+    T = gs.n_parts(V, True)
+    rows = []
+    for metrics in (False, True):
+        gs.gemm_softmax(x[:C], w, y[:C], None, 1.0, parts, c2=c2[:C], g_out=g,
+                        want_d=metrics, want_argmax=metrics)
+        ref = None
+        for cfg in REDUCE_CFGS:
+            _tuning.REDUCE = cfg
+            out = (torch.empty(C, device=dev), torch.empty(C, device=dev),
+                   torch.empty(C, device=dev) if metrics else None,
+                   torch.empty(C, device=dev, dtype=torch.int64) if metrics else None)
+            fac = torch.empty(C, device=dev)
+            flag_rows = torch.empty(C, device=dev, dtype=torch.int32)
+            n_flag = torch.zeros(1, device=dev, dtype=torch.int32)
+
+            def run():
+                gs.reduce_partials(parts, C, T, out, c2=c2[:C], factor=fac,
+                                   flag_rows=flag_rows, n_flag=n_flag)
+
+            run()
+            got = torch.stack([o.float() for o in out if o is not None] + [fac])
+            ref = got if ref is None else ref
+            ms = _bench(run)
+            diff = ((got - ref).abs() / ref.abs().clamp_min(1e-30)).max().item()
+            rows.append(dict(cfg=cfg, metrics=metrics, ms=ms, max_rel_diff_to_first=diff))
+            print(f"reduce metrics={metrics} {cfg}: {ms * 1e3:.1f} us  max rel diff to the "
+                  f"first: {diff:.1e}", flush=True)
+    _tuning.REDUCE = dict(_DEFAULT_REDUCE)
+    return rows
 
 
 if __name__ == "__main__":

@@ -175,3 +175,33 @@ def test_out_of_range_target_raises_on_cpu_at_once():
     y[y != -100] = torch.where(y[y != -100] > 100, 200, y[y != -100])
     with pytest.raises(ValueError, match="targets contains 200"):
         linear_logprobs(h, w, y)
+
+
+@pytest.mark.parametrize("N, ignore_index, dtype", [
+    (2500, -100, torch.int64),  # three blocks of the kernel, the last one partial
+    (1, -100, torch.int64), (1, None, torch.int64), (1000, None, torch.int32),
+    (300, 7, torch.int32),  # an ignore_index inside [0, V)
+])
+def test_partition_kernel_matches_a_plain_stable_partition(N, ignore_index, dtype):
+    """kernels/partition (the CUDA layout; interpreted on CPU) against the partition written out
+    in torch: valid rows first in order, targets 0 where ignored or out of range, the counts."""
+    from grpo_lce.kernels.partition import partition_rows
+
+    V = 50
+    gen = torch.Generator().manual_seed(N)
+    y = torch.randint(-3, V + 3, (N,), generator=gen)  # some out of range on both sides
+    if ignore_index is not None:
+        y[torch.rand(N, generator=gen) < 0.4] = ignore_index
+    y = y.to(dtype)
+    keep = torch.ones(N, dtype=torch.bool) if ignore_index is None else y != ignore_index
+    bad = keep & ((y < 0) | (y >= V))
+    order = torch.cat([keep.nonzero().squeeze(1), (~keep).nonzero().squeeze(1)])
+    y_ref = torch.where(keep & ~bad, y, 0)[order].long()
+
+    got = partition_rows(y.to(DEV), V, ignore_index)
+    o, yr, b, valid, counts = (t.cpu() for t in got)
+    assert torch.equal(o, order)
+    assert torch.equal(yr, y_ref)
+    assert torch.equal(b, bad[order])
+    assert torch.equal(valid, keep[order])
+    assert counts.tolist() == [int(keep.sum()), int(bad.sum())]

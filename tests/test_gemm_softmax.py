@@ -161,3 +161,26 @@ def test_minus_inf_bias_tiles_are_exact(monkeypatch):
     assert_3way(lp, None, rl, k=0, atol=VALUE_ATOL, what="logp")
     assert_3way(ent, None, re, k=0, atol=VALUE_ATOL, what="entropy")
     assert_close_scaled(hh.grad, h64.grad, rtol=GRAD_RTOL, what="d hidden")
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["stats", "withG"])
+def test_argmax_ignores_minus_inf_tiles(grad):
+    """Every logit far below 0 and a bias of -inf over the first 256-column tile: that tile's
+    statistics are relative to 0, not to its max (-inf); the argmax must still come from the
+    tile maxima. Targets are the argmax, so every row counts as correct."""
+    N, H, V = 24, 16, 700
+    h, w, b, _ = head_inputs(N, H, V, torch.bfloat16, True, 5)
+    b = b - 60.0
+    b[:256] = float("-inf")
+    z = logits_ref(h.double(), w.double(), b.double())
+    y = z.argmax(1)
+    h, w, b, y = _to(DEV, h, w, b, y)
+    hh = h.clone().requires_grad_(grad)
+    with torch.set_grad_enabled(grad):
+        loss, m = linear_cross_entropy(hh, w, y, bias=b, return_metrics=True)
+    if grad:
+        loss.backward()
+    assert int(m["correct"]) == N
+    p = torch.softmax(z, 1)
+    ent = -torch.where(p > 0, p * torch.log(p), 0.0).sum()
+    assert abs(float(m["entropy_sum"]) - float(ent)) <= VALUE_ATOL * N

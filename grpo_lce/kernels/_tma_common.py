@@ -1,5 +1,5 @@
-"""Pieces shared by the TMA GEMM kernels (gemm_softmax, gemm_rows): tile order, SM count, and
-the device-side row count of a chunk."""
+"""Pieces shared by the TMA GEMM kernels (gemm_softmax, gemm_rows): tile order, SM count, the
+multiply-accumulate of a K step, and the device-side row count of a chunk."""
 
 from __future__ import annotations
 
@@ -26,6 +26,15 @@ if HAS_TMA:
         pid_m = first_m + (tile % per_group) % size_m
         pid_n = (tile % per_group) // size_m
         return pid_m, pid_n
+
+    @triton.jit
+    def dot_acc(a, b, acc, DOT_F32: tl.constexpr):
+        """acc + a @ b. DOT_F32 (Triton's interpreter, CPU tests) upcasts the tiles first: the
+        interpreter mis-multiplies bf16 tiles."""
+        if DOT_F32:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        return tl.dot(a, b, acc)
 
     @triton.jit
     def valid_in_chunk(n_valid_ptr, row0, M):

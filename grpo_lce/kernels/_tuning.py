@@ -10,13 +10,22 @@ ROW_BLOCK_V = 8192  # columns per loop step; fewer for small vocabularies
 ROW_NUM_WARPS = 8
 
 # The fused GEMM 1 of kernels/gemm_softmax.py (persistent, TMA tiles), measured on an H200 with
-# scripts/tune_gemm.py at V=128256, H=2048: statistics only (no G' to write) and with G'.
+# scripts/tune_gemm.py at V=128256, H=2048: statistics only (no G' to write) and with G'. With
+# one exp2 per logit in the G' epilogue, one epilogue part (EPI_SPLIT=1) is as fast as two at
+# H = 2048 and H = 896 and halves the partials (tune_gemm_H200_*_quick.json).
 GEMM_STATS = dict(BM=128, BN=256, BK=64, GROUP_M=32, EPI_SPLIT=1, FLATTEN=True, num_warps=8,
                   num_stages=3)
-GEMM_GRAD = dict(BM=128, BN=256, BK=64, GROUP_M=8, EPI_SPLIT=2, FLATTEN=True, num_warps=8,
+GEMM_GRAD = dict(BM=128, BN=256, BK=64, GROUP_M=8, EPI_SPLIT=1, FLATTEN=True, num_warps=8,
                  num_stages=3)
 
 # GEMMs 2 and 3 of the fused loop (kernels/gemm_rows.py), bounded by the device row count;
 # scripts/tune_gemm_rows.py.
 BASIS_GEMM = dict(BM=128, BN=256, BK=64, num_warps=8, num_stages=3)
 GRAD_W_GEMM = dict(BV=128, BN=256, BK=64, GROUP_V=8, FLATTEN=True, num_warps=8, num_stages=4)
+
+# The reduction of GEMM 1's partials (T = V / 256 per row, (T, M) arrays): rows per program and
+# partials per step. Latency-bound at a chunk's few hundred rows, so small row blocks (more
+# programs) and long steps win: 13.6 us against 21.6 us for (32, 64, 4) on a 768-row chunk at
+# V = 151936, 37.6 us against 60.4 us with entropy and argmax (scripts/tune_gemm.py --reduce,
+# tune_gemm_H200_qwen0.5b_chunk768_quick.json).
+REDUCE = dict(BR=8, BT=512, num_warps=8)

@@ -29,7 +29,7 @@ if HAS_TMA:
     import triton.language as tl
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    from grpo_lce.kernels._tma_common import tile_coords, valid_in_chunk
+    from grpo_lce.kernels._tma_common import dot_acc, tile_coords, valid_in_chunk
 
     @triton.jit(do_not_specialize=["row0"])
     def _basis_partial_kernel(
@@ -52,10 +52,7 @@ if HAS_TMA:
             for k in range(k_lo, k_hi, BK):
                 a = g_desc.load([off_m, k])
                 b = w_desc.load([k, off_n])
-                if DOT_F32:  # Triton's interpreter (CPU tests) mis-multiplies bf16 tiles
-                    a = a.to(tl.float32)
-                    b = b.to(tl.float32)
-                acc = tl.dot(a, b, acc)
+                acc = dot_acc(a, b, acc, DOT_F32)
             rows = off_m + tl.arange(0, BM)
             cols = off_n + tl.arange(0, BN)
             dst = part_ptr + (pid_s * M + rows).to(tl.int64)[:, None] * H + cols[None, :]
@@ -101,10 +98,7 @@ if HAS_TMA:
             for ki in range(k_tiles):
                 a = g_desc.load([ki * BK, off_v])  # (BK, BV) of G': used transposed
                 b = xf_desc.load([ki * BK, off_n])  # (BK, BN) of factor ∘ X
-                if DOT_F32:
-                    a = a.to(tl.float32)
-                    b = b.to(tl.float32)
-                acc = tl.dot(a.T, b, acc)
+                acc = dot_acc(a.T, b, acc, DOT_F32)
             rows = off_v + tl.arange(0, BV)
             cols = off_n + tl.arange(0, BN)
             mask = (rows < V)[:, None] & (cols < H)[None, :]

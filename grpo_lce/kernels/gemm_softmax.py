@@ -2,33 +2,39 @@
 
 For a chunk of rows X (M, K) and the head W (V, K), each tile Z = X_tile W_tileᵀ (fp32
 accumulators, BM x BN) is turned, while still in registers, into per-(row, tile) partials in
-base 2 (z₂ = z · log₂e, with z = (x·w + b) / τ):
+base 2 (z₂ = z · log₂e, with z = (x·w + b) / τ), relative to a per-(row, tile) reference r_t:
 
-    m_t = max z₂      s_t = Σ 2^(z₂ − m_t)      d_t = Σ 2^(z₂ − m_t)(z₂ − m_t)      argmax_t
+    r_t        s_t = Σ 2^(z₂ − r_t)      d_t = Σ 2^(z₂ − r_t)(z₂ − r_t)      argmax_t
 
-plus z₂ at the target column. `reduce_partials` folds the T = V / BN partials of a row into
-lse, the target logit, the entropy (lse − z̄ kept relative to the max, as in row_softmax) and the
-argmax: exact fp32 statistics of the fp32 logits, after reading M · T numbers instead of the
-M · V logits twice.
+plus z₂ at the target column. Without a gradient r_t = m_t = max z₂ over the tile.
+`reduce_partials` folds the T = V / BN partials of a row into lse, the target logit, the
+entropy (lse − z̄ kept relative to the largest reference) and the argmax: exact fp32 statistics
+of the fp32 logits, after reading M · T numbers instead of the M · V logits twice. Any reference
+gives the same sums; it only has to keep 2^(z₂ − r_t) inside fp32.
 
 The gradient operand. The basis GEMM needs p = softmax(z) in bf16, and p needs the row's lse,
 which no tile knows. So the epilogue writes instead
 
-    G'[r, v] = 2^(min(z₂[r, v] − c_r, CLAMP2))      in the GEMM dtype
+    G'[r, v] = 2^(z₂[r, v] − r_t),   r_t = max(c_r, m_t − CLAMP2)      in the GEMM dtype
 
 with a per-row shift c_r fixed BEFORE the GEMM: c_r = ẑ₂_y + SHIFT2, ẑ_y an estimate of the
-target's logit (one dot product per row). Then p = G' · 2^(c_r − lse₂), a per-row factor applied
-after GEMM 2 (basis = factor · G'W − W[y]), never to the (M, V) operand. bf16 has fp32's exponent
-range, so G' keeps 8 significant bits whatever the shift, as long as it neither overflows nor
-drops mass that matters:
+target's logit (one dot product per row). The same 2^(z₂ − r_t) feeds the partials, so a tile
+costs one exp2 per logit. In a row with no tile beyond c_r + CLAMP2 every reference is c_r, and
+p = G' · 2^(c_r − lse₂), a per-row factor applied after GEMM 2 (basis = factor · G'W − W[y]),
+never to the (M, V) operand. bf16 has fp32's exponent range, so G' keeps 8 significant bits
+whatever the shift, as long as it neither overflows nor drops mass that matters:
   - max z₂ − c_r ≤ CLAMP2 (64): G' ≤ 2^64 and G'W sums stay far inside fp32. A row beyond it
-    (max z − z_y > 96 ln 2 ≈ 66.5 nats, i.e. log p(target) below about −66) is *flagged*: its
-    factor is 0 (its clamped, finite G' contributes exactly nothing) and `fixup_flagged` adds
-    its exact contribution from W directly. Such a row is a target of probability < e^-66:
-    never sampled, and a broken model in SFT; correct, but slow (one pass over W per row).
+    (max z − z_y > 96 ln 2 ≈ 66.5 nats, i.e. log p(target) below about −66) is *flagged* (some
+    r_t > c_r): its factor is 0 (its G', still ≤ 2^64, contributes exactly nothing) and
+    `fixup_flagged` adds its exact contribution from W directly; its lse, entropy and argmax
+    are exact as for any row. Such a row is a target of probability < e^-66: never sampled,
+    and a broken model in SFT; correct, but slow (one pass over W per row).
   - c_r ≤ max z₂ + SHIFT2 (32), since z_y ≤ max z: the entries G' rounds to 0
-    (z₂ < c_r − 126) carry < V · 2^(−126 + 32) ≈ 1e-23 of the row's mass.
+    (z₂ < c_r − 126) carry < V · 2^(−126 + 32) ≈ 1e-23 of the row's mass (the same terms
+    drop out of s_t).
 Both follow from c_r's construction, so a wrong estimate of z_y costs at most the fallback.
+Because r_t is not the tile's max there, a launch with G' that wants the entropy or the argmax
+also stores the tile maxima m_t (and d_t relative to them).
 
 Layout: partials are (T, M) arrays (row index fastest), so the epilogue's stores of a tile's BM
 rows and the reduction's loads are both contiguous.
@@ -49,10 +55,10 @@ if HAS_TMA:
     import triton.language as tl
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    from grpo_lce.kernels._tma_common import tile_coords, valid_in_chunk
+    from grpo_lce.kernels._tma_common import dot_acc, tile_coords, valid_in_chunk
 
 SHIFT2 = 32.0  # c = ẑ₂_y + SHIFT2 (base-2 units)
-CLAMP2 = 64.0  # G' = 2^min(z₂ − c, CLAMP2); a row whose max exceeds c + CLAMP2 is flagged
+CLAMP2 = 64.0  # G' ≤ 2^CLAMP2; a row whose max exceeds c + CLAMP2 is flagged
 LOG2E = 1.0 / math.log(2.0)
 LN2 = math.log(2.0)
 
@@ -72,55 +78,68 @@ if HAS_TMA:
         acc, off_m, off_n, part,
         M, m_valid, V, scale2,
         b2_ptr, y_ptr, c2_ptr, g_desc,
-        pm_ptr, ps_ptr, pd_ptr, pa_ptr, zy2_ptr,
+        pm_ptr, ps_ptr, pd_ptr, pa_ptr, pv_ptr, zy2_ptr,
         BM: tl.constexpr, BN: tl.constexpr,
         HAS_BIAS: tl.constexpr, WRITE_G: tl.constexpr,
-        WANT_D: tl.constexpr, WANT_ARGMAX: tl.constexpr, CLAMP: tl.constexpr,
-        ROUND_BF16: tl.constexpr,
+        WANT_D: tl.constexpr, WANT_ARGMAX: tl.constexpr, MAX_APART: tl.constexpr,
+        CLAMP: tl.constexpr, ROUND_BF16: tl.constexpr,
     ):
         rows = off_m + tl.arange(0, BM)
         cols = off_n + tl.arange(0, BN)
         rmask = rows < m_valid  # the partials' row stride stays M
         cmask = cols < V
-        z = acc * scale2
+        # columns past V read -inf: they add 2^-inf = 0 and never win the max (an added
+        # column vector: one FMA per logit with the scale, no select)
         if HAS_BIAS:
-            z += tl.load(b2_ptr + cols, mask=cmask, other=0.0)[None, :]
-        # columns past V read -inf: they add 2^-inf = 0 and never win the max
-        z = tl.where(cmask[None, :], z, float("-inf"))
+            col = tl.load(b2_ptr + cols, mask=cmask, other=float("-inf"))
+        else:
+            col = tl.where(cmask, 0.0, float("-inf"))
+        z = acc * scale2 + col[None, :]
         m = tl.max(z, axis=1)
-        m_safe = tl.where(m == float("-inf"), 0.0, m)  # a tile of only -inf logits
-        e = tl.exp2(z - m_safe[:, None])
+        empty = m == float("-inf")  # a tile of only -inf logits
+        m_safe = tl.where(empty, 0.0, m)
+        if WRITE_G:
+            # one exp2 serves G' and the partials: both relative to r = max(c, m − CLAMP),
+            # which is c itself unless the row is flagged (module docstring)
+            c2 = tl.load(c2_ptr + rows, mask=rmask, other=0.0)
+            ref = tl.maximum(c2, m_safe - CLAMP)
+        else:
+            ref = m_safe
+        e = tl.exp2(z - ref[:, None])
         dst = part * M + rows
-        tl.store(pm_ptr + dst, m, mask=rmask)
+        # an empty tile has no mass at any reference: −inf keeps it out of the reduction's max
+        tl.store(pm_ptr + dst, tl.where(empty, float("-inf"), ref), mask=rmask)
         tl.store(ps_ptr + dst, tl.sum(e, axis=1), mask=rmask)
         if WANT_D:
-            # e · (z − m) is 0 · (−inf) = nan where z = −inf: those terms are 0
+            # relative to the tile's max, not to r: the entropy is then a sum of small terms
+            # (reduce); e · (z − m) is 0 · (−inf) = nan where z = −inf: those terms are 0
             ed = tl.where(e > 0.0, e * (z - m_safe[:, None]), 0.0)
             tl.store(pd_ptr + dst, tl.sum(ed, axis=1), mask=rmask)
+        if MAX_APART:
+            tl.store(pv_ptr + dst, m, mask=rmask)
         if WANT_ARGMAX:
             tl.store(pa_ptr + dst, off_n + tl.argmax(z, axis=1, tie_break_left=True), mask=rmask)
         y = tl.load(y_ptr + rows, mask=rmask, other=-1)
         zy = tl.sum(tl.where(cols[None, :] == y[:, None], z, 0.0), axis=1)
         tl.store(zy2_ptr + rows, zy, mask=rmask & (y >= off_n) & (y < off_n + BN))
         if WRITE_G:
-            c2 = tl.load(c2_ptr + rows, mask=rmask, other=0.0)
-            g = tl.exp2(tl.minimum(z - c2[:, None], CLAMP))
             # rows past the valid ones are 0: GEMM 3's last K block reads them (gemm_rows)
-            g = tl.where(rmask[:, None], g, 0.0)
+            g = tl.where(rmask[:, None], e, 0.0)
             if ROUND_BF16:
                 g = _round_to_bf16(g)
+            # (TMA: plain stores from the MMA's register layout measured 1.13-1.3x slower)
             g_desc.store([off_m, off_n], g.to(g_desc.dtype))
 
     @triton.jit(do_not_specialize=["row0"])
     def _gemm_softmax_kernel(
         x_desc, w_desc, g_desc,
         b2_ptr, y_ptr, c2_ptr,
-        pm_ptr, ps_ptr, pd_ptr, pa_ptr, zy2_ptr, n_valid_ptr, row0,
+        pm_ptr, ps_ptr, pd_ptr, pa_ptr, pv_ptr, zy2_ptr, n_valid_ptr, row0,
         M, V, K, scale2, num_progs,
         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
         GROUP_M: tl.constexpr, EPI_SPLIT: tl.constexpr,
         HAS_BIAS: tl.constexpr, WRITE_G: tl.constexpr,
-        WANT_D: tl.constexpr, WANT_ARGMAX: tl.constexpr,
+        WANT_D: tl.constexpr, WANT_ARGMAX: tl.constexpr, MAX_APART: tl.constexpr,
         DOT_F32: tl.constexpr, FLATTEN: tl.constexpr, CLAMP: tl.constexpr,
         G_BF16: tl.constexpr,
     ):
@@ -130,7 +149,8 @@ if HAS_TMA:
         num_n = tl.cdiv(V, BN)
         k_tiles = tl.cdiv(K, BK)
         # persistent: one program per SM walks the tiles, so tile i+1's loads overlap tile i's
-        # epilogue (the exp2 work of a tile is ~10 % of its tensor-core time)
+        # epilogue (whose exp2 and reductions cost ~5 % of a tile's tensor-core time at
+        # H = 2048, ~20 % at H = 896: the same work per logit over fewer multiply-adds)
         for tile in tl.range(tl.program_id(0), num_m * num_n, num_progs, flatten=FLATTEN):
             pid_m, pid_n = tile_coords(tile, num_m, num_n, GROUP_M)
             off_m = pid_m * BM
@@ -139,15 +159,13 @@ if HAS_TMA:
             for ki in range(k_tiles):
                 a = x_desc.load([off_m, ki * BK])
                 b = w_desc.load([off_n, ki * BK])
-                if DOT_F32:  # Triton's interpreter (CPU tests) mis-multiplies bf16 tiles
-                    a = a.to(tl.float32)
-                    b = b.to(tl.float32)
-                acc = tl.dot(a, b.T, acc)
+                acc = dot_acc(a, b.T, acc, DOT_F32)
             if EPI_SPLIT == 1:
                 _epilogue_part(
                     acc, off_m, off_n, pid_n, M, m_valid, V, scale2, b2_ptr, y_ptr, c2_ptr, g_desc,
-                    pm_ptr, ps_ptr, pd_ptr, pa_ptr, zy2_ptr,
-                    BM, BN, HAS_BIAS, WRITE_G, WANT_D, WANT_ARGMAX, CLAMP, DOT_F32 and G_BF16,
+                    pm_ptr, ps_ptr, pd_ptr, pa_ptr, pv_ptr, zy2_ptr,
+                    BM, BN, HAS_BIAS, WRITE_G, WANT_D, WANT_ARGMAX, MAX_APART, CLAMP,
+                    DOT_F32 and G_BF16,
                 )
             else:
                 # two column halves, one after the other: half the live registers of the
@@ -155,31 +173,38 @@ if HAS_TMA:
                 acc0, acc1 = tl.split(tl.permute(tl.reshape(acc, (BM, 2, BN // 2)), (0, 2, 1)))
                 _epilogue_part(
                     acc0, off_m, off_n, 2 * pid_n, M, m_valid, V, scale2, b2_ptr, y_ptr, c2_ptr,
-                    g_desc, pm_ptr, ps_ptr, pd_ptr, pa_ptr, zy2_ptr,
-                    BM, BN // 2, HAS_BIAS, WRITE_G, WANT_D, WANT_ARGMAX, CLAMP,
+                    g_desc, pm_ptr, ps_ptr, pd_ptr, pa_ptr, pv_ptr, zy2_ptr,
+                    BM, BN // 2, HAS_BIAS, WRITE_G, WANT_D, WANT_ARGMAX, MAX_APART, CLAMP,
                     DOT_F32 and G_BF16,
                 )
                 _epilogue_part(
                     acc1, off_m, off_n + BN // 2, 2 * pid_n + 1, M, m_valid, V, scale2, b2_ptr,
                     y_ptr,
-                    c2_ptr, g_desc, pm_ptr, ps_ptr, pd_ptr, pa_ptr, zy2_ptr,
-                    BM, BN // 2, HAS_BIAS, WRITE_G, WANT_D, WANT_ARGMAX, CLAMP,
+                    c2_ptr, g_desc, pm_ptr, ps_ptr, pd_ptr, pa_ptr, pv_ptr, zy2_ptr,
+                    BM, BN // 2, HAS_BIAS, WRITE_G, WANT_D, WANT_ARGMAX, MAX_APART, CLAMP,
                     DOT_F32 and G_BF16,
                 )
 
     @triton.jit(do_not_specialize=["row0"])
     def _reduce_kernel(
-        pm_ptr, ps_ptr, pd_ptr, pa_ptr, zy2_ptr, c2_ptr, alpha_ptr,
+        pm_ptr, ps_ptr, pd_ptr, pa_ptr, pv_ptr, zy2_ptr, c2_ptr, alpha_ptr,
         lse_ptr, zy_ptr, ent_ptr, amax_ptr, factor_ptr, flag_rows_ptr, n_flag_ptr,
         n_valid_ptr, row0, M, T,
-        WANT_D: tl.constexpr, WANT_ARGMAX: tl.constexpr, WANT_FACTOR: tl.constexpr,
-        HAS_ALPHA: tl.constexpr, CLAMP: tl.constexpr, LN2_: tl.constexpr,
+        WANT_D: tl.constexpr, WANT_ARGMAX: tl.constexpr, MAX_APART: tl.constexpr,
+        WANT_FACTOR: tl.constexpr, HAS_ALPHA: tl.constexpr, LN2_: tl.constexpr,
         BR: tl.constexpr, BT: tl.constexpr,
     ):
-        # rows past the valid ones (never written by GEMM 1) get 0 everywhere, argmax −1
+        # rows past the valid ones (never written by GEMM 1) get 0 everywhere, argmax −1.
+        # Two running references: R, the largest r_t, scales the sums (every 2^(r_t − R) ≤ 1);
+        # m, the largest tile max, is the origin of the entropy sum
+        #     D = Σ_t 2^(r_t − R) (d_t + s_t (m_t − m)) = 2^(lse₂ − R) Σ_v p_v (z₂_v − m),
+        # a sum of terms ≤ 0: H₂ = (lse₂ − m) − D / S is then as precise as lse₂ (D relative
+        # to R would cancel ~R − m ≈ 30 in the G' launch, whose r_t is c). Without MAX_APART
+        # the partials carry r_t = m_t and the two coincide.
         rows = tl.program_id(0) * BR + tl.arange(0, BR)
         rmask = rows < M
         valid = rows < valid_in_chunk(n_valid_ptr, row0, M)
+        r = tl.full((BR,), float("-inf"), tl.float32)
         m = tl.full((BR,), float("-inf"), tl.float32)
         s = tl.zeros((BR,), tl.float32)
         d = tl.zeros((BR,), tl.float32)
@@ -189,40 +214,50 @@ if HAS_TMA:
             t = t0 + tl.arange(0, BT)
             off = t[:, None] * M + rows[None, :]
             mk = (t < T)[:, None] & valid[None, :]
-            pm = tl.load(pm_ptr + off, mask=mk, other=float("-inf"))
+            pr = tl.load(pm_ptr + off, mask=mk, other=float("-inf"))
             ps = tl.load(ps_ptr + off, mask=mk, other=0.0)
-            m_blk = tl.max(pm, axis=0)
-            m_new = tl.maximum(m, m_blk)
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            w_old = tl.exp2(m - m_safe)
-            w_prt = tl.exp2(pm - m_safe[None, :])
+            if MAX_APART:
+                pv = tl.load(pv_ptr + off, mask=mk, other=float("-inf"))
+            else:
+                pv = pr
+            r_new = tl.maximum(r, tl.max(pr, axis=0))
+            r_safe = tl.where(r_new == float("-inf"), 0.0, r_new)
+            w_old = tl.exp2(r - r_safe)
+            w_prt = tl.exp2(pr - r_safe[None, :])
+            v_blk = tl.max(pv, axis=0)
             if WANT_D:
-                # a partial's d is relative to its own max: moving it to m adds s · (m_t − m)
+                m_new = tl.maximum(m, v_blk)
+                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+                # a partial's d is relative to its tile max: moving it to m adds s · (m_t − m)
                 pd = tl.load(pd_ptr + off, mask=mk, other=0.0)
-                moved = tl.where(ps > 0.0, w_prt * (pd + ps * (pm - m_safe[None, :])), 0.0)
+                moved = tl.where(ps > 0.0, w_prt * (pd + ps * (pv - m_safe[None, :])), 0.0)
                 d_old = tl.where(s > 0.0, d + s * (m - m_safe), 0.0)
                 d = d_old * w_old + tl.sum(moved, axis=0)
+                m = m_new
             s = s * w_old + tl.sum(w_prt * ps, axis=0)
+            r = r_new
             if WANT_ARGMAX:
                 pa = tl.load(pa_ptr + off, mask=mk, other=0)
-                i_blk = tl.argmax(pm, axis=0, tie_break_left=True)
+                i_blk = tl.argmax(pv, axis=0, tie_break_left=True)
                 a_blk = tl.sum(tl.where(tl.arange(0, BT)[:, None] == i_blk[None, :], pa, 0), 0)
-                take = m_blk > best_v  # strict: the first (lowest-column) maximum wins
+                take = v_blk > best_v  # strict: the first (lowest-column) maximum wins
                 best_i = tl.where(take, a_blk, best_i)
-                best_v = tl.where(take, m_blk, best_v)
-            m = m_new
+                best_v = tl.where(take, v_blk, best_v)
         s = tl.where(valid, s, 1.0)  # (a row past the valid ones: no 0/0 below)
         log2s = tl.log2(s)
-        lse2 = tl.where(valid, m + log2s, 0.0)
+        lse2 = tl.where(valid, r + log2s, 0.0)
         tl.store(lse_ptr + rows, lse2 * LN2_, mask=rmask)
         tl.store(zy_ptr + rows, tl.load(zy2_ptr + rows, mask=valid, other=0.0) * LN2_, mask=rmask)
         if WANT_D:
-            tl.store(ent_ptr + rows, tl.where(valid, (log2s - d / s) * LN2_, 0.0), mask=rmask)
+            gap = tl.where(valid, r, 0.0) - tl.where(valid, m, 0.0)  # (−inf − −inf past them)
+            ent2 = gap + log2s - d / s
+            tl.store(ent_ptr + rows, tl.where(valid, ent2 * LN2_, 0.0), mask=rmask)
         if WANT_ARGMAX:
             tl.store(amax_ptr + rows, tl.where(valid, best_i, -1).to(tl.int64), mask=rmask)
         if WANT_FACTOR:
+            # the G' launch's references are c unless a tile's max exceeded c + CLAMP
             c2 = tl.load(c2_ptr + rows, mask=valid, other=0.0)
-            flag = ((m - c2) > CLAMP) & valid
+            flag = (r > c2) & valid
             factor = tl.exp2(c2 - lse2)
             if HAS_ALPHA:
                 factor *= tl.load(alpha_ptr + rows, mask=valid, other=0.0)
@@ -347,12 +382,15 @@ def gemm_softmax(
     Only the rows below `n_valid` − `row0` are computed (n_valid: int32 (1,) on the device, the
     valid rows of the whole call, x the chunk starting at row0; None: all M); G' is 0 past them.
 
-    `parts` holds (T, M)-shaped (or larger, flattened) fp32 buffers "m", "s", "d" and int32 "a",
-    and "zy2" (M,). `b2` is the bias already scaled by log₂e / τ (fp32). With `g_out` (M, V)
-    (row stride `g_row_stride(V)`), also writes G' with the per-row shifts `c2` (M,).
+    `parts` holds (T, M)-shaped (or larger, flattened) fp32 buffers "m", "s", "d", "v" (the
+    tile maxima, see `keeps_tile_max`) and int32 "a", and "zy2" (M,). `b2` is the bias already
+    scaled by log₂e / τ (fp32). With `g_out` (M, V) (row stride `g_row_stride(V)`), also writes
+    G' with the per-row shifts `c2` (M,).
     """
     M, K = x.shape
     V = w.shape[0]
+    max_apart = keeps_tile_max(g_out is not None, want_d, want_argmax)
+    assert not max_apart or "v" in parts
     cfg = _config(g_out is not None)
     BM, BN, BK = cfg["BM"], cfg["BN"], cfg["BK"]
     x_desc = TensorDescriptor.from_tensor(x, [BM, BK])
@@ -369,13 +407,13 @@ def gemm_softmax(
     _gemm_softmax_kernel[(n_prog,)](
         x_desc, w_desc, g_desc,
         b2 if b2 is not None else m_buf, y, c2 if c2 is not None else m_buf,
-        m_buf, parts["s"], parts.get("d", m_buf), parts.get("a", m_buf), parts["zy2"],
-        _count(n_valid, row0 + M, x.device), row0,
+        m_buf, parts["s"], parts.get("d", m_buf), parts.get("a", m_buf),
+        parts.get("v", m_buf), parts["zy2"], _count(n_valid, row0 + M, x.device), row0,
         M, V, K, inv_tau * LOG2E, n_prog,
         BM=BM, BN=BN, BK=BK, GROUP_M=cfg["GROUP_M"],
         EPI_SPLIT=cfg["EPI_SPLIT"],
         HAS_BIAS=b2 is not None, WRITE_G=g_out is not None,
-        WANT_D=want_d, WANT_ARGMAX=want_argmax,
+        WANT_D=want_d, WANT_ARGMAX=want_argmax, MAX_APART=max_apart,
         DOT_F32=not x.is_cuda, FLATTEN=cfg["FLATTEN"], CLAMP=CLAMP2,
         G_BF16=g_out is not None and g_out.dtype == torch.bfloat16,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
@@ -405,18 +443,27 @@ def reduce_partials(
     """
     lse, z_y, ent, amax = out
     m_buf = parts["m"]
-    BR = 32
-    _reduce_kernel[(triton.cdiv(M, BR),)](
-        m_buf, parts["s"], parts.get("d", m_buf), parts.get("a", m_buf), parts["zy2"],
-        c2 if c2 is not None else m_buf, alpha if alpha is not None else m_buf,
+    max_apart = keeps_tile_max(c2 is not None, ent is not None, amax is not None)
+    assert not max_apart or "v" in parts
+    cfg = _tuning.REDUCE
+    _reduce_kernel[(triton.cdiv(M, cfg["BR"]),)](
+        m_buf, parts["s"], parts.get("d", m_buf), parts.get("a", m_buf),
+        parts.get("v", m_buf), parts["zy2"], c2 if c2 is not None else m_buf,
+        alpha if alpha is not None else m_buf,
         lse, z_y, ent if ent is not None else lse, amax if amax is not None else lse,
         factor if factor is not None else lse,
         flag_rows if flag_rows is not None else lse, n_flag if n_flag is not None else lse,
         _count(n_valid, row0 + M, lse.device), row0, M, T,
-        WANT_D=ent is not None, WANT_ARGMAX=amax is not None, WANT_FACTOR=factor is not None,
-        HAS_ALPHA=alpha is not None, CLAMP=CLAMP2, LN2_=LN2,
-        BR=BR, BT=64, num_warps=4,
+        WANT_D=ent is not None, WANT_ARGMAX=amax is not None, MAX_APART=max_apart,
+        WANT_FACTOR=factor is not None, HAS_ALPHA=alpha is not None, LN2_=LN2,
+        BR=cfg["BR"], BT=cfg["BT"], num_warps=cfg["num_warps"],
     )
+
+
+def keeps_tile_max(with_g: bool, want_d: bool, want_argmax: bool) -> bool:
+    """Whether a launch also stores the tile maxima ("v"): when its references are not them
+    (the G' launch) and the entropy or the argmax needs them."""
+    return with_g and (want_d or want_argmax)
 
 
 def _count(n_valid: torch.Tensor | None, default: int, device) -> torch.Tensor:
