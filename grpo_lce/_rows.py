@@ -10,10 +10,11 @@ first kernel). Two layouts:
                 Triton one measured up to 1.3x slower, bench/results/tune_gemm_rows_H200.json)
                 use it, and everything when GRPO_LCE_SYNC_CHECKS=1.
   device-counted  all N rows in a fixed order, valid ones first (a stable partition, no host
-                read), the hidden states of the others zero, `n_valid` an int32 (1,) tensor on
-                the device. The fused kernels (kernels/gemm_softmax, kernels/gemm_rows) read it
-                and skip the row blocks past it: no host sync, and ignored rows still cost no
-                GEMM work (only an (N, H) gather and the per-row elementwise passes).
+                read; one launch on CUDA, kernels/partition), the hidden states of the others
+                zero, `n_valid` an int32 (1,) tensor on the device. The fused kernels
+                (kernels/gemm_softmax, kernels/gemm_rows) read it and skip the row blocks past
+                it: no host sync, and ignored rows still cost no GEMM work (only an (N, H)
+                gather and the per-row elementwise passes).
 
 Targets out of range cannot raise at once without a sync in the device-counted layout: such a
 row is computed against target 0 and its outputs set to NaN (never a silently wrong number, never

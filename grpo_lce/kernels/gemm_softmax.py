@@ -4,11 +4,11 @@ For a chunk of rows X (M, K) and the head W (V, K), each tile Z = X_tile W_tile�
 accumulators, BM x BN) is turned, while still in registers, into per-(row, tile) partials in
 base 2 (z₂ = z · log₂e, with z = (x·w + b) / τ), relative to a per-(row, tile) reference r_t:
 
-    r_t        s_t = Σ 2^(z₂ − r_t)      d_t = Σ 2^(z₂ − r_t)(z₂ − r_t)      argmax_t
+    r_t        s_t = Σ 2^(z₂ − r_t)      d_t = Σ 2^(z₂ − r_t)(z₂ − m_t)      argmax_t
 
-plus z₂ at the target column. Without a gradient r_t = m_t = max z₂ over the tile.
+with m_t = max z₂ over the tile, plus z₂ at the target column. Without a gradient r_t = m_t.
 `reduce_partials` folds the T = V / BN partials of a row into lse, the target logit, the
-entropy (lse − z̄ kept relative to the largest reference) and the argmax: exact fp32 statistics
+entropy (lse − z̄ kept relative to the largest m_t) and the argmax: exact fp32 statistics
 of the fp32 logits, after reading M · T numbers instead of the M · V logits twice. Any reference
 gives the same sums; it only has to keep 2^(z₂ − r_t) inside fp32.
 
