@@ -22,3 +22,12 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def fused_triton_env(monkeypatch):
+    """The Triton backend (the interpreter on CPU) with the fused path and the device-counted
+    row layout at their defaults, whatever the caller's environment says."""
+    monkeypatch.setenv("GRPO_LCE_BACKEND", "triton")
+    monkeypatch.delenv("GRPO_LCE_FUSED", raising=False)
+    monkeypatch.delenv("GRPO_LCE_SYNC_CHECKS", raising=False)

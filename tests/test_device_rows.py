@@ -15,21 +15,14 @@ from grpo_lce.kernels import gemm_rows as gr
 from grpo_lce.kernels import gemm_softmax as gs
 from grpo_lce.reference import cross_entropy_ref, logprobs_ref
 from _head_inputs import head_inputs
+from _tolerance import FUSED_GRAD_RTOL as GRAD_RTOL
+from _tolerance import FUSED_VALUE_ATOL as VALUE_ATOL
 from _tolerance import assert_3way, assert_close_scaled
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
-# as in test_gemm_softmax: fp32-logit values, bf16-operand gradients returned in bf16
-VALUE_ATOL = 5e-5
-GRAD_RTOL = 1e-2
+pytestmark = pytest.mark.usefixtures("fused_triton_env")
 # fp32 accumulation of bf16 products against fp64: relative 1e-5 of the result's scale
 GEMM_RTOL = 1e-5
-
-
-@pytest.fixture(autouse=True)
-def _triton_backend(monkeypatch):
-    monkeypatch.setenv("GRPO_LCE_BACKEND", "triton")
-    monkeypatch.delenv("GRPO_LCE_FUSED", raising=False)
-    monkeypatch.delenv("GRPO_LCE_SYNC_CHECKS", raising=False)
 
 
 def _spy_plans(monkeypatch):
