@@ -2,19 +2,20 @@
 
 Per chunk of C rows (see kernels/gemm_softmax.py for the kernel and its precision argument):
 
-    GEMM 1 + epilogue   partial (max, Σ2^, Σ2^·z, argmax) per (row, 128 columns), z₂ at the
-                        target, and, for a gradient, G' = 2^(z₂ − c) in bf16 (C, V)
+    (once per call)     z₂ at the target of every row (kernels/target_logit)
+    GEMM 1 + epilogue   partial (max, Σ2^, Σ2^·z, argmax) per (row, 256 columns) and, for a
+                        gradient, G' = 2^(z₂ − c) in bf16 (C, V), c = z₂_y + SHIFT2
     reduce              lse, z_y, entropy, argmax; factor_r = α_r 2^(c_r − lse₂_r)
     GEMM 2              basis = factor ∘ (G' W) − α ∘ W[y]                  = α (p − e_y) W
     GEMM 3              dW += G'ᵀ (factor ∘ X),  dW[y] −= α ∘ X             = α (p − e_y)ᵀ X
-    fixup               the exact terms of flagged rows (usually none; no host sync)
+    fixup (once)        the exact terms of flagged rows (usually none; no host sync)
 
 Rows: with `n_valid` (an int32 device tensor, the device-counted layout of _rows) every kernel
-reads the number of valid rows and skips the row blocks past it, and GEMM 3 is the Triton
-kernel of kernels/gemm_rows (its K loop stops there); without it all rows are valid (counted on
-the host) and GEMMs 2 (at H >= 2048) and 3 are cuBLAS, which is faster there (tune_gemm_rows).
-Otherwise GEMM 2 is the Triton split-K kernel: within 5 % of cuBLAS at H = 2048-4096, 1.7x
-faster at H = 896, where the (C, H) output has too few tiles to fill the GPU.
+reads the number of valid rows and skips the row blocks past it, and GEMMs 2 and 3 are the
+Triton kernels of kernels/gemm_rows (GEMM 2 split along V to fill the GPU, GEMM 3's K loop
+stopping at the count); without it all rows are valid (counted on the host) and GEMMs 2 and 3
+are cuBLAS, 1-10 % faster at the chunk sizes the loop uses (multiples of 128 rows;
+bench/results/tune_gemm_rows_H200*.json).
 
 Compared with the unfused loop (fp32 Z written by GEMM 1, read twice by the row kernel, G written
 over it) this moves C · V · 10 bytes less per chunk and writes the operand of GEMM 2 directly.
@@ -40,10 +41,7 @@ from grpo_lce._chunks import (
 from grpo_lce.kernels import gemm_rows as gr
 from grpo_lce.kernels import gemm_softmax as gs
 from grpo_lce.kernels.row_softmax import select_backend
-
-# GEMM 2 of host-counted rows at H >= this: cuBLAS, 1-5 % faster than the Triton split-K kernel
-# there (bench/results/tune_gemm_rows_H200.json); below it the Triton kernel is 1.7x faster.
-CUBLAS_BASIS_MIN_H = 2048
+from grpo_lce.kernels.target_logit import target_logits
 
 
 def use_fused(h: torch.Tensor, w: torch.Tensor, *, want_ebasis: bool, want_grad_bias: bool,
@@ -77,53 +75,46 @@ def head_forward_fused(out, h, w, b, y, inv_tau, chunk_size, *, want_basis, want
     parts = {k: torch.empty(T * C, device=dev, dtype=torch.float32) for k in kinds}
     if want_argmax:
         parts["a"] = torch.empty(T * C, device=dev, dtype=torch.int32)
-    parts["zy2"] = torch.empty(C, device=dev, dtype=torch.float32)
     scale2 = inv_tau * gs.LOG2E
     b2 = None if b is None else b.float() * scale2
+    # the target logits (z_y, and the shift of G') of the whole call in one launch
+    zy2 = target_logits(h, w, y, b2, scale2, n_valid)
     host_counted = n_valid is None
     if host_counted:
         n_valid = torch.full((1,), N, device=dev, dtype=torch.int32)
     if want_g:
         g_buf = torch.empty(C, gs.g_row_stride(V), device=dev, dtype=w.dtype)
         factor = torch.empty(N, device=dev, dtype=torch.float32)
-        flag_rows = torch.empty(C, device=dev, dtype=torch.int32)
-        n_flag = torch.empty(1, device=dev, dtype=torch.int32)
+        # the flagged rows of the whole call (row indices into h), fixed up once at the end
+        flag_rows = torch.empty(N, device=dev, dtype=torch.int32)
+        n_flag = torch.zeros(1, device=dev, dtype=torch.int32)
 
     for s, e in chunk_bounds(N, C):
         n = e - s
         x, yc = h[s:e], y[s:e]
         a = None if alpha is None else alpha[s:e]
-        c2 = g = w_y = None
-        if want_g:
-            # c = ẑ₂_y + SHIFT2 from one dot product per row (bf16 is precise enough for a shift)
-            w_y = w.index_select(0, yc)
-            z_y = torch.bmm(w_y[:, None, :], x[:, :, None]).view(n).float()
-            if b is not None:
-                z_y += b[yc].float()
-            c2 = z_y * scale2 + gs.SHIFT2
-            g = g_buf[:n, :V]
-            n_flag.zero_()
-        gs.gemm_softmax(x, w, yc, b2, inv_tau, parts, c2=c2, g_out=g,
+        zy2_c = zy2[s:e]
+        g = g_buf[:n, :V] if want_g else None
+        gs.gemm_softmax(x, w, b2, inv_tau, parts, zy2=zy2_c, g_out=g,
                         want_d=want_entropy, want_argmax=want_argmax, n_valid=n_valid, row0=s)
         gs.reduce_partials(
             parts, n, T,
             (out.lse[s:e], out.z_y[s:e], out.entropy[s:e] if want_entropy else None,
              out.argmax[s:e] if want_argmax else None),
-            c2=c2, alpha=a,
+            zy2_c, with_g=want_g, alpha=a,
             factor=factor[s:e] if want_g else None,
             flag_rows=flag_rows if want_g else None, n_flag=n_flag if want_g else None,
             n_valid=n_valid, row0=s,
         )
         if not want_g:
             continue
-        basis = grad_w = None
         if want_basis:  # α (p − e_y) W = factor ∘ (G' W) − α ∘ W[y]
-            if host_counted and H >= CUBLAS_BASIS_MIN_H:
+            if host_counted:
                 basis = mm_f32(g, w, out=out.basis[s:e])
                 a_col = torch.ones_like(basis[:, :1]) if a is None else a[:, None]
-                basis.mul_(factor[s:e, None]).addcmul_(w_y, a_col, value=-1.0)
+                basis.mul_(factor[s:e, None]).addcmul_(w.index_select(0, yc), a_col, value=-1.0)
             else:
-                basis = gr.basis_gemm(g, w, factor[s:e], a, yc, n_valid, s, out.basis[s:e])
+                gr.basis_gemm(g, w, factor[s:e], a, yc, n_valid, s, out.basis[s:e])
         if want_grad_weight:  # α (p − e_y)ᵀ X = G'ᵀ (factor ∘ X) − scatter of α ∘ X at y
             grad_w = out.grad_weight
             xf = (x * factor[s:e, None]).to(w.dtype)  # 0 past the valid rows (factor 0 there)
@@ -133,6 +124,8 @@ def head_forward_fused(out, h, w, b, y, inv_tau, chunk_size, *, want_basis, want
                 gr.grad_w_gemm(grad_w, g, xf, n_valid, s, first=s == 0)
             x_a = x.float() if a is None else x.float() * a[:, None]
             grad_w.index_add_(0, yc, x_a, alpha=-1.0)
-        gs.fixup_flagged(x, w, b, inv_tau, out.lse[s:e], a, flag_rows, n_flag,
-                         basis=basis, grad_weight=grad_w)
+    if want_g:  # a flagged row's G' counted nothing (factor 0): its exact terms, added once
+        gs.fixup_flagged(h, w, b, inv_tau, out.lse, alpha, flag_rows, n_flag,
+                         basis=out.basis if want_basis else None,
+                         grad_weight=out.grad_weight if want_grad_weight else None)
     return out

@@ -18,6 +18,7 @@ import triton.testing
 
 from grpo_lce.kernels import _tuning
 from grpo_lce.kernels import gemm_softmax as gs
+from grpo_lce.kernels.target_logit import target_logits
 
 
 def _bench(fn):
@@ -48,20 +49,19 @@ def main():
     T_max = -(-V // 64) * 2
     parts = {k: torch.empty(T_max * N, device=dev) for k in "msdv"}
     parts["a"] = torch.empty(T_max * N, device=dev, dtype=torch.int32)
-    parts["zy2"] = torch.empty(N, device=dev)
     g = torch.empty(C, gs.g_row_stride(V), device=dev, dtype=torch.bfloat16)[:, :V]
-    zy_est = (x.float() * w[y].float()).sum(1)
-    c2 = zy_est * gs.LOG2E + gs.SHIFT2
+    zy2 = target_logits(x, w, y, None, gs.LOG2E)
 
     floor_all = _bench(lambda: x @ w.t())
     floor_f32 = _bench(lambda: torch.mm(x, w.t(), out_dtype=torch.float32))
     floor_chunks = _bench(lambda: [x[s:s + C] @ w.t() for s in range(0, N, C)])
     gemm2 = _bench(lambda: [torch.mm(g, w, out_dtype=torch.float32) for s in range(0, N, C)])
+    t_target = _bench(lambda: target_logits(x, w, y, None, gs.LOG2E))
     name = torch.cuda.get_device_name()
     print(f"{name}  N={N} H={H} V={V} chunk={C}")
     print(f"cuBLAS X@Wt bf16 out {floor_all:.3f} ms ({2 * N * H * V / floor_all / 1e9:.0f} "
           f"TFLOP/s); fp32 out {floor_f32:.3f}; bf16 in chunks {floor_chunks:.3f}; "
-          f"GEMM2 G'@W over chunks {gemm2:.3f}")
+          f"GEMM2 G'@W over chunks {gemm2:.3f}; target logits {t_target * 1e3:.1f} us")
 
     # reference statistics of the first chunk
     zr = torch.mm(x[:C], w.t(), out_dtype=torch.float32)
@@ -99,23 +99,22 @@ def main():
         n_flag = torch.zeros(1, device=dev, dtype=torch.int32)
 
         def stats_only():
-            gs.gemm_softmax(x, w, y, None, 1.0, parts, want_d=True)
-            gs.reduce_partials(parts, N, T, (lse, zy, ent, None))
+            gs.gemm_softmax(x, w, None, 1.0, parts, want_d=True)
+            gs.reduce_partials(parts, N, T, (lse, zy, ent, None), zy2)
 
         def with_g():
             for s in range(0, N, C):
                 e = min(s + C, N)
-                gs.gemm_softmax(x[s:e], w, y[s:e], None, 1.0, parts, c2=c2[s:e],
-                                g_out=g[: e - s])
-                gs.reduce_partials(parts, e - s, T, (lse[s:e], zy[s:e], None, None),
-                                   c2=c2[s:e], factor=fac[s:e], flag_rows=flag_rows,
+                gs.gemm_softmax(x[s:e], w, None, 1.0, parts, zy2=zy2[s:e], g_out=g[: e - s])
+                gs.reduce_partials(parts, e - s, T, (lse[s:e], zy[s:e], None, None), zy2[s:e],
+                                   with_g=True, factor=fac[s:e], flag_rows=flag_rows,
                                    n_flag=n_flag)
 
         try:
-            gs.gemm_softmax(x[:C], w, y[:C], None, 1.0, parts, c2=c2[:C], g_out=g,
+            gs.gemm_softmax(x[:C], w, None, 1.0, parts, zy2=zy2[:C], g_out=g,
                             want_d=True, want_argmax=True)
-            gs.reduce_partials(parts, C, T, (lse[:C], zy[:C], ent[:C], am[:C]), c2=c2[:C],
-                               factor=fac[:C], flag_rows=flag_rows, n_flag=n_flag)
+            gs.reduce_partials(parts, C, T, (lse[:C], zy[:C], ent[:C], am[:C]), zy2[:C],
+                               with_g=True, factor=fac[:C], flag_rows=flag_rows, n_flag=n_flag)
             torch.cuda.synchronize()
             err = dict(
                 lse=(lse[:C] - lse_r).abs().max().item(),
@@ -135,11 +134,12 @@ def main():
         rows.append(row)
         print(f"{cfg}\n   stats {t_stats:.3f} ms ({row['stats_x']:.3f}x floor)  "
               f"stats+G' {t_g:.3f} ms ({row['g_x']:.3f}x chunked floor)  err {err}", flush=True)
-    reduce_rows = _sweep_reduce(x, w, y, c2, g, parts, C) if args.reduce else []
+    reduce_rows = _sweep_reduce(x, w, zy2, g, parts, C) if args.reduce else []
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(gpu=name, N=N, H=H, V=V, chunk=C, floor=floor_all,
                            floor_f32=floor_f32, floor_chunks=floor_chunks, gemm2=gemm2,
+                           target_logits=t_target,
                            rows=rows, reduce=reduce_rows), f, indent=1)
 
 
@@ -150,7 +150,7 @@ REDUCE_CFGS = [dict(BR=32, BT=64, num_warps=4), dict(BR=16, BT=64, num_warps=4),
                dict(BR=4, BT=256, num_warps=4)]
 
 
-def _sweep_reduce(x, w, y, c2, g, parts, C):
+def _sweep_reduce(x, w, zy2, g, parts, C):
     """Time the reduction of one chunk's partials after a launch with G', per configuration:
     bare (log-probs with a gradient) and with entropy and argmax (the SFT metrics); compare
     each with the first configuration (sums in another order: fp32 rounding only)."""
@@ -160,7 +160,7 @@ def _sweep_reduce(x, w, y, c2, g, parts, C):
     T = gs.n_parts(V, True)
     rows = []
     for metrics in (False, True):
-        gs.gemm_softmax(x[:C], w, y[:C], None, 1.0, parts, c2=c2[:C], g_out=g,
+        gs.gemm_softmax(x[:C], w, None, 1.0, parts, zy2=zy2[:C], g_out=g,
                         want_d=metrics, want_argmax=metrics)
         ref = None
         for cfg in REDUCE_CFGS:
@@ -173,7 +173,7 @@ def _sweep_reduce(x, w, y, c2, g, parts, C):
             n_flag = torch.zeros(1, device=dev, dtype=torch.int32)
 
             def run():
-                gs.reduce_partials(parts, C, T, out, c2=c2[:C], factor=fac,
+                gs.reduce_partials(parts, C, T, out, zy2[:C], with_g=True, factor=fac,
                                    flag_rows=flag_rows, n_flag=n_flag)
 
             run()

@@ -1,8 +1,10 @@
 """Sweep the row-bounded GEMMs 2 and 3 (kernels/gemm_rows.py) on a GPU against cuBLAS.
 
-    python scripts/tune_gemm_rows.py [--shapes llama-1b,qwen-0.5b,llama-8b] [--json out.json]
+    python scripts/tune_gemm_rows.py [--shapes llama-1b,qwen-0.5b,llama-8b] [--ops basis,grad_w]
+        [--json out.json]
 
-Per shape (one chunk of the fused loop, its rows from grpo_lce's default chunk sizing):
+Per shape (one chunk of the fused loop, its rows from grpo_lce's default chunk sizing for a
+frozen head, or --basis-rows):
   basis  factor ∘ (G' W) − α ∘ W[y] (M, H): cuBLAS mm (fp32 out) + two elementwise passes,
          which is what a host-sized chunk costs, against the Triton split-K kernel + finish pass
          for each configuration and split-K wave target;
@@ -33,6 +35,8 @@ BASIS_CFGS = [
     dict(BM=128, BN=256, BK=64, num_warps=8, num_stages=3),
     dict(BM=64, BN=256, BK=64, num_warps=4, num_stages=4),
     dict(BM=128, BN=128, BK=128, num_warps=8, num_stages=3),
+    dict(BM=256, BN=128, BK=64, num_warps=8, num_stages=3),
+    dict(BM=256, BN=128, BK=64, num_warps=8, num_stages=4),
 ]
 GRAD_W_CFGS = [
     dict(BV=128, BN=256, BK=64, num_warps=8, num_stages=4),
@@ -55,9 +59,9 @@ def _g_buffer(M, V, dev):
     return g
 
 
-def sweep_shape(name, N, H, V, dev="cuda"):
+def sweep_shape(name, N, H, V, ops=("basis", "grad_w"), basis_rows=None, dev="cuda"):
     torch.manual_seed(0)
-    C = fused_chunk_size(V, gs.n_parts(V, True), 2, True, n_rows=N)
+    C = basis_rows or fused_chunk_size(V, gs.n_parts(V, True), 2, True, n_rows=N)
     w = torch.randn(V, H, device=dev, dtype=torch.bfloat16) * H**-0.5
     rows = []
     # --- basis (GEMM 2) over one chunk of C rows ---
@@ -66,7 +70,7 @@ def sweep_shape(name, N, H, V, dev="cuda"):
     alpha = torch.rand(C, device=dev)
     y = torch.randint(0, V, (C,), device=dev)
     out = torch.empty(C, H, device=dev)
-    for frac in (1.0, 0.5):
+    for frac in (1.0, 0.5) if "basis" in ops else ():
         m = int(C * frac)
         n_valid = torch.tensor([m], device=dev, dtype=torch.int32)
 
@@ -101,6 +105,8 @@ def sweep_shape(name, N, H, V, dev="cuda"):
                 print(f"  {c} split={S}{tag}: {t:.3f} ms ({t / t_ref:.2f}x) err {err:.1e} "
                       f"zeros {'ok' if zero_ok else 'WRONG'}")
     del g, out
+    if "grad_w" not in ops:
+        return rows
     # --- dW (GEMM 3) over one chunk of MIN_ROWS_GRAD_WEIGHT_FUSED rows ---
     Cw = min(MIN_ROWS_GRAD_WEIGHT_FUSED, N)
     g = _g_buffer(Cw, V, dev)
@@ -144,12 +150,17 @@ def sweep_shape(name, N, H, V, dev="cuda"):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="llama-1b,qwen-0.5b,llama-8b")
+    ap.add_argument("--ops", default="basis,grad_w", help="comma list of basis,grad_w")
+    ap.add_argument("--basis-rows", type=int, default=None,
+                    help="rows of the basis chunk (default: the fused loop's chunk of a frozen "
+                         f"head; a trainable head's is {MIN_ROWS_GRAD_WEIGHT_FUSED})")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     print(torch.cuda.get_device_name(), "triton", triton.__version__)
     rows = []
     for name in args.shapes.split(","):
-        rows += sweep_shape(name, *SHAPES[name])
+        rows += sweep_shape(name, *SHAPES[name], ops=args.ops.split(","),
+                            basis_rows=args.basis_rows)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(gpu=torch.cuda.get_device_name(), rows=rows), f, indent=1)

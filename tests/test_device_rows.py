@@ -85,9 +85,11 @@ def test_row_bounded_gemms_match_fp64(n_valid, row0):
 
 def test_split_count_fills_the_waves():
     cpu = torch.device("cpu")  # 4 "SMs" under the interpreter
-    assert gr.n_splits(128, 256, 100_000, cpu) == 4  # 1 tile: 4 splits fill 4 SMs
-    assert gr.n_splits(1024, 2048, 100_000, cpu) == 1  # 64 tiles: already full waves
-    assert gr.n_splits(128, 256, 64, cpu) == 1  # K too short to split
+    cfg = dict(BM=128, BN=256, BK=64)  # (the rule only reads the tile shape)
+    assert gr.n_splits(128, 256, 100_000, cpu, cfg) == 4  # 1 tile: 4 splits fill 4 SMs
+    assert gr.n_splits(256, 256, 100_000, cpu, cfg) == 2  # 2 tiles: 2 splits each
+    assert gr.n_splits(1024, 2048, 100_000, cpu, cfg) == 1  # 64 tiles: already full waves
+    assert gr.n_splits(128, 256, 64, cpu, cfg) == 1  # K too short to split
 
 
 # chunk 32 over 150 rows with 100 ignored: two chunks are entirely past the valid rows
@@ -141,10 +143,15 @@ def test_cross_entropy_device_rows_match_host_rows(reduction, num_items, monkeyp
     ref = cross_entropy_ref(h64, w.double(), y, reduction=reduction, num_items=num_items)
     ref.backward()
     (l0, d0, m0), (l1, d1, m1) = results["0"], results["1"]
-    assert_3way(l0, None, ref, k=0, atol=VALUE_ATOL, what="CE device rows")
+    # the loss is a sum of per-token values rounded in fp32 (948 for "sum": one ulp is 6e-5),
+    # in another order on each path: a few ulps of its size on top of the per-token tolerance
+    atol = VALUE_ATOL + 8 * 2.0**-24 * abs(float(ref.detach()))
+    assert_3way(l0, None, ref, k=0, atol=atol, what="CE device rows")
     assert_close_scaled(d0, h64.grad, rtol=GRAD_RTOL, what="CE d hidden")
     torch.testing.assert_close(l0, l1, rtol=1e-6, atol=1e-6)  # sum order
-    torch.testing.assert_close(d0, d1, rtol=0, atol=0)
+    # the host-counted basis is cuBLAS, the device-counted one the Triton split-K kernel: fp32
+    # sums in another order, then rounded to bf16 (at most one bf16 step of the largest entry)
+    assert_close_scaled(d0, d1, rtol=2.0**-8, what="dh device vs host rows")
     for k in ("correct", "num_tokens"):
         assert int(m0[k]) == int(m1[k]), k
     assert int(m0["num_tokens"]) == 90

@@ -21,7 +21,8 @@ pytestmark = pytest.mark.usefixtures("fused_triton_env")
 
 
 def _spy_fused(monkeypatch):
-    """Record the flagged-row count of every fused chunk (proves which path ran)."""
+    """Record the flagged-row count of every fused call with a gradient (its one fixup: proves
+    which path ran)."""
     flagged = []
     real = head_fused.gs.fixup_flagged
 
@@ -31,6 +32,19 @@ def _spy_fused(monkeypatch):
 
     monkeypatch.setattr(head_fused.gs, "fixup_flagged", spy)
     return flagged
+
+
+def _spy_chunks(monkeypatch):
+    """Count the fused GEMM 1 launches (one per chunk)."""
+    launches = []
+    real = head_fused.gs.gemm_softmax
+
+    def spy(*args, **kw):
+        launches.append(args[0].shape[0])
+        return real(*args, **kw)
+
+    monkeypatch.setattr(head_fused.gs, "gemm_softmax", spy)
+    return launches
 
 
 def _to(dev, *ts):
@@ -86,10 +100,11 @@ def test_cross_entropy_metrics_and_trainable_head(monkeypatch):
     h, w, _, y = head_inputs(N, H, V, torch.bfloat16, False, 9)
     h, w, y = _to(DEV, h, w, y)
     flagged = _spy_fused(monkeypatch)
+    chunks = _spy_chunks(monkeypatch)
     hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
     loss, m = linear_cross_entropy(hh, ww, y, return_metrics=True, chunk_size=32)
     loss.backward()
-    assert len(flagged) == 3  # 81 valid rows in chunks of 32
+    assert chunks == [32, 32, 17] and flagged == [0]  # 81 valid rows (host-counted: trainable W)
     h64, w64 = h.double().requires_grad_(), w.double().requires_grad_()
     ref = cross_entropy_ref(h64, w64, y)
     ref.backward()
@@ -177,3 +192,32 @@ def test_argmax_ignores_minus_inf_tiles(grad):
     p = torch.softmax(z, 1)
     ent = -torch.where(p > 0, p * torch.log(p), 0.0).sum()
     assert abs(float(m["entropy_sum"]) - float(ent)) <= VALUE_ATOL * N
+
+
+@pytest.mark.parametrize("N, n_valid", [(1, None), (37, 30), (37, None)])
+def test_target_logits_match_fp64(N, n_valid):
+    """The per-row target logit (kernels/target_logit) that gives z_y and the shift of G':
+    rows of a wider tensor (row stride > H), H past one 256-wide step and not a multiple of it,
+    a bias and a temperature, targets at both ends of [0, V); rows at or past a device count
+    are 0. Tolerance: fp32 accumulation of H bf16 products, 1e-6 of Σ|x_i w_i|."""
+    from grpo_lce.kernels.gemm_softmax import LOG2E
+    from grpo_lce.kernels.target_logit import target_logits
+
+    H, V, tau = 300, 500, 0.7
+    g = torch.Generator().manual_seed(7)
+    wide = torch.randn(N, H + 20, generator=g).to(torch.bfloat16)
+    x = wide[:, 3:3 + H]
+    w = (torch.randn(V, H, generator=g) * H**-0.5).to(torch.bfloat16)
+    b = torch.randn(V, generator=g)
+    y = torch.randint(0, V, (N,), generator=g)
+    y[0], y[-1] = V - 1, 0
+    scale2 = LOG2E / tau
+    x, w, b, y = _to(DEV, x, w, b, y)
+    count = None if n_valid is None else torch.tensor([n_valid], dtype=torch.int32, device=DEV)
+    got = target_logits(x, w, y, b * scale2, scale2, count).cpu().double()
+    prod = x.cpu().double() * w.cpu().double()[y.cpu()]
+    ref = prod.sum(1) * scale2 + b.cpu().double()[y.cpu()] * scale2
+    bound = 1e-6 * prod.abs().sum(1) * scale2 + 1e-6
+    k = N if n_valid is None else n_valid
+    assert ((got[:k] - ref[:k]).abs() <= bound[:k]).all(), (got[:k] - ref[:k]).abs().max()
+    assert (got[k:] == 0).all()

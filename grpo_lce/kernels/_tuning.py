@@ -10,17 +10,22 @@ ROW_BLOCK_V = 8192  # columns per loop step; fewer for small vocabularies
 ROW_NUM_WARPS = 8
 
 # The fused GEMM 1 of kernels/gemm_softmax.py (persistent, TMA tiles), measured on an H200 with
-# scripts/tune_gemm.py at V=128256, H=2048: statistics only (no G' to write) and with G'. With
-# one exp2 per logit in the G' epilogue, one epilogue part (EPI_SPLIT=1) is as fast as two at
-# H = 2048 and H = 896 and halves the partials (tune_gemm_H200_*_quick.json).
+# scripts/tune_gemm.py at V=128256, H=2048 and V=151936, H=896: statistics only (no G' to
+# write) and with G'. Since the target logit left the epilogue (kernels/target_logit), the G'
+# launch is faster in two column halves (EPI_SPLIT=2: 3.80 against 3.95 ms at H = 896, 6.82
+# against 6.89 ms at H = 2048), the statistics-only one in one (3.43 against 3.57 ms at H = 896,
+# 6.20 against 6.53 at H = 2048; tune_gemm_H200_*_target_logit.json).
 GEMM_STATS = dict(BM=128, BN=256, BK=64, GROUP_M=32, EPI_SPLIT=1, FLATTEN=True, num_warps=8,
                   num_stages=3)
-GEMM_GRAD = dict(BM=128, BN=256, BK=64, GROUP_M=8, EPI_SPLIT=1, FLATTEN=True, num_warps=8,
+GEMM_GRAD = dict(BM=128, BN=256, BK=64, GROUP_M=8, EPI_SPLIT=2, FLATTEN=True, num_warps=8,
                  num_stages=3)
 
 # GEMMs 2 and 3 of the fused loop (kernels/gemm_rows.py), bounded by the device row count;
-# scripts/tune_gemm_rows.py.
-BASIS_GEMM = dict(BM=128, BN=256, BK=64, num_warps=8, num_stages=3)
+# scripts/tune_gemm_rows.py. The basis in (256, 128) tiles: no half-empty column block at
+# H = 896 (BN = 256 wasted 1/8 of its work there): 0.316 ms against 0.333 for (128, 256) on a
+# 768-row chunk at H = 896, 0.741 against 0.830 on a 1024-row chunk at H = 2048, 1.63 against
+# 1.62 at H = 4096 (tune_gemm_rows_H200_basis.json).
+BASIS_GEMM = dict(BM=256, BN=128, BK=64, num_warps=8, num_stages=4)
 GRAD_W_GEMM = dict(BV=128, BN=256, BK=64, GROUP_V=8, FLATTEN=True, num_warps=8, num_stages=4)
 
 # The reduction of GEMM 1's partials (T = V / 256 per row, (T, M) arrays): rows per program and

@@ -19,6 +19,8 @@ GEMM 3, dW (V, H) (+)= G'[:m]ᵀ (factor ∘ X)[:m]: `_grad_w_kernel`, whose red
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from grpo_lce.kernels import _tuning
@@ -113,10 +115,15 @@ def n_splits(M: int, H: int, V: int, device: torch.device, cfg: dict | None = No
     programs fill their last wave over the SMs to >= 90 % (one program per SM at these tile
     sizes), else the best filled; each split at least 8 K blocks long."""
     cfg = cfg or _tuning.BASIS_GEMM
-    sms = num_programs(device)
-    tiles = triton.cdiv(M, cfg["BM"]) * triton.cdiv(H, cfg["BN"])
+    return _n_splits(M, H, V, num_programs(device), cfg["BM"], cfg["BN"], cfg["BK"])
+
+
+@functools.lru_cache(maxsize=256)
+def _n_splits(M: int, H: int, V: int, sms: int, BM: int, BN: int, BK: int) -> int:
+    # (cached: the same few chunk shapes come back every call, and this loop is host time)
+    tiles = triton.cdiv(M, BM) * triton.cdiv(H, BN)
     best, best_fill = 1, 0.0
-    for s in range(1, max(1, min(4 * sms // tiles, triton.cdiv(V, 8 * cfg["BK"]))) + 1):
+    for s in range(1, max(1, min(4 * sms // tiles, triton.cdiv(V, 8 * BK))) + 1):
         progs = tiles * s
         fill = progs / (triton.cdiv(progs, sms) * sms)
         if fill >= 0.9:

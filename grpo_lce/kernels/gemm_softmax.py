@@ -6,22 +6,23 @@ base 2 (z₂ = z · log₂e, with z = (x·w + b) / τ), relative to a per-(row, 
 
     r_t        s_t = Σ 2^(z₂ − r_t)      d_t = Σ 2^(z₂ − r_t)(z₂ − m_t)      argmax_t
 
-with m_t = max z₂ over the tile, plus z₂ at the target column. Without a gradient r_t = m_t.
-`reduce_partials` folds the T = V / BN partials of a row into lse, the target logit, the
-entropy (lse − z̄ kept relative to the largest m_t) and the argmax: exact fp32 statistics
-of the fp32 logits, after reading M · T numbers instead of the M · V logits twice. Any reference
-gives the same sums; it only has to keep 2^(z₂ − r_t) inside fp32.
+with m_t = max z₂ over the tile. Without a gradient r_t = m_t. `reduce_partials` folds the
+T = V / BN partials of a row into lse, the entropy (lse − z̄ kept relative to the largest m_t)
+and the argmax: exact fp32 statistics of the fp32 logits, after reading M · T numbers instead of
+the M · V logits twice. Any reference gives the same sums; it only has to keep 2^(z₂ − r_t)
+inside fp32. The target's logit zy₂ comes from its own dot product per row, before this launch
+(kernels/target_logit): picking one column out of every tile cost the epilogue a compare, a
+select and a sum per logit.
 
 The gradient operand. The basis GEMM needs p = softmax(z) in bf16, and p needs the row's lse,
 which no tile knows. So the epilogue writes instead
 
     G'[r, v] = 2^(z₂[r, v] − r_t),   r_t = max(c_r, m_t − CLAMP2)      in the GEMM dtype
 
-with a per-row shift c_r fixed BEFORE the GEMM: c_r = ẑ₂_y + SHIFT2, ẑ_y an estimate of the
-target's logit (one dot product per row). The same 2^(z₂ − r_t) feeds the partials, so a tile
-costs one exp2 per logit. In a row with no tile beyond c_r + CLAMP2 every reference is c_r, and
-p = G' · 2^(c_r − lse₂), a per-row factor applied after GEMM 2 (basis = factor · G'W − W[y]),
-never to the (M, V) operand. bf16 has fp32's exponent range, so G' keeps 8 significant bits
+with a per-row shift c_r fixed BEFORE the GEMM: c_r = zy₂_r + SHIFT2, from the target's logit.
+The same 2^(z₂ − r_t) feeds the partials, so a tile costs one exp2 per logit. In a row with no
+tile beyond c_r + CLAMP2 every reference is c_r, and p = G' · 2^(c_r − lse₂), a per-row factor
+applied after GEMM 2 (basis = factor · G'W − W[y]), never to the (M, V) operand. bf16 has fp32's exponent range, so G' keeps 8 significant bits
 whatever the shift, as long as it neither overflows nor drops mass that matters:
   - max z₂ − c_r ≤ CLAMP2 (64): G' ≤ 2^64 and G'W sums stay far inside fp32. A row beyond it
     (max z − z_y > 96 ln 2 ≈ 66.5 nats, i.e. log p(target) below about −66) is *flagged* (some
@@ -29,10 +30,10 @@ whatever the shift, as long as it neither overflows nor drops mass that matters:
     `fixup_flagged` adds its exact contribution from W directly; its lse, entropy and argmax
     are exact as for any row. Such a row is a target of probability < e^-66: never sampled,
     and a broken model in SFT; correct, but slow (one pass over W per row).
-  - c_r ≤ max z₂ + SHIFT2 (32), since z_y ≤ max z: the entries G' rounds to 0
-    (z₂ < c_r − 126) carry < V · 2^(−126 + 32) ≈ 1e-23 of the row's mass (the same terms
-    drop out of s_t).
-Both follow from c_r's construction, so a wrong estimate of z_y costs at most the fallback.
+  - c_r ≤ max z₂ + SHIFT2 (32), since z_y ≤ max z (up to the rounding of two fp32 sums of
+    the same products): the entries G' rounds to 0 (z₂ < c_r − 126) carry
+    < V · 2^(−126 + 32) ≈ 1e-23 of the row's mass (the same terms drop out of s_t).
+Both follow from c_r's construction.
 Because r_t is not the tile's max there, a launch with G' that wants the entropy or the argmax
 also stores the tile maxima m_t (and d_t relative to them).
 
@@ -77,12 +78,12 @@ if HAS_TMA:
     def _epilogue_part(
         acc, off_m, off_n, part,
         M, m_valid, V, scale2,
-        b2_ptr, y_ptr, c2_ptr, g_desc,
-        pm_ptr, ps_ptr, pd_ptr, pa_ptr, pv_ptr, zy2_ptr,
+        b2_ptr, zy2_ptr, g_desc,
+        pm_ptr, ps_ptr, pd_ptr, pa_ptr, pv_ptr,
         BM: tl.constexpr, BN: tl.constexpr,
         HAS_BIAS: tl.constexpr, WRITE_G: tl.constexpr,
         WANT_D: tl.constexpr, WANT_ARGMAX: tl.constexpr, MAX_APART: tl.constexpr,
-        CLAMP: tl.constexpr, ROUND_BF16: tl.constexpr,
+        SHIFT: tl.constexpr, CLAMP: tl.constexpr, ROUND_BF16: tl.constexpr,
     ):
         rows = off_m + tl.arange(0, BM)
         cols = off_n + tl.arange(0, BN)
@@ -100,8 +101,10 @@ if HAS_TMA:
         m_safe = tl.where(empty, 0.0, m)
         if WRITE_G:
             # one exp2 serves G' and the partials: both relative to r = max(c, m − CLAMP),
-            # which is c itself unless the row is flagged (module docstring)
-            c2 = tl.load(c2_ptr + rows, mask=rmask, other=0.0)
+            # which is c itself unless the row is flagged (module docstring). c = +inf past
+            # the valid rows makes their G' 0 (GEMM 3's last K block reads them: gemm_rows)
+            # with no select per logit; their partials are never stored.
+            c2 = tl.load(zy2_ptr + rows, mask=rmask, other=float("inf")) + SHIFT
             ref = tl.maximum(c2, m_safe - CLAMP)
         else:
             ref = m_safe
@@ -119,12 +122,8 @@ if HAS_TMA:
             tl.store(pv_ptr + dst, m, mask=rmask)
         if WANT_ARGMAX:
             tl.store(pa_ptr + dst, off_n + tl.argmax(z, axis=1, tie_break_left=True), mask=rmask)
-        y = tl.load(y_ptr + rows, mask=rmask, other=-1)
-        zy = tl.sum(tl.where(cols[None, :] == y[:, None], z, 0.0), axis=1)
-        tl.store(zy2_ptr + rows, zy, mask=rmask & (y >= off_n) & (y < off_n + BN))
         if WRITE_G:
-            # rows past the valid ones are 0: GEMM 3's last K block reads them (gemm_rows)
-            g = tl.where(rmask[:, None], e, 0.0)
+            g = e
             if ROUND_BF16:
                 g = _round_to_bf16(g)
             # (TMA: plain stores from the MMA's register layout measured 1.13-1.3x slower)
@@ -133,14 +132,14 @@ if HAS_TMA:
     @triton.jit(do_not_specialize=["row0"])
     def _gemm_softmax_kernel(
         x_desc, w_desc, g_desc,
-        b2_ptr, y_ptr, c2_ptr,
-        pm_ptr, ps_ptr, pd_ptr, pa_ptr, pv_ptr, zy2_ptr, n_valid_ptr, row0,
+        b2_ptr, zy2_ptr,
+        pm_ptr, ps_ptr, pd_ptr, pa_ptr, pv_ptr, n_valid_ptr, row0,
         M, V, K, scale2, num_progs,
         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
         GROUP_M: tl.constexpr, EPI_SPLIT: tl.constexpr,
         HAS_BIAS: tl.constexpr, WRITE_G: tl.constexpr,
         WANT_D: tl.constexpr, WANT_ARGMAX: tl.constexpr, MAX_APART: tl.constexpr,
-        DOT_F32: tl.constexpr, FLATTEN: tl.constexpr, CLAMP: tl.constexpr,
+        DOT_F32: tl.constexpr, FLATTEN: tl.constexpr, SHIFT: tl.constexpr, CLAMP: tl.constexpr,
         G_BF16: tl.constexpr,
     ):
         # only the row blocks holding valid rows (the count is read on the device: gemm_rows)
@@ -162,9 +161,9 @@ if HAS_TMA:
                 acc = dot_acc(a, b.T, acc, DOT_F32)
             if EPI_SPLIT == 1:
                 _epilogue_part(
-                    acc, off_m, off_n, pid_n, M, m_valid, V, scale2, b2_ptr, y_ptr, c2_ptr, g_desc,
-                    pm_ptr, ps_ptr, pd_ptr, pa_ptr, pv_ptr, zy2_ptr,
-                    BM, BN, HAS_BIAS, WRITE_G, WANT_D, WANT_ARGMAX, MAX_APART, CLAMP,
+                    acc, off_m, off_n, pid_n, M, m_valid, V, scale2, b2_ptr, zy2_ptr, g_desc,
+                    pm_ptr, ps_ptr, pd_ptr, pa_ptr, pv_ptr,
+                    BM, BN, HAS_BIAS, WRITE_G, WANT_D, WANT_ARGMAX, MAX_APART, SHIFT, CLAMP,
                     DOT_F32 and G_BF16,
                 )
             else:
@@ -172,26 +171,26 @@ if HAS_TMA:
                 # exp2 temporaries; each half is its own partial
                 acc0, acc1 = tl.split(tl.permute(tl.reshape(acc, (BM, 2, BN // 2)), (0, 2, 1)))
                 _epilogue_part(
-                    acc0, off_m, off_n, 2 * pid_n, M, m_valid, V, scale2, b2_ptr, y_ptr, c2_ptr,
-                    g_desc, pm_ptr, ps_ptr, pd_ptr, pa_ptr, pv_ptr, zy2_ptr,
-                    BM, BN // 2, HAS_BIAS, WRITE_G, WANT_D, WANT_ARGMAX, MAX_APART, CLAMP,
+                    acc0, off_m, off_n, 2 * pid_n, M, m_valid, V, scale2, b2_ptr, zy2_ptr,
+                    g_desc, pm_ptr, ps_ptr, pd_ptr, pa_ptr, pv_ptr,
+                    BM, BN // 2, HAS_BIAS, WRITE_G, WANT_D, WANT_ARGMAX, MAX_APART, SHIFT, CLAMP,
                     DOT_F32 and G_BF16,
                 )
                 _epilogue_part(
                     acc1, off_m, off_n + BN // 2, 2 * pid_n + 1, M, m_valid, V, scale2, b2_ptr,
-                    y_ptr,
-                    c2_ptr, g_desc, pm_ptr, ps_ptr, pd_ptr, pa_ptr, pv_ptr, zy2_ptr,
-                    BM, BN // 2, HAS_BIAS, WRITE_G, WANT_D, WANT_ARGMAX, MAX_APART, CLAMP,
+                    zy2_ptr, g_desc, pm_ptr, ps_ptr, pd_ptr, pa_ptr, pv_ptr,
+                    BM, BN // 2, HAS_BIAS, WRITE_G, WANT_D, WANT_ARGMAX, MAX_APART, SHIFT, CLAMP,
                     DOT_F32 and G_BF16,
                 )
 
     @triton.jit(do_not_specialize=["row0"])
     def _reduce_kernel(
-        pm_ptr, ps_ptr, pd_ptr, pa_ptr, pv_ptr, zy2_ptr, c2_ptr, alpha_ptr,
+        pm_ptr, ps_ptr, pd_ptr, pa_ptr, pv_ptr, zy2_ptr, alpha_ptr,
         lse_ptr, zy_ptr, ent_ptr, amax_ptr, factor_ptr, flag_rows_ptr, n_flag_ptr,
         n_valid_ptr, row0, M, T,
         WANT_D: tl.constexpr, WANT_ARGMAX: tl.constexpr, MAX_APART: tl.constexpr,
         WANT_FACTOR: tl.constexpr, HAS_ALPHA: tl.constexpr, LN2_: tl.constexpr,
+        SHIFT: tl.constexpr,
         BR: tl.constexpr, BT: tl.constexpr,
     ):
         # rows past the valid ones (never written by GEMM 1) get 0 everywhere, argmax −1.
@@ -247,7 +246,8 @@ if HAS_TMA:
         log2s = tl.log2(s)
         lse2 = tl.where(valid, r + log2s, 0.0)
         tl.store(lse_ptr + rows, lse2 * LN2_, mask=rmask)
-        tl.store(zy_ptr + rows, tl.load(zy2_ptr + rows, mask=valid, other=0.0) * LN2_, mask=rmask)
+        zy2 = tl.load(zy2_ptr + rows, mask=valid, other=0.0)
+        tl.store(zy_ptr + rows, zy2 * LN2_, mask=rmask)
         if WANT_D:
             gap = tl.where(valid, r, 0.0) - tl.where(valid, m, 0.0)  # (−inf − −inf past them)
             ent2 = gap + log2s - d / s
@@ -256,7 +256,7 @@ if HAS_TMA:
             tl.store(amax_ptr + rows, tl.where(valid, best_i, -1).to(tl.int64), mask=rmask)
         if WANT_FACTOR:
             # the G' launch's references are c unless a tile's max exceeded c + CLAMP
-            c2 = tl.load(c2_ptr + rows, mask=valid, other=0.0)
+            c2 = zy2 + SHIFT
             flag = (r > c2) & valid
             factor = tl.exp2(c2 - lse2)
             if HAS_ALPHA:
@@ -265,7 +265,7 @@ if HAS_TMA:
             n_here = tl.sum(flag.to(tl.int32), axis=0)
             first = tl.atomic_add(n_flag_ptr, n_here)
             pos = first + tl.cumsum(flag.to(tl.int32), axis=0) - 1
-            tl.store(flag_rows_ptr + pos, rows, mask=flag)
+            tl.store(flag_rows_ptr + pos, row0 + rows, mask=flag)  # rows of the call
 
     @triton.jit
     def _fixup_kernel(
@@ -365,12 +365,11 @@ def n_parts(V: int, with_g: bool) -> int:
 def gemm_softmax(
     x: torch.Tensor,
     w: torch.Tensor,
-    y: torch.Tensor,
     b2: torch.Tensor | None,
     inv_tau: float,
     parts: dict[str, torch.Tensor],
     *,
-    c2: torch.Tensor | None = None,
+    zy2: torch.Tensor | None = None,
     g_out: torch.Tensor | None = None,
     want_d: bool = False,
     want_argmax: bool = False,
@@ -383,9 +382,9 @@ def gemm_softmax(
     valid rows of the whole call, x the chunk starting at row0; None: all M); G' is 0 past them.
 
     `parts` holds (T, M)-shaped (or larger, flattened) fp32 buffers "m", "s", "d", "v" (the
-    tile maxima, see `keeps_tile_max`) and int32 "a", and "zy2" (M,). `b2` is the bias already
-    scaled by log₂e / τ (fp32). With `g_out` (M, V) (row stride `g_row_stride(V)`), also writes
-    G' with the per-row shifts `c2` (M,).
+    tile maxima, see `keeps_tile_max`) and int32 "a". `b2` is the bias already scaled by
+    log₂e / τ (fp32). With `g_out` (M, V) (row stride `g_row_stride(V)`), also writes G' with the
+    per-row shifts zy₂ + SHIFT2, `zy2` (M,) the rows' target logits (kernels/target_logit).
     """
     M, K = x.shape
     V = w.shape[0]
@@ -396,7 +395,7 @@ def gemm_softmax(
     x_desc = TensorDescriptor.from_tensor(x, [BM, BK])
     w_desc = TensorDescriptor.from_tensor(w, [BN, BK])
     if g_out is not None:
-        assert g_out.shape == (M, V) and g_out.stride(1) == 1 and c2 is not None
+        assert g_out.shape == (M, V) and g_out.stride(1) == 1 and zy2 is not None
         g_desc = TensorDescriptor(g_out, [M, V], [g_out.stride(0), 1],
                                   [BM, BN // cfg["EPI_SPLIT"]])
     else:
@@ -406,15 +405,15 @@ def gemm_softmax(
     m_buf = parts["m"]
     _gemm_softmax_kernel[(n_prog,)](
         x_desc, w_desc, g_desc,
-        b2 if b2 is not None else m_buf, y, c2 if c2 is not None else m_buf,
+        b2 if b2 is not None else m_buf, zy2 if zy2 is not None else m_buf,
         m_buf, parts["s"], parts.get("d", m_buf), parts.get("a", m_buf),
-        parts.get("v", m_buf), parts["zy2"], _count(n_valid, row0 + M, x.device), row0,
+        parts.get("v", m_buf), _count(n_valid, row0 + M, x.device), row0,
         M, V, K, inv_tau * LOG2E, n_prog,
         BM=BM, BN=BN, BK=BK, GROUP_M=cfg["GROUP_M"],
         EPI_SPLIT=cfg["EPI_SPLIT"],
         HAS_BIAS=b2 is not None, WRITE_G=g_out is not None,
         WANT_D=want_d, WANT_ARGMAX=want_argmax, MAX_APART=max_apart,
-        DOT_F32=not x.is_cuda, FLATTEN=cfg["FLATTEN"], CLAMP=CLAMP2,
+        DOT_F32=not x.is_cuda, FLATTEN=cfg["FLATTEN"], SHIFT=SHIFT2, CLAMP=CLAMP2,
         G_BF16=g_out is not None and g_out.dtype == torch.bfloat16,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
@@ -425,8 +424,9 @@ def reduce_partials(
     M: int,
     T: int,
     out: tuple,
+    zy2: torch.Tensor,
     *,
-    c2: torch.Tensor | None = None,
+    with_g: bool = False,
     alpha: torch.Tensor | None = None,
     factor: torch.Tensor | None = None,
     flag_rows: torch.Tensor | None = None,
@@ -434,28 +434,31 @@ def reduce_partials(
     n_valid: torch.Tensor | None = None,
     row0: int = 0,
 ) -> None:
-    """Fold the partials into out = (lse, z_y, entropy or None, argmax or None), each (M,).
-    Rows past the valid ones (see gemm_softmax) get 0, argmax −1, factor 0.
+    """Fold the partials into out = (lse, z_y, entropy or None, argmax or None), each (M,);
+    z_y is the chunk's `zy2` (kernels/target_logit) in natural units. Rows past the valid ones
+    (see gemm_softmax) get 0, argmax −1, factor 0. `with_g`: the partials come from a launch
+    with G'.
 
-    With `factor`, also the per-row factor α · 2^(c₂ − lse₂) that turns G' into α · p (0 for a
-    flagged row), and appends the flagged rows to `flag_rows`, counting them in `n_flag`
-    (int32, (1,), zeroed by the caller).
+    With `factor` (needs `with_g`), also the per-row factor α · 2^(c₂ − lse₂), c₂ = zy₂ + SHIFT2,
+    that turns G' into α · p (0 for a flagged row), and appends the flagged rows to `flag_rows`
+    as rows of the call (row0 + row of the chunk), counting them in `n_flag` (int32, (1,),
+    zeroed by the caller once per call: `fixup_flagged` then serves every chunk at once).
     """
     lse, z_y, ent, amax = out
     m_buf = parts["m"]
-    max_apart = keeps_tile_max(c2 is not None, ent is not None, amax is not None)
+    max_apart = keeps_tile_max(with_g, ent is not None, amax is not None)
     assert not max_apart or "v" in parts
+    assert factor is None or with_g
     cfg = _tuning.REDUCE
     _reduce_kernel[(triton.cdiv(M, cfg["BR"]),)](
         m_buf, parts["s"], parts.get("d", m_buf), parts.get("a", m_buf),
-        parts.get("v", m_buf), parts["zy2"], c2 if c2 is not None else m_buf,
-        alpha if alpha is not None else m_buf,
+        parts.get("v", m_buf), zy2, alpha if alpha is not None else m_buf,
         lse, z_y, ent if ent is not None else lse, amax if amax is not None else lse,
         factor if factor is not None else lse,
         flag_rows if flag_rows is not None else lse, n_flag if n_flag is not None else lse,
         _count(n_valid, row0 + M, lse.device), row0, M, T,
         WANT_D=ent is not None, WANT_ARGMAX=amax is not None, MAX_APART=max_apart,
-        WANT_FACTOR=factor is not None, HAS_ALPHA=alpha is not None, LN2_=LN2,
+        WANT_FACTOR=factor is not None, HAS_ALPHA=alpha is not None, LN2_=LN2, SHIFT=SHIFT2,
         BR=cfg["BR"], BT=cfg["BT"], num_warps=cfg["num_warps"],
     )
 
