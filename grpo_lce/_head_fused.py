@@ -60,7 +60,7 @@ def head_forward_fused(out, h, w, b, y, inv_tau, chunk_size, *, want_basis, want
                        want_entropy, want_argmax, alpha, n_valid=None):
     """Fill `out` (a HeadOut with its tensors allocated) for rows h (N, H) in w's dtype; rows
     at or past the device count `n_valid` (None: all valid) get 0 everywhere."""
-    N, H = h.shape
+    N = h.shape[0]
     V = w.shape[0]
     dev = h.device
     want_g = want_basis or want_grad_weight
