@@ -14,7 +14,7 @@ Rows: with `n_valid` (an int32 device tensor, the device-counted layout of _rows
 reads the number of valid rows and skips the row blocks past it, and GEMMs 2 and 3 are the
 Triton kernels of kernels/gemm_rows (GEMM 2 split along V to fill the GPU, GEMM 3's K loop
 stopping at the count); without it all rows are valid (counted on the host) and GEMMs 2 and 3
-are cuBLAS, 1-10 % faster at the chunk sizes the loop uses (multiples of 128 rows;
+are cuBLAS, 1-7 % faster at the chunk sizes the loop uses (multiples of 128 rows;
 bench/results/tune_gemm_rows_H200*.json).
 
 Compared with the unfused loop (fp32 Z written by GEMM 1, read twice by the row kernel, G written
@@ -101,7 +101,7 @@ def head_forward_fused(out, h, w, b, y, inv_tau, chunk_size, *, want_basis, want
             parts, n, T,
             (out.lse[s:e], out.z_y[s:e], out.entropy[s:e] if want_entropy else None,
              out.argmax[s:e] if want_argmax else None),
-            zy2_c, with_g=want_g, alpha=a,
+            zy2_c, alpha=a,
             factor=factor[s:e] if want_g else None,
             flag_rows=flag_rows if want_g else None, n_flag=n_flag if want_g else None,
             n_valid=n_valid, row0=s,

@@ -107,14 +107,14 @@ def main():
                 e = min(s + C, N)
                 gs.gemm_softmax(x[s:e], w, None, 1.0, parts, zy2=zy2[s:e], g_out=g[: e - s])
                 gs.reduce_partials(parts, e - s, T, (lse[s:e], zy[s:e], None, None), zy2[s:e],
-                                   with_g=True, factor=fac[s:e], flag_rows=flag_rows,
+                                   factor=fac[s:e], flag_rows=flag_rows,
                                    n_flag=n_flag)
 
         try:
             gs.gemm_softmax(x[:C], w, None, 1.0, parts, zy2=zy2[:C], g_out=g,
                             want_d=True, want_argmax=True)
             gs.reduce_partials(parts, C, T, (lse[:C], zy[:C], ent[:C], am[:C]), zy2[:C],
-                               with_g=True, factor=fac[:C], flag_rows=flag_rows, n_flag=n_flag)
+                               factor=fac[:C], flag_rows=flag_rows, n_flag=n_flag)
             torch.cuda.synchronize()
             err = dict(
                 lse=(lse[:C] - lse_r).abs().max().item(),
@@ -173,7 +173,7 @@ def _sweep_reduce(x, w, zy2, g, parts, C):
             n_flag = torch.zeros(1, device=dev, dtype=torch.int32)
 
             def run():
-                gs.reduce_partials(parts, C, T, out, zy2[:C], with_g=True, factor=fac,
+                gs.reduce_partials(parts, C, T, out, zy2[:C], factor=fac,
                                    flag_rows=flag_rows, n_flag=n_flag)
 
             run()

@@ -22,8 +22,9 @@ which no tile knows. So the epilogue writes instead
 with a per-row shift c_r fixed BEFORE the GEMM: c_r = zy₂_r + SHIFT2, from the target's logit.
 The same 2^(z₂ − r_t) feeds the partials, so a tile costs one exp2 per logit. In a row with no
 tile beyond c_r + CLAMP2 every reference is c_r, and p = G' · 2^(c_r − lse₂), a per-row factor
-applied after GEMM 2 (basis = factor · G'W − W[y]), never to the (M, V) operand. bf16 has fp32's exponent range, so G' keeps 8 significant bits
-whatever the shift, as long as it neither overflows nor drops mass that matters:
+applied after GEMM 2 (basis = factor · G'W − W[y]), never to the (M, V) operand. bf16 has
+fp32's exponent range, so G' keeps 8 significant bits whatever the shift, as long as it neither
+overflows nor drops mass that matters:
   - max z₂ − c_r ≤ CLAMP2 (64): G' ≤ 2^64 and G'W sums stay far inside fp32. A row beyond it
     (max z − z_y > 96 ln 2 ≈ 66.5 nats, i.e. log p(target) below about −66) is *flagged* (some
     r_t > c_r): its factor is 0 (its G', still ≤ 2^64, contributes exactly nothing) and
@@ -426,7 +427,6 @@ def reduce_partials(
     out: tuple,
     zy2: torch.Tensor,
     *,
-    with_g: bool = False,
     alpha: torch.Tensor | None = None,
     factor: torch.Tensor | None = None,
     flag_rows: torch.Tensor | None = None,
@@ -436,19 +436,18 @@ def reduce_partials(
 ) -> None:
     """Fold the partials into out = (lse, z_y, entropy or None, argmax or None), each (M,);
     z_y is the chunk's `zy2` (kernels/target_logit) in natural units. Rows past the valid ones
-    (see gemm_softmax) get 0, argmax −1, factor 0. `with_g`: the partials come from a launch
-    with G'.
+    (see gemm_softmax) get 0, argmax −1, factor 0.
 
-    With `factor` (needs `with_g`), also the per-row factor α · 2^(c₂ − lse₂), c₂ = zy₂ + SHIFT2,
+    `factor` is given exactly when the partials come from a launch with G' (the operand is only
+    ever wanted with its factor): then also the per-row factor α · 2^(c₂ − lse₂), c₂ = zy₂ + SHIFT2,
     that turns G' into α · p (0 for a flagged row), and appends the flagged rows to `flag_rows`
     as rows of the call (row0 + row of the chunk), counting them in `n_flag` (int32, (1,),
     zeroed by the caller once per call: `fixup_flagged` then serves every chunk at once).
     """
     lse, z_y, ent, amax = out
     m_buf = parts["m"]
-    max_apart = keeps_tile_max(with_g, ent is not None, amax is not None)
+    max_apart = keeps_tile_max(factor is not None, ent is not None, amax is not None)
     assert not max_apart or "v" in parts
-    assert factor is None or with_g
     cfg = _tuning.REDUCE
     _reduce_kernel[(triton.cdiv(M, cfg["BR"]),)](
         m_buf, parts["s"], parts.get("d", m_buf), parts.get("a", m_buf),

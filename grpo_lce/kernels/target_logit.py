@@ -10,9 +10,9 @@ twice:
   - the per-row shift c_r = zy₂_r + SHIFT2 of the G' operand (see gemm_softmax), needed before
     GEMM 1 starts.
 Taking z_y here instead of in GEMM 1's epilogue (a compare, a select and a sum per logit, to keep
-one column of each row) frees the epilogue of three operations per logit and of registers (255
--> 202 in a build of the G' launch without it). On an H200 at H = 896 (scripts/tune_gemm.py, 768-row chunks, one epilogue
-part): statistics-only launch 3.43 against 3.62 ms, launch with G' 3.95 against 4.46 ms
+one column of each row) frees the epilogue of three operations per logit. On an H200 at
+H = 896 (scripts/tune_gemm.py, 768-row chunks, one epilogue part): statistics-only launch
+3.43 against 3.62 ms, launch with G' 3.95 against 4.46 ms
 (bench/results/tune_gemm_H200_qwen0.5b_chunk768_{target_logit,quick}.json). One launch per
 call, where the per-chunk estimate of c it replaces took five torch ops per chunk.
 """
