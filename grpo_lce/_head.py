@@ -51,6 +51,15 @@ class HeadOut:
     grad_weight: torch.Tensor | None = None  # (V, H) fp32: Gᵀ h
     grad_bias: torch.Tensor | None = None  # (V,) fp32: Σ G
 
+    def zero_rows_from(self, start: int) -> None:
+        """Per-row outputs of rows start.. set to 0 (argmax −1): rows past the valid ones that
+        no kernel wrote (dW and db need nothing: those rows contribute 0)."""
+        for t in (self.lse, self.z_y, self.entropy, self.basis, self.ebasis):
+            if t is not None:
+                t[start:].zero_()
+        if self.argmax is not None:
+            self.argmax[start:].fill_(-1)
+
 
 def head_forward(
     h: torch.Tensor,
@@ -69,12 +78,14 @@ def head_forward(
     alpha: torch.Tensor | None = None,
     beta: torch.Tensor | None = None,
     n_valid: torch.Tensor | None = None,
+    count=None,
 ) -> HeadOut:
     """One pass over the rows of h in chunks. `w` is `gemm_weight(weight)`.
 
     `n_valid` (int32 (1,) on the device): only the first n_valid rows are valid, the others
     (zero hidden states, α = β = 0: _rows' device-counted layout) get 0 in every output. The
-    fused path skips their GEMM work; the unfused loop computes and then zeroes them.
+    fused path skips their GEMM work; the unfused loop computes and then zeroes them, unless
+    `count` (_rows.HostCount, the same number on its way to the host) lets it stop at them.
 
     want_basis/want_grad_weight/want_grad_bias all use the same operand G (α, β per row).
     On a Hopper GPU most calls take the fused path of `_head_fused` (same outputs; entropy only
@@ -108,19 +119,22 @@ def head_forward(
         return head_forward_fused(
             out, h_gemm, w, b, y, inv_tau, chunk_size, want_basis=want_basis,
             want_grad_weight=want_grad_weight, want_entropy=want_entropy,
-            want_argmax=want_argmax, alpha=alpha, n_valid=n_valid,
+            want_argmax=want_argmax, alpha=alpha, n_valid=n_valid, count=count,
         )
 
+    # a trainable head's recompute with an entropy gradient lands here in the device-counted
+    # layout: its count was copied to the host back in the forward, so stop at it
+    n_rows = N if count is None else count.get()
     # G is written over Z (see g_over_z), so only the entropy operand E costs a buffer
     C = chunk_size or default_chunk_size(V, int(want_ebasis), w.element_size(), n_rows=N)
     if want_grad_weight and not chunk_size:
         C = max(C, MIN_ROWS_GRAD_WEIGHT)
-    C = min(C, N)
+    C = max(1, min(C, n_rows))
     z_buf = torch.empty(C, V, device=dev, dtype=torch.float32)  # (C, V) fp32 <- the big one
     e_buf = torch.empty(C, V, device=dev, dtype=w.dtype) if want_ebasis else None
     wt = w.t()
 
-    for s, e in chunk_bounds(N, C):
+    for s, e in chunk_bounds(n_rows, C):
         n = e - s
         z = mm_f32(h_gemm[s:e], wt, out=z_buf[:n])  # (n, V) fp32, no bias / τ yet
         g = g_over_z(z_buf, n, w.dtype) if want_g else None
@@ -142,7 +156,9 @@ def head_forward(
             accumulate_mm(out.grad_weight, g.t(), h_gemm[s:e])
         if want_grad_bias:
             out.grad_bias += g.float().sum(0)
-    if n_valid is not None:
+    if count is not None:
+        out.zero_rows_from(n_rows)
+    elif n_valid is not None:
         _zero_past(out, n_valid)
     return out
 

@@ -13,9 +13,12 @@ Per chunk of C rows (see kernels/gemm_softmax.py for the kernel and its precisio
 Rows: with `n_valid` (an int32 device tensor, the device-counted layout of _rows) every kernel
 reads the number of valid rows and skips the row blocks past it, and GEMMs 2 and 3 are the
 Triton kernels of kernels/gemm_rows (GEMM 2 split along V to fill the GPU, GEMM 3's K loop
-stopping at the count); without it all rows are valid (counted on the host) and GEMMs 2 and 3
-are cuBLAS, 1-7 % faster at the chunk sizes the loop uses (multiples of 128 rows;
-bench/results/tune_gemm_rows_H200*.json).
+stopping at the count). When the count is known on the host, GEMMs 2 and 3 are cuBLAS instead
+(1-7 % faster for GEMM 2 at the chunk sizes the loop uses, up to 1.3x for GEMM 3;
+bench/results/tune_gemm_rows_H200*.json): without `n_valid` (all rows valid, counted on the
+host), or with `count` (a trainable head in the device-counted layout: _rows.HostCount), read
+once chunk 0's GEMM 1 and reduction are queued, so that the GPU has work while the host waits
+for the copy; the chunks past the count are then skipped.
 
 Compared with the unfused loop (fp32 Z written by GEMM 1, read twice by the row kernel, G written
 over it) this moves C · V · 10 bytes less per chunk and writes the operand of GEMM 2 directly.
@@ -42,6 +45,7 @@ from grpo_lce.kernels import gemm_rows as gr
 from grpo_lce.kernels import gemm_softmax as gs
 from grpo_lce.kernels.row_softmax import select_backend
 from grpo_lce.kernels.target_logit import target_logits
+from grpo_lce.kernels.target_terms import finish_basis_and_scale_rows, scatter_target
 
 
 def use_fused(h: torch.Tensor, w: torch.Tensor, *, want_ebasis: bool, want_grad_bias: bool,
@@ -57,9 +61,10 @@ def use_fused(h: torch.Tensor, w: torch.Tensor, *, want_ebasis: bool, want_grad_
 
 
 def head_forward_fused(out, h, w, b, y, inv_tau, chunk_size, *, want_basis, want_grad_weight,
-                       want_entropy, want_argmax, alpha, n_valid=None):
+                       want_entropy, want_argmax, alpha, n_valid=None, count=None):
     """Fill `out` (a HeadOut with its tensors allocated) for rows h (N, H) in w's dtype; rows
-    at or past the device count `n_valid` (None: all valid) get 0 everywhere."""
+    at or past the device count `n_valid` (None: all valid) get 0 everywhere. `count`: that
+    count on its way to the host (see the module docstring)."""
     N = h.shape[0]
     V = w.shape[0]
     dev = h.device
@@ -79,8 +84,9 @@ def head_forward_fused(out, h, w, b, y, inv_tau, chunk_size, *, want_basis, want
     b2 = None if b is None else b.float() * scale2
     # the target logits (z_y, and the shift of G') of the whole call in one launch
     zy2 = target_logits(h, w, y, b2, scale2, n_valid)
-    host_counted = n_valid is None
-    if host_counted:
+    # m: the number of valid rows once the host knows it (None: only the device does)
+    m = N if n_valid is None else None
+    if n_valid is None:
         n_valid = torch.full((1,), N, device=dev, dtype=torch.int32)
     if want_g:
         g_buf = torch.empty(C, gs.g_row_stride(V), device=dev, dtype=w.dtype)
@@ -89,7 +95,11 @@ def head_forward_fused(out, h, w, b, y, inv_tau, chunk_size, *, want_basis, want
         flag_rows = torch.empty(N, device=dev, dtype=torch.int32)
         n_flag = torch.zeros(1, device=dev, dtype=torch.int32)
 
+    end = 0  # rows the loop has launched kernels for
     for s, e in chunk_bounds(N, C):
+        if m is not None and s >= m:  # every row from here on is ignored
+            break
+        end = e
         n = e - s
         x, yc = h[s:e], y[s:e]
         a = None if alpha is None else alpha[s:e]
@@ -108,24 +118,37 @@ def head_forward_fused(out, h, w, b, y, inv_tau, chunk_size, *, want_basis, want
         )
         if not want_g:
             continue
-        if want_basis:  # α (p − e_y) W = factor ∘ (G' W) − α ∘ W[y]
-            if host_counted:
-                basis = mm_f32(g, w, out=out.basis[s:e])
-                a_col = torch.ones_like(basis[:, :1]) if a is None else a[:, None]
-                basis.mul_(factor[s:e, None]).addcmul_(w.index_select(0, yc), a_col, value=-1.0)
-            else:
+        if m is None and count is not None:
+            m = count.get()  # chunk 0's GEMM 1 is queued: the GPU is busy while the host waits
+        if m is None:  # the row count only on the device: GEMMs that read it there
+            if want_basis:
                 gr.basis_gemm(g, w, factor[s:e], a, yc, n_valid, s, out.basis[s:e])
+            if want_grad_weight:  # xf is 0 past the valid rows (factor 0 there)
+                xf = finish_basis_and_scale_rows(None, x, factor[s:e], None, yc, w, True)
+                gr.grad_w_gemm(out.grad_weight, g, xf, n_valid, s, first=s == 0)
+                scatter_target(out.grad_weight, x, a, yc)
+            continue
+        k = min(e, m) - s  # the chunk's valid rows, all first
+        if k == 0:  # only chunk 0 of a call with no valid row gets here
+            continue
+        g, x, yc, f = g[:k], x[:k], yc[:k], factor[s:s + k]
+        a = None if a is None else a[:k]
+        # basis = α (p − e_y) W = factor ∘ (G' W) − α ∘ W[y], finished in place, and GEMM 3's
+        # operand factor ∘ X, in one pass (kernels/target_terms)
+        basis = mm_f32(g, w, out=out.basis[s:s + k]) if want_basis else None
+        xf = finish_basis_and_scale_rows(basis, x, f, a, yc, w, want_grad_weight)
         if want_grad_weight:  # α (p − e_y)ᵀ X = G'ᵀ (factor ∘ X) − scatter of α ∘ X at y
-            grad_w = out.grad_weight
-            xf = (x * factor[s:e, None]).to(w.dtype)  # 0 past the valid rows (factor 0 there)
-            if host_counted:
-                accumulate_mm(grad_w, g.t(), xf, first=s == 0)
-            else:
-                gr.grad_w_gemm(grad_w, g, xf, n_valid, s, first=s == 0)
-            x_a = x.float() if a is None else x.float() * a[:, None]
-            grad_w.index_add_(0, yc, x_a, alpha=-1.0)
+            accumulate_mm(out.grad_weight, g.t(), xf, first=s == 0)
+            scatter_target(out.grad_weight, x, a, yc)
+    if m is not None and m < N:  # rows past the valid ones that no kernel wrote
+        out.zero_rows_from(end)
+        if want_basis:  # the cuBLAS basis stopped at row m of the last chunk
+            out.basis[m:end].zero_()
+        if want_grad_weight and m == 0:
+            out.grad_weight.zero_()
     if want_g:  # a flagged row's G' counted nothing (factor 0): its exact terms, added once
         gs.fixup_flagged(h, w, b, inv_tau, out.lse, alpha, flag_rows, n_flag,
                          basis=out.basis if want_basis else None,
                          grad_weight=out.grad_weight if want_grad_weight else None)
     return out
+

@@ -19,7 +19,7 @@ import torch
 
 from grpo_lce._checks import check_chunk_size, check_head, check_targets
 from grpo_lce._head import gemm_weight, head_forward
-from grpo_lce._rows import RowPlan, count_on_device, plan_rows, raise_deferred
+from grpo_lce._rows import RowPlan, count_on_device, head_trainable, plan_rows, raise_deferred
 from grpo_lce.kernels.scale_cast import scale_cast
 from grpo_lce.logprobs import linear_logprobs
 
@@ -28,22 +28,25 @@ _REDUCTIONS = ("mean", "sum", "none")
 
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, h, weight, bias, y, divisor, chunk_size, want_metrics, n_valid):
-        # h (n, H) the processed rows, y (n,); n_valid: the device count of valid rows (_rows'
-        # device-counted layout, the others giving 0) or None (all valid)
+    def forward(ctx, hidden, weight, bias, y, divisor, chunk_size, want_metrics, plan):
+        # hidden (N, H) the caller's rows; plan (_rows.RowPlan) the rows processed, y (n,) their
+        # labels: with plan.n_valid (the device-counted layout) the rows past it give 0
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
-        N = h.shape[0]
+        h = plan.rows(hidden)  # (n, H)
+        n = h.shape[0]
         # α = 1/d per row: G = (p − e_y)/d is ∂loss/∂z. d stays on device (no host read).
         need_grad = need_h or need_w or need_b
-        alpha = divisor.reciprocal().expand(N).contiguous() if need_grad else None
+        alpha = divisor.reciprocal().expand(n).contiguous() if need_grad else None
         out = head_forward(
             h, gemm_weight(weight), bias, y, 1.0, chunk_size,
             want_basis=need_h, want_grad_weight=need_w, want_grad_bias=need_b,
-            want_argmax=want_metrics, want_entropy=want_metrics, alpha=alpha, n_valid=n_valid,
+            want_argmax=want_metrics, want_entropy=want_metrics, alpha=alpha,
+            n_valid=plan.n_valid, count=plan.count,
         )
         loss = (out.lse - out.z_y).sum() / divisor
-        ctx.save_for_backward(out.basis, out.grad_weight, out.grad_bias)
-        ctx.dtypes = (h.dtype, weight.dtype, None if bias is None else bias.dtype)
+        ctx.save_for_backward(out.basis, out.grad_weight, out.grad_bias, *plan.saved())
+        ctx.dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
+        ctx.n_rows, ctx.n_all = n, hidden.shape[0]
         if want_metrics:
             correct = (out.argmax == y).sum()
             entropy_sum = out.entropy.sum()
@@ -54,10 +57,12 @@ class _LinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g_loss, _g_correct, _g_ent):
-        basis, gw, gb = ctx.saved_tensors
+        basis, gw, gb, *saved_plan = ctx.saved_tensors
+        plan = RowPlan.from_saved(ctx.n_rows, *saved_plan)
         h_dt, w_dt, b_dt = ctx.dtypes
         g = g_loss.float()
-        dh = None if basis is None else scale_cast(basis, g, h_dt)
+        # dh of the caller's rows (0 at the ignored ones), scaled and cast in one pass
+        dh = None if basis is None else plan.grad_to_all_rows(ctx.n_all, h_dt, basis, g)
         dw = None if gw is None else scale_cast(gw, g, w_dt)
         db = None if gb is None else scale_cast(gb, g, b_dt)
         return dh, dw, db, None, None, None, None, None
@@ -125,7 +130,7 @@ def linear_cross_entropy(
     n_valid = plan.n if plan.n_valid is None else plan.n_valid.reshape(())
     divisor = _divisor(reduction, num_items, n_valid, hidden.device)
     loss, correct, entropy_sum = _LinearCrossEntropy.apply(
-        h, weight, bias, y, divisor, chunk_size, bool(return_metrics), plan.n_valid
+        h, weight, bias, y, divisor, chunk_size, bool(return_metrics), plan
     )
     if plan.n_bad is not None:  # a target out of range (reported by a later call): NaN
         loss = torch.where(plan.n_bad > 0, float("nan"), loss)
@@ -157,11 +162,13 @@ def _divisor(reduction, num_items, n_valid, device) -> torch.Tensor:
 
 def _rows_and_labels(hidden, weight, bias, labels, ignore_index
                      ) -> tuple[torch.Tensor, torch.Tensor, RowPlan]:
-    """(h (n, H), y (n,) int64, plan): the rows the chunk loop processes (grpo_lce._rows)."""
+    """(h (N, H), y (n,) int64, plan): the caller's rows flattened, the labels of the rows the
+    chunk loop processes and which rows those are (grpo_lce._rows; `plan.rows(h)` gives them)."""
     h = hidden.reshape(-1, hidden.shape[-1])
     plan, y = plan_rows(labels.reshape(-1), weight.shape[0], ignore_index, "labels",
-                        on_device=count_on_device(h, weight, bias))
-    return plan.rows(h), y, plan
+                        on_device=count_on_device(h, weight, bias),
+                        host_count=head_trainable(weight))
+    return h, y, plan
 
 
 def _argmax_correct(hidden, weight, bias, labels, ignore_index, chunk_size) -> torch.Tensor:
@@ -170,7 +177,7 @@ def _argmax_correct(hidden, weight, bias, labels, ignore_index, chunk_size) -> t
     weight, bias = weight.detach(), None if bias is None else bias.detach()
     h, y, plan = _rows_and_labels(hidden.detach(), weight, bias, labels, ignore_index)
     out = head_forward(
-        h, gemm_weight(weight), bias,
+        plan.rows(h), gemm_weight(weight), bias,
         y, 1.0, chunk_size, want_argmax=True, want_entropy=False, n_valid=plan.n_valid,
     )
     return (out.argmax == y).sum()

@@ -25,7 +25,7 @@ import torch
 
 from grpo_lce._checks import check_chunk_size, check_head, check_targets, check_temperature
 from grpo_lce._head import gemm_weight, head_forward
-from grpo_lce._rows import RowPlan, count_on_device, plan_rows, raise_deferred
+from grpo_lce._rows import RowPlan, count_on_device, head_trainable, plan_rows, raise_deferred
 
 
 class _LinearLogprobs(torch.autograd.Function):
@@ -42,7 +42,7 @@ class _LinearLogprobs(torch.autograd.Function):
             n_valid=plan.n_valid,
         )
         ctx.inv_tau, ctx.chunk_size, ctx.recompute = inv_tau, chunk_size, recompute
-        ctx.n_rows = plan.n
+        ctx.n_rows, ctx.count = plan.n, plan.count
         # The frozen path needs only the (n, H) bases. `hidden` is the caller's tensor (no copy),
         # kept for a recompute: a trainable head, or an entropy gradient without its basis.
         ctx.save_for_backward(hidden, weight, bias, y, out.basis, out.ebasis, *plan.saved())
@@ -62,33 +62,36 @@ class _LinearLogprobs(torch.autograd.Function):
         if g_logp is None and g_ent is None:
             return (None, None, None) + none
         s = -ctx.inv_tau
-        # per processed row: α = −g/τ, β = −g^H/τ (upstream gradients of logp and entropy);
-        # 0 past the valid rows of the device-counted layout
-        alpha = None if g_logp is None else plan.rows(g_logp).float() * s
-        beta = None if g_ent is None else plan.rows(g_ent).float() * s
         if ctx.recompute:
+            # per processed row: α = −g/τ, β = −g^H/τ (upstream gradients of logp and entropy);
+            # 0 past the valid rows of the device-counted layout
+            alpha = None if g_logp is None else plan.rows(g_logp).float() * s
+            beta = None if g_ent is None else plan.rows(g_ent).float() * s
             # D = α (p − e_y) + β p∘(z − z̄) is the whole ∂loss/∂(h Wᵀ) of a chunk
             out = head_forward(
                 plan.rows(hidden), gemm_weight(weight), bias, y, ctx.inv_tau,
                 ctx.chunk_size, want_basis=need_h, want_grad_weight=need_w,
                 want_grad_bias=need_b,
                 alpha=torch.zeros_like(y, dtype=torch.float32) if alpha is None else alpha,
-                beta=beta, n_valid=plan.n_valid,
+                beta=beta, n_valid=plan.n_valid, count=ctx.count,
             )
-            dh = plan.to_all_rows(out.basis.to(hidden.dtype), hidden.shape[0]) if need_h else None
+            dh = plan.grad_to_all_rows(hidden.shape[0], hidden.dtype, out.basis, None) \
+                if need_h else None
             dw = out.grad_weight.to(weight.dtype) if need_w else None
             db = out.grad_bias.to(bias.dtype) if need_b else None
             return (dh, dw, db) + none
-        # Frozen head: elementwise, dh = α · GW + β · EW
-        acc = torch.zeros_like(basis) if alpha is None else basis * alpha[:, None]
-        if beta is not None:
-            if ebasis is None:
-                ebasis = head_forward(
-                    plan.rows(hidden), gemm_weight(weight), bias, y, ctx.inv_tau,
-                    ctx.chunk_size, want_ebasis=True, n_valid=plan.n_valid,
-                ).ebasis
-            acc += ebasis * beta[:, None]
-        dh = plan.to_all_rows(acc.to(hidden.dtype), hidden.shape[0])
+        # Frozen head: elementwise, dh = α · GW + β · EW (scaled, cast and put back in the
+        # caller's row order in one pass)
+        if g_ent is not None and ebasis is None:
+            ebasis = head_forward(
+                plan.rows(hidden), gemm_weight(weight), bias, y, ctx.inv_tau,
+                ctx.chunk_size, want_ebasis=True, n_valid=plan.n_valid,
+            ).ebasis
+        if g_logp is None:
+            dh = plan.grad_to_all_rows(hidden.shape[0], hidden.dtype, ebasis, g_ent, s)
+        else:
+            dh = plan.grad_to_all_rows(hidden.shape[0], hidden.dtype, basis, g_logp, s,
+                                       v=None if g_ent is None else ebasis, w_v=g_ent, s_v=s)
         return (dh, None, None) + none
 
 
@@ -131,7 +134,9 @@ def linear_logprobs(
     No host synchronisation on the fused path (bf16 on Hopper or newer, frozen head): ignored
     rows are moved after the valid ones and the kernels read their number on the device; a
     target out of range there gives NaN and a ValueError from a later call (see grpo_lce._rows).
-    Otherwise one host read per call (the number of valid rows sizes the GEMMs).
+    A trainable weight takes the same layout, and its backward reads that number on the host
+    (long copied by then) to size the cuBLAS GEMMs. Otherwise one host read per call in the
+    forward (the number of valid rows sizes the GEMMs).
     """
     raise_deferred()
     check_head(hidden, weight, bias)
@@ -143,7 +148,8 @@ def linear_logprobs(
     h = hidden.reshape(-1, hidden.shape[-1])
     y = targets.reshape(-1)
     on_device = count_on_device(h, weight, bias, want_ebasis=bool(entropy_requires_grad))
-    plan, y = plan_rows(y, weight.shape[0], ignore_index, "targets", on_device=on_device)
+    plan, y = plan_rows(y, weight.shape[0], ignore_index, "targets", on_device=on_device,
+                        host_count=head_trainable(weight))
     logp, ent = _LinearLogprobs.apply(
         h, weight, bias, y, plan, inv_tau, chunk_size, bool(entropy_requires_grad),
         bool(return_entropy),

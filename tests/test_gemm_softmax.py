@@ -104,7 +104,8 @@ def test_cross_entropy_metrics_and_trainable_head(monkeypatch):
     hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
     loss, m = linear_cross_entropy(hh, ww, y, return_metrics=True, chunk_size=32)
     loss.backward()
-    assert chunks == [32, 32, 17] and flagged == [0]  # 81 valid rows (host-counted: trainable W)
+    # 81 valid rows of 90 in the device-counted layout: the last chunk holds 17 valid rows
+    assert chunks == [32, 32, 26] and flagged == [0]
     h64, w64 = h.double().requires_grad_(), w.double().requires_grad_()
     ref = cross_entropy_ref(h64, w64, y)
     ref.backward()
@@ -221,3 +222,38 @@ def test_target_logits_match_fp64(N, n_valid):
     k = N if n_valid is None else n_valid
     assert ((got[:k] - ref[:k]).abs() <= bound[:k]).all(), (got[:k] - ref[:k]).abs().max()
     assert (got[k:] == 0).all()
+
+
+@pytest.mark.parametrize("k, with_alpha", [(1, True), (37, True), (37, False)])
+def test_target_terms_match_fp64(k, with_alpha):
+    """kernels/target_terms around the cuBLAS GEMMs: basis = f (G'W) − α W[y] in place,
+    xf = bf16(f x), dW[y] −= α x with repeated targets (H = 300: a partial column step)."""
+    from grpo_lce.kernels.target_terms import finish_basis_and_scale_rows, scatter_target
+
+    V, H = 50, 300
+    gen = torch.Generator().manual_seed(k)
+    gw = torch.randn(k, H, generator=gen)  # stands for G' W
+    x = torch.randn(k, H, generator=gen).to(torch.bfloat16)
+    w = torch.randn(V, H, generator=gen).to(torch.bfloat16)
+    f, a = torch.rand(k, generator=gen), torch.rand(k, generator=gen)
+    y = torch.randint(0, 5, (k,), generator=gen)  # few targets: rows share them
+    dw0 = torch.randn(V, H, generator=gen)
+    gw, x, w, f, a, y, dw0 = _to(DEV, gw, x, w, f, a, y, dw0)
+    alpha = a if with_alpha else None
+    a64 = a.double() if with_alpha else torch.ones(k, dtype=torch.float64, device=DEV)
+
+    basis = gw.clone()
+    xf = finish_basis_and_scale_rows(basis, x, f, alpha, y, w, True)
+    ref = f.double()[:, None] * gw.double() - a64[:, None] * w.double()[y]
+    # two fp32 roundings (product, difference) of O(1) terms
+    assert (basis.double() - ref).abs().max() <= 4 * 2.0**-24 * (ref.abs().max() + 1)
+    # one product rounded to fp32, then to bf16 (nearest even): within 2^-8 relative
+    xf_ref = f.double()[:, None] * x.double()
+    assert ((xf.double() - xf_ref).abs() <= 2.0**-8 * xf_ref.abs() + 1e-30).all()
+    assert finish_basis_and_scale_rows(None, x, f, alpha, y, w, False) is None
+
+    dw = dw0.clone()
+    scatter_target(dw, x, alpha, y)
+    dw_ref = dw0.double().index_add(0, y, -a64[:, None] * x.double())
+    # fp32 sums of up to k terms in some order
+    assert (dw.double() - dw_ref).abs().max() <= k * 2.0**-23 * (dw_ref.abs().max() + 1)

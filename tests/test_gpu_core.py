@@ -157,6 +157,41 @@ def test_no_host_sync_on_the_fused_path():
     assert lp.isfinite().all() and loss.isfinite() and int(m["num_tokens"]) == N - N // 3
 
 
+def test_trainable_head_waits_only_on_an_event(monkeypatch):
+    """Trainable W, ignored rows: CE and log-probs forward and backward under CUDA's sync debug
+    mode set to raise. The one host read of the row count (_rows.HostCount) is an event wait,
+    which that mode does not count, issued after chunk 0's GEMM 1 (test_device_rows checks
+    the order); anything else that synchronised (.item(), .tolist(), nonzero) would raise."""
+    import grpo_lce._rows as rows_mod
+
+    reads = []
+    real_get = rows_mod.HostCount.get
+    monkeypatch.setattr(rows_mod.HostCount, "get", lambda self: reads.append(1) or real_get(self))
+    h, w, y = _inputs(n_ignored=N // 3)
+    h.requires_grad_()
+    w = w.clone().requires_grad_()
+    g = torch.randn(N, device="cuda")
+
+    def step():
+        lp = linear_logprobs(h, w, y, temperature=0.9)
+        (lp * g).sum().backward()
+        loss, m = linear_cross_entropy(h, w, y, return_metrics=True)
+        loss.backward()
+        return lp, loss, m
+
+    step()
+    torch.cuda.synchronize()
+    reads.clear()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        lp, loss, m = step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert reads == [1, 1]  # the log-probs' backward, the CE's forward
+    assert lp.isfinite().all() and loss.isfinite() and int(m["num_tokens"]) == N - N // 3
+    assert w.grad.isfinite().all()
+
+
 @pytest.mark.parametrize("fused", ["1", "0"], ids=["fused", "unfused"])
 def test_far_targets_and_both_paths_at_scale(fused, monkeypatch):
     """Rows whose target has log p < -66 take the fused path's exact fallback (kernels/

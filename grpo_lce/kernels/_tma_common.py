@@ -1,7 +1,10 @@
 """Pieces shared by the TMA GEMM kernels (gemm_softmax, gemm_rows): tile order, SM count, the
-multiply-accumulate of a K step, and the device-side row count of a chunk."""
+multiply-accumulate of a K step, and the device-side row count of a chunk; and the bf16 rounding
+that keeps the interpreter's arithmetic the GPU's (also used by kernels/row_gather)."""
 
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -37,12 +40,26 @@ if HAS_TMA:
         return tl.dot(a, b, acc)
 
     @triton.jit
+    def round_to_bf16(x):
+        """x (fp32) rounded to the nearest-even bf16 value, still fp32. Triton's interpreter
+        (CPU tests) truncates fp32 -> bf16 where the GPU rounds to nearest even: rounding first
+        makes the cast exact, so the tests see the GPU's arithmetic."""
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        return bits.to(tl.float32, bitcast=True)
+
+    @triton.jit
     def valid_in_chunk(n_valid_ptr, row0, M):
         """Rows of the chunk [row0, row0 + M) below the device count *n_valid_ptr."""
         return tl.minimum(tl.maximum(tl.load(n_valid_ptr) - row0, 0), M)
 
 
 _NUM_SMS: dict[int, int] = {}
+
+
+def interpreting() -> bool:
+    """Whether Triton kernels run in its interpreter (TRITON_INTERPRET=1: CPU tests)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def num_programs(device: torch.device) -> int:

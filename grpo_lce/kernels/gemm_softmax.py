@@ -45,19 +45,23 @@ rows and the reduction's loads are both contiguous.
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 
 from grpo_lce.kernels import _tuning
-from grpo_lce.kernels._tma_common import HAS_TMA, num_programs
+from grpo_lce.kernels._tma_common import HAS_TMA, interpreting, num_programs
 
 if HAS_TMA:
     import triton
     import triton.language as tl
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    from grpo_lce.kernels._tma_common import dot_acc, tile_coords, valid_in_chunk
+    from grpo_lce.kernels._tma_common import (
+        dot_acc,
+        round_to_bf16,
+        tile_coords,
+        valid_in_chunk,
+    )
 
 SHIFT2 = 32.0  # c = ẑ₂_y + SHIFT2 (base-2 units)
 CLAMP2 = 64.0  # G' ≤ 2^CLAMP2; a row whose max exceeds c + CLAMP2 is flagged
@@ -66,14 +70,6 @@ LN2 = math.log(2.0)
 
 
 if HAS_TMA:
-
-    @triton.jit
-    def _round_to_bf16(x):
-        # Triton's interpreter (CPU tests) truncates fp32 -> bf16 where the GPU rounds to nearest
-        # even: round here so the cast is exact and the tests see the GPU's arithmetic.
-        bits = x.to(tl.uint32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-        return bits.to(tl.float32, bitcast=True)
 
     @triton.jit
     def _epilogue_part(
@@ -126,7 +122,7 @@ if HAS_TMA:
         if WRITE_G:
             g = e
             if ROUND_BF16:
-                g = _round_to_bf16(g)
+                g = round_to_bf16(g)
             # (TMA: plain stores from the MMA's register layout measured 1.13-1.3x slower)
             g_desc.store([off_m, off_n], g.to(g_desc.dtype))
 
@@ -317,10 +313,6 @@ if HAS_TMA:
                              mask=m2)
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
 def fused_supported(h: torch.Tensor, w: torch.Tensor, *, gathered: bool = False) -> bool:
     """Whether the fused GEMM can run on these operands: Triton with tensor descriptors, a
     Hopper-or-newer GPU (or the interpreter), bf16, and the TMA's 16-byte alignment of base
@@ -333,7 +325,7 @@ def fused_supported(h: torch.Tensor, w: torch.Tensor, *, gathered: bool = False)
     if h.is_cuda:
         if torch.cuda.get_device_capability(h.device)[0] < 9:
             return False
-    elif not _interpreting():
+    elif not interpreting():
         return False
     K = h.shape[-1]
     if gathered:

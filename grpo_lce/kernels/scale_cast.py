@@ -16,13 +16,18 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
+    from grpo_lce.kernels._tma_common import round_to_bf16
+
     @triton.jit
-    def _scale_cast_kernel(t_ptr, g_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    def _scale_cast_kernel(t_ptr, g_ptr, out_ptr, n, ROUND_BF16: tl.constexpr,
+                           BLOCK: tl.constexpr):
         offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < n
         g = tl.load(g_ptr)
-        t = tl.load(t_ptr + offs, mask=mask, other=0.0)
-        tl.store(out_ptr + offs, (t * g).to(out_ptr.dtype.element_ty), mask=mask)
+        t = tl.load(t_ptr + offs, mask=mask, other=0.0) * g
+        if ROUND_BF16:  # the interpreter's cast truncates (see round_to_bf16)
+            t = round_to_bf16(t)
+        tl.store(out_ptr + offs, t.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def scale_cast(t: torch.Tensor, g: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -31,6 +36,7 @@ def scale_cast(t: torch.Tensor, g: torch.Tensor, dtype: torch.dtype) -> torch.Te
         return torch.mul(t, g, out=torch.empty_like(t, dtype=dtype))
     out = torch.empty_like(t, dtype=dtype)
     BLOCK = 4096
-    _scale_cast_kernel[(triton.cdiv(t.numel(), BLOCK),)](t, g, out, t.numel(), BLOCK=BLOCK,
-                                                          num_warps=8)
+    _scale_cast_kernel[(triton.cdiv(t.numel(), BLOCK),)](
+        t, g, out, t.numel(), ROUND_BF16=dtype == torch.bfloat16 and not t.is_cuda,
+        BLOCK=BLOCK, num_warps=8)
     return out

@@ -1,0 +1,110 @@
+"""The per-row terms around the fused loop's cuBLAS GEMMs 2 and 3 (grpo_lce._head_fused).
+
+For the k valid rows of a chunk, x (k, H) bf16, factor f (k,), α (k,) (None: 1), targets y:
+
+    finish_basis   basis_i = f_i · (G' W)_i − α_i · W[y_i]      in place over GEMM 2's output
+    row_scale      xf_i    = bf16(f_i · x_i)                     GEMM 3's operand
+    scatter_target dW[y_i] −= α_i · x_i                          the e_y part of dW (atomics)
+
+so that basis = α (p − e_y) W and dW += α (p − e_y)ᵀ X. In torch ops these are eight launches
+and passes per chunk (mul, index_select, addcmul, mul, cast, cast, mul, index_add); here three,
+each reading its rows once. `scatter_target` adds in fp32 with atomics, as torch's CUDA
+index_add does (rows sharing a target add in no fixed order).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from grpo_lce.kernels.row_softmax import HAS_TRITON
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+    from grpo_lce.kernels._tma_common import round_to_bf16
+
+    @triton.jit
+    def _finish_basis_kernel(
+        basis_ptr, f_ptr, a_ptr, y_ptr, w_ptr, xf_ptr, x_ptr, k, H,
+        stride_b, stride_w, stride_xf, stride_x,
+        HAS_ALPHA: tl.constexpr, WANT_BASIS: tl.constexpr, WANT_XF: tl.constexpr,
+        ROUND_BF16: tl.constexpr, BR: tl.constexpr, BH: tl.constexpr,
+    ):
+        rows = tl.program_id(0) * BR + tl.arange(0, BR)
+        rmask = rows < k
+        r64 = rows[:, None].to(tl.int64)
+        f = tl.load(f_ptr + rows, mask=rmask, other=0.0)[:, None]
+        if WANT_BASIS:
+            y = tl.load(y_ptr + rows, mask=rmask, other=0)[:, None]
+            if HAS_ALPHA:
+                a = tl.load(a_ptr + rows, mask=rmask, other=0.0)[:, None]
+            else:
+                a = 1.0
+        for h0 in range(0, H, BH):
+            cols = h0 + tl.arange(0, BH)[None, :]
+            m2 = rmask[:, None] & (cols < H)
+            if WANT_BASIS:
+                bp = basis_ptr + r64 * stride_b + cols
+                wy = tl.load(w_ptr + y * stride_w + cols, mask=m2, other=0.0).to(tl.float32)
+                tl.store(bp, f * tl.load(bp, mask=m2, other=0.0) - a * wy, mask=m2)
+            if WANT_XF:
+                xf = f * tl.load(x_ptr + r64 * stride_x + cols, mask=m2, other=0.0).to(tl.float32)
+                if ROUND_BF16:  # the interpreter's cast truncates (see round_to_bf16)
+                    xf = round_to_bf16(xf)
+                tl.store(xf_ptr + r64 * stride_xf + cols, xf.to(xf_ptr.dtype.element_ty), mask=m2)
+
+    @triton.jit
+    def _scatter_target_kernel(
+        dw_ptr, x_ptr, a_ptr, y_ptr, k, H, stride_dw, stride_x,
+        HAS_ALPHA: tl.constexpr, BR: tl.constexpr, BH: tl.constexpr,
+    ):
+        rows = tl.program_id(0) * BR + tl.arange(0, BR)
+        rmask = rows < k
+        y = tl.load(y_ptr + rows, mask=rmask, other=0)[:, None]
+        if HAS_ALPHA:
+            a = tl.load(a_ptr + rows, mask=rmask, other=0.0)[:, None]
+        else:
+            a = 1.0
+        for h0 in range(0, H, BH):
+            cols = h0 + tl.arange(0, BH)[None, :]
+            m2 = rmask[:, None] & (cols < H)
+            x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_x + cols, mask=m2,
+                        other=0.0).to(tl.float32)
+            tl.atomic_add(dw_ptr + y * stride_dw + cols, -a * x, mask=m2, sem="relaxed")
+
+
+_BR, _BH = 16, 256
+
+
+def finish_basis_and_scale_rows(
+    basis: torch.Tensor | None, x: torch.Tensor, factor: torch.Tensor,
+    alpha: torch.Tensor | None, y: torch.Tensor, w: torch.Tensor, want_xf: bool,
+) -> torch.Tensor | None:
+    """In place: basis (k, H) fp32 (G' W) -> f ∘ basis − α ∘ W[y] (when given); returns xf = f ∘ x
+    in x's dtype when `want_xf` (module docstring). x (k, H), w (V, H): unit column stride."""
+    k, H = x.shape
+    xf = torch.empty_like(x) if want_xf else None
+    if k == 0 or (basis is None and not want_xf):
+        return xf
+    _finish_basis_kernel[(triton.cdiv(k, _BR),)](
+        basis if basis is not None else x, factor, alpha if alpha is not None else factor, y, w,
+        xf if want_xf else x, x, k, H,
+        basis.stride(0) if basis is not None else 0, w.stride(0),
+        xf.stride(0) if want_xf else 0, x.stride(0),
+        HAS_ALPHA=alpha is not None, WANT_BASIS=basis is not None, WANT_XF=want_xf,
+        ROUND_BF16=x.dtype == torch.bfloat16 and not x.is_cuda, BR=_BR, BH=_BH, num_warps=4,
+    )
+    return xf
+
+
+def scatter_target(grad_w: torch.Tensor, x: torch.Tensor, alpha: torch.Tensor | None,
+                   y: torch.Tensor) -> None:
+    """grad_w (V, H) fp32 [y_i] −= α_i x_i for the k rows of x (k, H) (module docstring)."""
+    k, H = x.shape
+    if k == 0:
+        return
+    _scatter_target_kernel[(triton.cdiv(k, _BR),)](
+        grad_w, x, alpha if alpha is not None else grad_w, y, k, H, grad_w.stride(0),
+        x.stride(0), HAS_ALPHA=alpha is not None, BR=_BR, BH=_BH, num_warps=4,
+    )
