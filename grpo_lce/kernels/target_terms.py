@@ -25,6 +25,16 @@ if HAS_TRITON:
     from grpo_lce.kernels._tma_common import round_to_bf16
 
     @triton.jit
+    def _target_and_alpha(y_ptr, a_ptr, rows, rmask, HAS_ALPHA: tl.constexpr):
+        """(y_i, α_i) of the block's rows as (BR, 1) columns; α = 1 without an α tensor."""
+        y = tl.load(y_ptr + rows, mask=rmask, other=0)[:, None]
+        if HAS_ALPHA:
+            a = tl.load(a_ptr + rows, mask=rmask, other=0.0)
+        else:
+            a = tl.where(rmask, 1.0, 0.0)
+        return y, a[:, None]
+
+    @triton.jit
     def _finish_basis_kernel(
         basis_ptr, f_ptr, a_ptr, y_ptr, w_ptr, xf_ptr, x_ptr, k, H,
         stride_b, stride_w, stride_xf, stride_x,
@@ -36,11 +46,7 @@ if HAS_TRITON:
         r64 = rows[:, None].to(tl.int64)
         f = tl.load(f_ptr + rows, mask=rmask, other=0.0)[:, None]
         if WANT_BASIS:
-            y = tl.load(y_ptr + rows, mask=rmask, other=0)[:, None]
-            if HAS_ALPHA:
-                a = tl.load(a_ptr + rows, mask=rmask, other=0.0)[:, None]
-            else:
-                a = 1.0
+            y, a = _target_and_alpha(y_ptr, a_ptr, rows, rmask, HAS_ALPHA)
         for h0 in range(0, H, BH):
             cols = h0 + tl.arange(0, BH)[None, :]
             m2 = rmask[:, None] & (cols < H)
@@ -61,11 +67,7 @@ if HAS_TRITON:
     ):
         rows = tl.program_id(0) * BR + tl.arange(0, BR)
         rmask = rows < k
-        y = tl.load(y_ptr + rows, mask=rmask, other=0)[:, None]
-        if HAS_ALPHA:
-            a = tl.load(a_ptr + rows, mask=rmask, other=0.0)[:, None]
-        else:
-            a = 1.0
+        y, a = _target_and_alpha(y_ptr, a_ptr, rows, rmask, HAS_ALPHA)
         for h0 in range(0, H, BH):
             cols = h0 + tl.arange(0, BH)[None, :]
             m2 = rmask[:, None] & (cols < H)
