@@ -2,12 +2,12 @@
 
 For the k valid rows of a chunk, x (k, H) bf16, factor f (k,), α (k,) (None: 1), targets y:
 
-    finish_basis   basis_i = f_i · (G' W)_i − α_i · W[y_i]      in place over GEMM 2's output
-    row_scale      xf_i    = bf16(f_i · x_i)                     GEMM 3's operand
-    scatter_target dW[y_i] −= α_i · x_i                          the e_y part of dW (atomics)
+    basis_i = f_i · (G' W)_i − α_i · W[y_i]      in place over GEMM 2's output  } one kernel:
+    xf_i    = bf16(f_i · x_i)                     GEMM 3's operand               } finish_basis...
+    dW[y_i] −= α_i · x_i                          the e_y part of dW (atomics)     scatter_target
 
 so that basis = α (p − e_y) W and dW += α (p − e_y)ᵀ X. In torch ops these are eight launches
-and passes per chunk (mul, index_select, addcmul, mul, cast, cast, mul, index_add); here three,
+and passes per chunk (mul, index_select, addcmul, mul, cast, cast, mul, index_add); here two,
 each reading its rows once. `scatter_target` adds in fp32 with atomics, as torch's CUDA
 index_add does (rows sharing a target add in no fixed order).
 """
