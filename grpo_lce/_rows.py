@@ -131,12 +131,12 @@ class RowPlan:
     def rows(self, t: torch.Tensor) -> torch.Tensor:
         """The processed rows of t (N, ...) (hidden states, upstream gradients), contiguous in
         the last dim; in the device-counted layout the rows past n_valid are zero."""
-        valid = self.valid
-        if valid is not None and t.dim() == 2 and select_backend(t) == "triton":
+        if self.n_valid is not None and t.dim() == 2 and select_backend(t) == "triton":
             return gather_rows(t, self.idx, self.n_valid)  # one pass (kernels/row_gather)
         r = t if self.idx is None else t.index_select(0, self.idx)
         if r.dim() >= 2 and r.stride(-1) != 1:
             r = r.contiguous()
+        valid = self.valid
         if valid is not None:
             shape = (-1,) + (1,) * (r.dim() - 1)
             # a where, not a product: an ignored row's NaN hidden state must not leak
