@@ -18,7 +18,9 @@ out of memory is an n/a row with the reason; the run goes on.
 Per (shape, case, competitor): median ms with the 20-80 % spread (`triton.testing.do_bench`;
 `time.perf_counter` without CUDA), extra peak MiB of one call (returned gradients included),
 max |logp − fp64| and |entropy − fp64| over the first `--ref-rows` rows, the relative error of
-dh on those rows, |loss − fp64| for CE, and ms / (k × GEMM) against the case's floor.
+dh on those rows, |loss − fp64| for CE, and ms / (k × GEMM) against the case's floor; for
+grpo_lce also that ratio paired: the median over rounds timing the floor and grpo_lce back to
+back (see `paired_rounds`).
 Before timing, grpo_lce is checked against the fp64 reference; the run aborts if it is off.
 
 GPU (from the project root, `.whl/` filled by ../shared/gpu/wheels.sh and carried; aimed at
@@ -41,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import statistics
 import sys
 import time
 from dataclasses import dataclass, field
@@ -372,6 +375,23 @@ def check_grpo_lce(h, W, y, g, ref, tol, chunk_size):
 # ------------------------------------------------------------------------------- driver
 
 
+def paired_rounds(step, floor_fn, k, device, args):
+    """ms / (k × floor) from `args.paired_rounds` rounds, each timing the floor GEMM and then
+    the step back to back: both in the same clock and thermal state. The floor of the table is
+    timed once per shape, before any competitor, on a GPU that has idled through the fp64
+    references; a long run then heats it and lowers its clocks, so the later rows are timed in
+    another state than their floor (the GEMM alone measured up to ~15 % apart between the two on
+    an H200). The median of the rounds' ratios is the paired figure of the summary."""
+    ratios = []
+    for _ in range(args.paired_rounds):
+        fl = bc.time_ms(floor_fn, device, warmup_ms=args.warmup_ms, rep_ms=args.rep_ms,
+                        min_reps=args.min_reps)["ms"]
+        ms = bc.time_ms(step, device, warmup_ms=args.warmup_ms, rep_ms=args.rep_ms,
+                        min_reps=args.min_reps)["ms"]
+        ratios.append(ms / (k * fl))
+    return ratios
+
+
 def run_one(comp, case, h, W, y, g, ref, device, args):
     step = make_step(comp, case, h, W, y, g)
     first_ms = bc.time_once_ms(step, device)  # compile / autotune / JIT happen here
@@ -385,6 +405,10 @@ def run_one(comp, case, h, W, y, g, ref, device, args):
                           min_reps=args.min_reps, est_ms=est_ms))
     row["first_call_ms"] = first_ms
     row["extra_mib"] = None if extra is None else extra / 2**20
+    if comp.name == "grpo_lce" and device.type == "cuda" and args.paired_rounds:
+        ratios = paired_rounds(step, lambda: torch.mm(h, W.t()), CASES[case][1], device, args)
+        row["paired_x_floor"] = statistics.median(ratios)
+        row["paired_x_floor_rounds"] = ratios
     return row
 
 
@@ -468,6 +492,8 @@ def summarize(floors, rows):
                 "shape": fl["shape"], "case": case, "floor_gemms": k,
                 "grpo_lce_ms": ours["ms"], "floor_ms": k * fl["gemm_ms"],
                 "grpo_lce_over_floor": ours["ms"] / (k * fl["gemm_ms"]),
+                "paired_over_floor": ours.get("paired_x_floor"),
+                "paired_rounds": ours.get("paired_x_floor_rounds"),
                 "trl_ms": trl["ms"] if trl else None,
                 "grpo_lce_over_trl": ours["ms"] / trl["ms"] if trl else None,
                 "grpo_lce_extra_mib": ours["extra_mib"],
@@ -545,14 +571,22 @@ def markdown(meta, floors, rows, summary):
             "",
             "## grpo_lce against the floor and TRL",
             "",
-            "| shape | case | grpo_lce ms | floor (k GEMMs) ms | grpo_lce / floor | TRL ms "
-            "| grpo_lce / TRL | grpo_lce MiB | TRL MiB |",
-            "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+            "grpo_lce / floor: against the shape's floor row (timed first); paired: the median "
+            "over rounds that time the floor and grpo_lce back to back (`paired_rounds`), with "
+            "the rounds' range.",
+            "",
+            "| shape | case | grpo_lce ms | floor (k GEMMs) ms | grpo_lce / floor | paired "
+            "| paired range | TRL ms | grpo_lce / TRL | grpo_lce MiB | TRL MiB |",
+            "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
         for s in summary:
+            rng = s["paired_rounds"]
             lines.append(
                 f"| {s['shape']} | {s['case']} | {s['grpo_lce_ms']:.2f} | {s['floor_ms']:.2f} "
-                f"({s['floor_gemms']}) | {s['grpo_lce_over_floor']:.2f} | {_f(s['trl_ms'], '.2f')} "
+                f"({s['floor_gemms']}) | {s['grpo_lce_over_floor']:.2f} "
+                f"| {_f(s['paired_over_floor'], '.3f')} "
+                f"| {f'{min(rng):.3f}-{max(rng):.3f}' if rng else '-'} "
+                f"| {_f(s['trl_ms'], '.2f')} "
                 f"| {_f(s['grpo_lce_over_trl'], '.2f')} | {_f(s['grpo_lce_extra_mib'], '.0f')} "
                 f"| {_f(s['trl_extra_mib'], '.0f')} |"
             )
@@ -636,6 +670,8 @@ def main():
     p.add_argument("--rep-ms", type=float, default=100,
                    help="do_bench rep (ms), raised to fit min-reps")
     p.add_argument("--min-reps", type=int, default=5, help="at least this many timed calls")
+    p.add_argument("--paired-rounds", type=int, default=5,
+                   help="rounds of floor-then-grpo_lce timings for the paired ratio (0: none)")
     p.add_argument("--ref-rows", type=int, default=256, help="rows compared against fp64")
     p.add_argument("--logit-std", type=float, default=1.0, help="std of the random logits")
     p.add_argument("--seed", type=int, default=0)
@@ -682,7 +718,8 @@ def main():
     for s in summary:
         print(f"  {s['shape']:<10} ({s['case']:<3}) grpo_lce {s['grpo_lce_ms']:8.2f} ms = "
               f"{s['grpo_lce_over_floor']:.2f} x floor "
-              f"({s['floor_gemms']} GEMMs {s['floor_ms']:.2f} ms)"
+              f"({s['floor_gemms']} GEMMs {s['floor_ms']:.2f} ms), paired "
+              f"{_f(s['paired_over_floor'], '.3f')}"
               f"; / TRL {_f(s['grpo_lce_over_trl'], '.2f')}")
     print(f"total {wall:.0f} s")
 

@@ -6,10 +6,13 @@ Run: python -m pytest tests/test_gemm_softmax.py -q
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 import grpo_lce._head_fused as head_fused
 from grpo_lce import linear_cross_entropy, linear_logprobs
 from grpo_lce._head_fused import use_fused
+from grpo_lce.kernels._tma_common import tile_coords
 from grpo_lce.reference import cross_entropy_ref, logits_ref, logprobs_ref
 from _head_inputs import head_inputs
 from _tolerance import FUSED_GRAD_RTOL as GRAD_RTOL
@@ -257,3 +260,40 @@ def test_target_terms_match_fp64(k, with_alpha):
     dw_ref = dw0.double().index_add(0, y, -a64[:, None] * x.double())
     # fp32 sums of up to k terms in some order
     assert (dw.double() - dw_ref).abs().max() <= k * 2.0**-23 * (dw_ref.abs().max() + 1)
+
+
+@pytest.mark.parametrize("K, expected", [(896, 32), (2048, 16), (4096, 8), (64, 32)])
+def test_group_m_keeps_the_x_slab_within_l2(K, expected):
+    """The G' launch's tile groups: the most row tiles (GROUP_M..GROUP_M_MAX, powers of two)
+    whose bf16 X slab fits GROUP_X_BYTES; a config without GROUP_M_MAX keeps its GROUP_M."""
+    from grpo_lce.kernels import _tuning
+    from grpo_lce.kernels.gemm_softmax import group_m
+
+    cfg = _tuning.GEMM_GRAD
+    g = group_m(cfg, K, 2)
+    assert g == expected
+    assert cfg["GROUP_M"] <= g <= cfg["GROUP_M_MAX"]
+    assert g == cfg["GROUP_M"] or g * cfg["BM"] * K * 2 <= _tuning.GROUP_X_BYTES
+    assert 2 * g > cfg["GROUP_M_MAX"] or 2 * g * cfg["BM"] * K * 2 > _tuning.GROUP_X_BYTES
+    assert group_m(dict(cfg, GROUP_M_MAX=8), K, 2) == 8
+    assert group_m({k: v for k, v in cfg.items() if k != "GROUP_M_MAX"}, K, 2) == 8
+
+
+@triton.jit
+def _walk_tiles(out_ptr, num_m, num_n, GROUP_M: tl.constexpr):
+    for t in range(num_m * num_n):
+        pid_m, pid_n = tile_coords(t, num_m, num_n, GROUP_M)
+        tl.store(out_ptr + 2 * t, pid_m)
+        tl.store(out_ptr + 2 * t + 1, pid_n)
+
+
+@pytest.mark.parametrize("num_m, num_n, group", [(33, 5, 32), (32, 3, 32), (7, 4, 8),
+                                                 (40, 6, 16), (1, 9, 32)])
+def test_grouped_tile_order_visits_every_tile_once(num_m, num_n, group):
+    """tile_coords (the persistent GEMMs' tile order) is a bijection from tile ids onto the
+    (row block, column block) grid for any group size, a partial last group included."""
+    out = torch.full((num_m * num_n, 2), -1, dtype=torch.int32, device=DEV)
+    _walk_tiles[(1,)](out, num_m, num_n, GROUP_M=group)
+    seen = {tuple(r) for r in out.tolist()}
+    assert len(seen) == num_m * num_n
+    assert seen == {(m, n) for m in range(num_m) for n in range(num_n)}

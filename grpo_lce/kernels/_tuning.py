@@ -17,8 +17,19 @@ ROW_NUM_WARPS = 8
 # 6.20 against 6.53 at H = 2048; tune_gemm_H200_*_target_logit.json).
 GEMM_STATS = dict(BM=128, BN=256, BK=64, GROUP_M=32, EPI_SPLIT=1, FLATTEN=True, num_warps=8,
                   num_stages=3)
-GEMM_GRAD = dict(BM=128, BN=256, BK=64, GROUP_M=8, EPI_SPLIT=2, FLATTEN=True, num_warps=8,
-                 num_stages=3)
+GEMM_GRAD = dict(BM=128, BN=256, BK=64, GROUP_M=8, GROUP_M_MAX=32, EPI_SPLIT=2, FLATTEN=True,
+                 num_warps=8, num_stages=3)
+# The G' launch's tile groups (kernels/_tma_common.tile_coords) at a trainable head's 4096-row
+# chunks (32 row tiles): as many row tiles as keep their X slab within GROUP_X_BYTES of L2, at
+# least GROUP_M, at most GROUP_M_MAX. Interleaved A/B on an H200 (floor timed every round,
+# median of 6 rounds' ratios to three GEMMs), CE with a trainable head: qwen-0.5b (H = 896)
+# 1.103x with groups of 8, 1.079x with 32 (the rule's 32); llama-1b (H = 2048) 1.043 / 1.037
+# (16) / 1.037; llama-8b (H = 4096) 1.023 (8) / 1.023 / 1.027. About 1 % of that case's time at
+# H = 896, of the order of the round-to-round noise (bench/results/tune_group_m_H200.txt,
+# scripts/tune_group_m.py). Smaller chunks (a frozen head's ~8 row tiles) are one group either
+# way.
+GROUP_X_BYTES = 8 * 2**20
+GROUP_M_MAX = 32
 
 # GEMMs 2 and 3 of the fused loop (kernels/gemm_rows.py), bounded by the device row count;
 # scripts/tune_gemm_rows.py. The basis in (256, 128) tiles: no half-empty column block at

@@ -349,6 +349,17 @@ def _config(with_g: bool) -> dict:
     return _tuning.GEMM_GRAD if with_g else _tuning.GEMM_STATS
 
 
+def group_m(cfg: dict, K: int, elem_size: int) -> int:
+    """Row tiles per tile group: GROUP_M, or for a config with GROUP_M_MAX the most (a power of
+    two, GROUP_M..GROUP_M_MAX) whose X slab, GROUP_M · BM · K elements, fits GROUP_X_BYTES:
+    the group's rows stay in L2 while it sweeps W once (see _tuning)."""
+    g = cfg["GROUP_M"]
+    while (2 * g <= cfg.get("GROUP_M_MAX", g)
+           and 2 * g * cfg["BM"] * K * elem_size <= _tuning.GROUP_X_BYTES):
+        g *= 2
+    return g
+
+
 def n_parts(V: int, with_g: bool) -> int:
     """Partials per row (T) of the launch with or without G'."""
     cfg = _config(with_g)
@@ -402,7 +413,7 @@ def gemm_softmax(
         m_buf, parts["s"], parts.get("d", m_buf), parts.get("a", m_buf),
         parts.get("v", m_buf), _count(n_valid, row0 + M, x.device), row0,
         M, V, K, inv_tau * LOG2E, n_prog,
-        BM=BM, BN=BN, BK=BK, GROUP_M=cfg["GROUP_M"],
+        BM=BM, BN=BN, BK=BK, GROUP_M=group_m(cfg, K, x.element_size()),
         EPI_SPLIT=cfg["EPI_SPLIT"],
         HAS_BIAS=b2 is not None, WRITE_G=g_out is not None,
         WANT_D=want_d, WANT_ARGMAX=want_argmax, MAX_APART=max_apart,
