@@ -380,8 +380,9 @@ def paired_rounds(step, floor_fn, k, device, args):
     the step back to back: both in the same clock and thermal state. The floor of the table is
     timed once per shape, before any competitor, on a GPU that has idled through the fp64
     references; a long run then heats it and lowers its clocks, so the later rows are timed in
-    another state than their floor (the GEMM alone measured up to ~15 % apart between the two on
-    an H200). The median of the rounds' ratios is the paired figure of the summary."""
+    another state than their floor (on an H200 the same qwen-0.5b GEMM measured 3.0 to 3.8 ms
+    in one session, depending on what ran before it). The median of the rounds' ratios is the
+    paired figure of the summary."""
     ratios = []
     for _ in range(args.paired_rounds):
         fl = bc.time_ms(floor_fn, device, warmup_ms=args.warmup_ms, rep_ms=args.rep_ms,
