@@ -21,13 +21,11 @@ import json
 
 import torch
 import triton.testing
+from bench_head import SHAPES  # the benchmark's head shapes (scripts/ is on sys.path)
 
 from grpo_lce._chunks import MIN_ROWS_GRAD_WEIGHT_FUSED, fused_chunk_size
 from grpo_lce.kernels import gemm_rows as gr
 from grpo_lce.kernels import gemm_softmax as gs
-
-SHAPES = {"llama-1b": (8192, 2048, 128256), "llama-8b": (16384, 4096, 128256),
-          "qwen-0.5b": (8192, 896, 151936)}
 
 BASIS_CFGS = [
     dict(BM=128, BN=128, BK=64, num_warps=8, num_stages=4),
