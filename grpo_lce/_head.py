@@ -9,7 +9,9 @@ softmax-derived operands G, E of `kernels.row_softmax` while the chunk is still 
     ebasis  = E W   (N, H) fp32       with E = p∘(z − z̄)
     dW     += Gᵀ h  (V, H) fp32       (and db += Σ_rows G)
 Extra memory: one chunk, C · V · 4 bytes (G is written over the chunk's own logits; E, when
-asked for, takes C · V · 2 more), plus the (N, H) outputs asked for.
+asked for, takes C · V · 2 more), plus the (N, H) outputs asked for. The fused path (Hopper,
+bf16) keeps the basis in 3 bytes a value (kernels/split_float), its bf16 half over h's own rows
+when the caller owns them (_head_fused).
 """
 
 from __future__ import annotations
@@ -46,7 +48,8 @@ class HeadOut:
     z_y: torch.Tensor  # (N,) fp32
     entropy: torch.Tensor | None  # (N,) fp32; None unless want_entropy (fused path)
     argmax: torch.Tensor | None = None  # (N,) int64
-    basis: torch.Tensor | None = None  # (N, H) fp32: G W
+    basis: torch.Tensor | None = None  # (N, H) fp32: G W (fused path: its bf16 half, ...
+    basis_lo: torch.Tensor | None = None  # ... and this (N, H) uint8 one: kernels/split_float)
     ebasis: torch.Tensor | None = None  # (N, H) fp32: E W
     grad_weight: torch.Tensor | None = None  # (V, H) fp32: Gᵀ h
     grad_bias: torch.Tensor | None = None  # (V,) fp32: Σ G
@@ -54,7 +57,7 @@ class HeadOut:
     def zero_rows_from(self, start: int) -> None:
         """Per-row outputs of rows start.. set to 0 (argmax −1): rows past the valid ones that
         no kernel wrote (dW and db need nothing: those rows contribute 0)."""
-        for t in (self.lse, self.z_y, self.entropy, self.basis, self.ebasis):
+        for t in (self.lse, self.z_y, self.entropy, self.basis, self.basis_lo, self.ebasis):
             if t is not None:
                 t[start:].zero_()
         if self.argmax is not None:
@@ -79,6 +82,7 @@ def head_forward(
     beta: torch.Tensor | None = None,
     n_valid: torch.Tensor | None = None,
     count=None,
+    rows_scratch: bool = False,
 ) -> HeadOut:
     """One pass over the rows of h in chunks. `w` is `gemm_weight(weight)`.
 
@@ -88,6 +92,8 @@ def head_forward(
     `count` (_rows.HostCount, the same number on its way to the host) lets it stop at them.
 
     want_basis/want_grad_weight/want_grad_bias all use the same operand G (α, β per row).
+    `rows_scratch`: h is a copy owned by the call (never the caller's tensor), which the fused
+    path may overwrite with the basis's bf16 half (see _head_fused).
     On a Hopper GPU most calls take the fused path of `_head_fused` (same outputs; entropy only
     when `want_entropy`); the loop below is the reference algorithm and the CPU one.
     """
@@ -99,13 +105,16 @@ def head_forward(
     fused = N > 0 and use_fused(
         h_gemm, w, want_ebasis=want_ebasis, want_grad_bias=want_grad_bias, beta=beta
     )
+    basis, basis_lo = _basis_buffers(h_gemm, fused, rows_scratch and not want_grad_weight) \
+        if want_basis else (None, None)
     out = HeadOut(
         lse=torch.empty(N, device=dev, dtype=torch.float32),
         z_y=torch.empty(N, device=dev, dtype=torch.float32),
         entropy=torch.empty(N, device=dev, dtype=torch.float32)
         if want_entropy or not fused else None,
         argmax=torch.empty(N, device=dev, dtype=torch.int64) if want_argmax else None,
-        basis=torch.empty(N, H, device=dev, dtype=torch.float32) if want_basis else None,
+        basis=basis,
+        basis_lo=basis_lo,
         ebasis=torch.empty(N, H, device=dev, dtype=torch.float32) if want_ebasis else None,
         # the fused loop's first chunk writes dW (no zero fill of V x H fp32 first)
         grad_weight=(torch.empty if fused else torch.zeros)(V, H, device=dev,
@@ -161,6 +170,17 @@ def head_forward(
     elif n_valid is not None:
         _zero_past(out, n_valid)
     return out
+
+
+def _basis_buffers(h: torch.Tensor, fused: bool, over_h: bool
+                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Where the basis goes: fp32 (unfused); on the fused path (h bf16) split in 3 bytes, its
+    bf16 half over h itself when `over_h` (h the call's own copy, read by nothing after its
+    chunk's GEMM 1 and flagged rows: no dW), and a uint8 (N, H) half."""
+    if not fused:
+        return torch.empty(h.shape, device=h.device, dtype=torch.float32), None
+    hi = h if over_h else torch.empty_like(h)
+    return hi, torch.empty(h.shape, device=h.device, dtype=torch.uint8)
 
 
 def _zero_past(out: HeadOut, n_valid: torch.Tensor) -> None:

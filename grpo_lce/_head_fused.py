@@ -6,9 +6,9 @@ Per chunk of C rows (see kernels/gemm_softmax.py for the kernel and its precisio
     GEMM 1 + epilogue   partial (max, Σ2^, Σ2^·z, argmax) per (row, 256 columns) and, for a
                         gradient, G' = 2^(z₂ − c) in bf16 (C, V), c = z₂_y + SHIFT2
     reduce              lse, z_y, entropy, argmax; factor_r = α_r 2^(c_r − lse₂_r)
+    flagged rows        G'_r = p_r exactly, factor_r = α_r (usually none; no host sync)
     GEMM 2              basis = factor ∘ (G' W) − α ∘ W[y]                  = α (p − e_y) W
     GEMM 3              dW += G'ᵀ (factor ∘ X),  dW[y] −= α ∘ X             = α (p − e_y)ᵀ X
-    fixup (once)        the exact terms of flagged rows (usually none; no host sync)
 
 Rows: with `n_valid` (an int32 device tensor, the device-counted layout of _rows) every kernel
 reads the number of valid rows and skips the row blocks past it, and GEMMs 2 and 3 are the
@@ -24,6 +24,16 @@ Compared with the unfused loop (fp32 Z written by GEMM 1, read twice by the row 
 over it) this moves C · V · 10 bytes less per chunk and writes the operand of GEMM 2 directly.
 Memory: G' (C, V) in bf16 (half the unfused fp32 chunk) and partials of C · V / 128 · 8-16
 bytes. Without a gradient, no (C, V) buffer at all: the chunk then only bounds the partials.
+
+The basis (N, H) is kept in 3 bytes a value (kernels/split_float: a bf16 array and a uint8
+one, fp32 truncated to 15 mantissa bits, < 2^-15 relative): GEMM 2 sums and the target term is
+subtracted in fp32 (the cancellation between p W and W[y] of a confident row happens there),
+and dh = g · basis is then rounded to bf16 once, as from fp32. With `rows_scratch` (h is a copy
+the call owns: the rows gathered into the device-counted layout) and no dW, chunk i's bf16 half
+is written over chunk i's rows of h once its GEMM 1 and flagged rows have read them (the target
+logits read every row before the loop; later chunks read only later rows): the forward then
+holds h, the uint8 half, G' and the partials, 3 N H bytes where the rows and an fp32 basis
+took 6 (llama-8b's 16384 x 4096 case: 192 MiB less).
 The entropy-gradient operand p ∘ (z − z̄), a trainable bias, and fp32 or pre-Hopper GPUs take the
 unfused path, which stays the reference algorithm (and the CPU one).
 """
@@ -62,9 +72,10 @@ def use_fused(h: torch.Tensor, w: torch.Tensor, *, want_ebasis: bool, want_grad_
 
 def head_forward_fused(out, h, w, b, y, inv_tau, chunk_size, *, want_basis, want_grad_weight,
                        want_entropy, want_argmax, alpha, n_valid=None, count=None):
-    """Fill `out` (a HeadOut with its tensors allocated) for rows h (N, H) in w's dtype; rows
-    at or past the device count `n_valid` (None: all valid) get 0 everywhere. `count`: that
-    count on its way to the host (see the module docstring)."""
+    """Fill `out` (a HeadOut with its tensors allocated: the basis split over out.basis (N, H)
+    bf16, possibly h itself, and out.basis_lo, see the module docstring) for rows h (N, H) in
+    w's dtype; rows at or past the device count `n_valid` (None: all valid) get 0 everywhere.
+    `count`: that count on its way to the host (see the module docstring)."""
     N = h.shape[0]
     V = w.shape[0]
     dev = h.device
@@ -88,15 +99,17 @@ def head_forward_fused(out, h, w, b, y, inv_tau, chunk_size, *, want_basis, want
     m = N if n_valid is None else None
     if n_valid is None:
         n_valid = torch.full((1,), N, device=dev, dtype=torch.int32)
+    bounds = list(chunk_bounds(N, C))
     if want_g:
         g_buf = torch.empty(C, gs.g_row_stride(V), device=dev, dtype=w.dtype)
         factor = torch.empty(N, device=dev, dtype=torch.float32)
-        # the flagged rows of the whole call (row indices into h), fixed up once at the end
-        flag_rows = torch.empty(N, device=dev, dtype=torch.int32)
-        n_flag = torch.zeros(1, device=dev, dtype=torch.int32)
+        # the flagged rows of the current chunk (rows of the chunk), their count per chunk
+        flag_rows = torch.empty(C, device=dev, dtype=torch.int32)
+        n_flag = torch.zeros(len(bounds), device=dev, dtype=torch.int32)
+        gw_buf = None  # cuBLAS GEMM 2's fp32 output (C, H), made when first needed
 
     end = 0  # rows the loop has launched kernels for
-    for s, e in chunk_bounds(N, C):
+    for i, (s, e) in enumerate(bounds):
         if m is not None and s >= m:  # every row from here on is ignored
             break
         end = e
@@ -113,18 +126,22 @@ def head_forward_fused(out, h, w, b, y, inv_tau, chunk_size, *, want_basis, want
              out.argmax[s:e] if want_argmax else None),
             zy2_c, alpha=a,
             factor=factor[s:e] if want_g else None,
-            flag_rows=flag_rows if want_g else None, n_flag=n_flag if want_g else None,
-            n_valid=n_valid, row0=s,
+            flag_rows=flag_rows if want_g else None,
+            n_flag=n_flag[i:i + 1] if want_g else None, n_valid=n_valid, row0=s,
         )
         if not want_g:
             continue
+        # before GEMMs 2 and 3, and before the basis may overwrite x
+        gs.rewrite_flagged(g, x, w, b, inv_tau, out.lse[s:e], flag_rows, n_flag[i:i + 1])
         if m is None and count is not None:
             m = count.get()  # chunk 0's GEMM 1 is queued: the GPU is busy while the host waits
         if m is None:  # the row count only on the device: GEMMs that read it there
             if want_basis:
-                gr.basis_gemm(g, w, factor[s:e], a, yc, n_valid, s, out.basis[s:e])
+                gr.basis_gemm(g, w, factor[s:e], a, yc, n_valid, s, out.basis[s:e],
+                              out_lo=out.basis_lo[s:e])
             if want_grad_weight:  # xf is 0 past the valid rows (factor 0 there)
-                xf = finish_basis_and_scale_rows(None, x, factor[s:e], None, yc, w, True)
+                xf = finish_basis_and_scale_rows(None, None, None, x, factor[s:e], None, yc, w,
+                                                 True)
                 gr.grad_w_gemm(out.grad_weight, g, xf, n_valid, s, first=s == 0)
                 scatter_target(out.grad_weight, x, a, yc)
             continue
@@ -133,10 +150,16 @@ def head_forward_fused(out, h, w, b, y, inv_tau, chunk_size, *, want_basis, want
             continue
         g, x, yc, f = g[:k], x[:k], yc[:k], factor[s:s + k]
         a = None if a is None else a[:k]
-        # basis = α (p − e_y) W = factor ∘ (G' W) − α ∘ W[y], finished in place, and GEMM 3's
-        # operand factor ∘ X, in one pass (kernels/target_terms)
-        basis = mm_f32(g, w, out=out.basis[s:s + k]) if want_basis else None
-        xf = finish_basis_and_scale_rows(basis, x, f, a, yc, w, want_grad_weight)
+        # basis = α (p − e_y) W = factor ∘ (G' W) − α ∘ W[y], finished in fp32 and stored in
+        # 3 bytes, and GEMM 3's operand factor ∘ X, in one pass (kernels/target_terms)
+        gw = None
+        if want_basis:
+            if gw_buf is None:
+                gw_buf = torch.empty(C, w.shape[1], device=dev, dtype=torch.float32)
+            gw = mm_f32(g, w, out=gw_buf[:k])
+        xf = finish_basis_and_scale_rows(
+            gw, out.basis[s:s + k] if want_basis else None,
+            out.basis_lo[s:s + k] if want_basis else None, x, f, a, yc, w, want_grad_weight)
         if want_grad_weight:  # α (p − e_y)ᵀ X = G'ᵀ (factor ∘ X) − scatter of α ∘ X at y
             accumulate_mm(out.grad_weight, g.t(), xf, first=s == 0)
             scatter_target(out.grad_weight, x, a, yc)
@@ -144,11 +167,8 @@ def head_forward_fused(out, h, w, b, y, inv_tau, chunk_size, *, want_basis, want
         out.zero_rows_from(end)
         if want_basis:  # the cuBLAS basis stopped at row m of the last chunk
             out.basis[m:end].zero_()
+            out.basis_lo[m:end].zero_()
         if want_grad_weight and m == 0:
             out.grad_weight.zero_()
-    if want_g:  # a flagged row's G' counted nothing (factor 0): its exact terms, added once
-        gs.fixup_flagged(h, w, b, inv_tau, out.lse, alpha, flag_rows, n_flag,
-                         basis=out.basis if want_basis else None,
-                         grad_weight=out.grad_weight if want_grad_weight else None)
     return out
 

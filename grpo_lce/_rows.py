@@ -41,6 +41,7 @@ from grpo_lce._head_fused import use_fused
 from grpo_lce.kernels.partition import partition_rows
 from grpo_lce.kernels.row_gather import gather_rows, scatter_rows
 from grpo_lce.kernels.scale_cast import scale_cast
+from grpo_lce.kernels.split_float import join as join_split
 from grpo_lce.kernels.row_softmax import select_backend
 
 
@@ -143,6 +144,12 @@ class RowPlan:
             r = torch.where(valid.view(shape), r, 0.0 if r.is_floating_point() else 0)
         return r
 
+    def own_rows(self, t: torch.Tensor) -> tuple[torch.Tensor, bool]:
+        """(rows(t), whether they are a copy sharing no memory with t): a copy belongs to the
+        call, which may overwrite it (the frozen head's basis goes over the rows, _head_fused)."""
+        r = self.rows(t)
+        return r, r.untyped_storage().data_ptr() != t.untyped_storage().data_ptr()
+
     def to_all_rows(self, vals: torch.Tensor, n_all: int) -> torch.Tensor:
         """(n_all, ...) results of the caller's rows from the processed rows' vals, 0 at ignored
         rows (the device-counted kernels already wrote 0 past n_valid)."""
@@ -155,10 +162,11 @@ class RowPlan:
     def grad_to_all_rows(
         self, n_all: int, dtype: torch.dtype, u: torch.Tensor, w_u: torch.Tensor | None,
         s_u: float = 1.0, v: torch.Tensor | None = None, w_v: torch.Tensor | None = None,
-        s_v: float = 1.0,
+        s_v: float = 1.0, u_lo: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """(n_all, H) in `dtype`: a_r u[i] + b_r v[i] at the caller's row r held by processed
-        row i, 0 at the ignored rows; u, v (n, H) fp32 gradient bases, a_r = s_u · w_u[r] for
+        row i, 0 at the ignored rows; u, v (n, H) fp32 gradient bases (u split in 3 bytes, bf16
+        u and uint8 `u_lo`, from the fused path: kernels/split_float), a_r = s_u · w_u[r] for
         per-caller-row weights w_u (n_all,), s_u · w_u for a 0-dim one, s_u for None; b alike.
         The device-counted layout on the Triton backend does it in one pass (kernels/
         row_gather); otherwise torch ops."""
@@ -166,7 +174,9 @@ class RowPlan:
             def prep(w):
                 return None if w is None else w.contiguous()
             return scatter_rows(u, prep(w_u), self.idx, self.n_valid, dtype, s_u=s_u,
-                                v=v, w_v=prep(w_v), s_v=s_v)
+                                v=v, w_v=prep(w_v), s_v=s_v, u_lo=u_lo)
+        if u_lo is not None:
+            u = join_split(u, u_lo)
 
         def weight(w, s):  # per processed row (n, 1), or a scalar
             if w is None:

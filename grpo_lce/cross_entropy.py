@@ -32,7 +32,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
         # hidden (N, H) the caller's rows; plan (_rows.RowPlan) the rows processed, y (n,) their
         # labels: with plan.n_valid (the device-counted layout) the rows past it give 0
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
-        h = plan.rows(hidden)  # (n, H)
+        # (n, H); a copy of ours takes the basis's bf16 half (_head_fused)
+        h, owned = plan.own_rows(hidden)
         n = h.shape[0]
         # α = 1/d per row: G = (p − e_y)/d is ∂loss/∂z. d stays on device (no host read).
         need_grad = need_h or need_w or need_b
@@ -41,10 +42,11 @@ class _LinearCrossEntropy(torch.autograd.Function):
             h, gemm_weight(weight), bias, y, 1.0, chunk_size,
             want_basis=need_h, want_grad_weight=need_w, want_grad_bias=need_b,
             want_argmax=want_metrics, want_entropy=want_metrics, alpha=alpha,
-            n_valid=plan.n_valid, count=plan.count,
+            n_valid=plan.n_valid, count=plan.count, rows_scratch=owned,
         )
         loss = (out.lse - out.z_y).sum() / divisor
-        ctx.save_for_backward(out.basis, out.grad_weight, out.grad_bias, *plan.saved())
+        ctx.save_for_backward(out.basis, out.basis_lo, out.grad_weight, out.grad_bias,
+                              *plan.saved())
         ctx.dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
         ctx.n_rows, ctx.n_all = n, hidden.shape[0]
         if want_metrics:
@@ -57,12 +59,13 @@ class _LinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g_loss, _g_correct, _g_ent):
-        basis, gw, gb, *saved_plan = ctx.saved_tensors
+        basis, basis_lo, gw, gb, *saved_plan = ctx.saved_tensors
         plan = RowPlan.from_saved(ctx.n_rows, *saved_plan)
         h_dt, w_dt, b_dt = ctx.dtypes
         g = g_loss.float()
         # dh of the caller's rows (0 at the ignored ones), scaled and cast in one pass
-        dh = None if basis is None else plan.grad_to_all_rows(ctx.n_all, h_dt, basis, g)
+        dh = None if basis is None else plan.grad_to_all_rows(ctx.n_all, h_dt, basis, g,
+                                                              u_lo=basis_lo)
         dw = None if gw is None else scale_cast(gw, g, w_dt)
         db = None if gb is None else scale_cast(gb, g, b_dt)
         return dh, dw, db, None, None, None, None, None

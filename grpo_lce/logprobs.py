@@ -14,9 +14,12 @@ backward: 2 more GEMMs, still exact).
 
 Trainable head or bias: dW = Σ_n Dᵀ h needs the upstream gradient inside the sum, so backward
 recomputes each chunk with D = −(g (p − e_y) + g^H p∘(z − z̄)) / τ: 4 GEMMs in all.
-Extra memory: one chunk (see grpo_lce._chunks) plus the (n, H) fp32 basis of the n processed
-rows (the valid ones, or all N in the device-counted layout of grpo_lce._rows, where the rows
-are also gathered once into valid-first order).
+Extra memory: one chunk (see grpo_lce._chunks) plus the (n, H) basis of the n processed rows
+(the valid ones, or all N in the device-counted layout of grpo_lce._rows, where the rows are
+also gathered once into valid-first order). The basis is fp32, except on the fused path
+(Hopper, bf16): 3 bytes a value (kernels/split_float), and for a frozen head its bf16 half is
+written over the gathered rows chunk by chunk (grpo_lce._head_fused), so the forward holds
+3 N H bytes besides one chunk.
 """
 
 from __future__ import annotations
@@ -35,17 +38,21 @@ class _LinearLogprobs(torch.autograd.Function):
         # hidden (N, H) all rows; plan (_rows.RowPlan) the rows processed; y (n,) their targets
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         recompute = need_w or need_b
+        # rows of our own (a copy): the fused path writes the basis's bf16 half over them
+        rows, owned = plan.own_rows(hidden)
         out = head_forward(
-            plan.rows(hidden), gemm_weight(weight), bias, y, inv_tau, chunk_size,
+            rows, gemm_weight(weight), bias, y, inv_tau, chunk_size,
             want_basis=need_h and not recompute,
             want_ebasis=need_h and not recompute and entropy_basis, want_entropy=want_entropy,
-            n_valid=plan.n_valid,
+            n_valid=plan.n_valid, rows_scratch=owned,
         )
+        del rows  # (held by out.basis when the basis went over it)
         ctx.inv_tau, ctx.chunk_size, ctx.recompute = inv_tau, chunk_size, recompute
         ctx.n_rows, ctx.count = plan.n, plan.count
         # The frozen path needs only the (n, H) bases. `hidden` is the caller's tensor (no copy),
         # kept for a recompute: a trainable head, or an entropy gradient without its basis.
-        ctx.save_for_backward(hidden, weight, bias, y, out.basis, out.ebasis, *plan.saved())
+        ctx.save_for_backward(hidden, weight, bias, y, out.basis, out.basis_lo, out.ebasis,
+                              *plan.saved())
         ctx.set_materialize_grads(False)
         N = hidden.shape[0]
         # without return_entropy the caller never sees the second output (its value is 0)
@@ -55,7 +62,7 @@ class _LinearLogprobs(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g_logp, g_ent):
-        hidden, weight, bias, y, basis, ebasis, *saved_plan = ctx.saved_tensors
+        hidden, weight, bias, y, basis, basis_lo, ebasis, *saved_plan = ctx.saved_tensors
         plan = RowPlan.from_saved(ctx.n_rows, *saved_plan)
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         none = (None,) * 6
@@ -75,8 +82,8 @@ class _LinearLogprobs(torch.autograd.Function):
                 alpha=torch.zeros_like(y, dtype=torch.float32) if alpha is None else alpha,
                 beta=beta, n_valid=plan.n_valid, count=ctx.count,
             )
-            dh = plan.grad_to_all_rows(hidden.shape[0], hidden.dtype, out.basis, None) \
-                if need_h else None
+            dh = plan.grad_to_all_rows(hidden.shape[0], hidden.dtype, out.basis, None,
+                                       u_lo=out.basis_lo) if need_h else None
             dw = out.grad_weight.to(weight.dtype) if need_w else None
             db = out.grad_bias.to(bias.dtype) if need_b else None
             return (dh, dw, db) + none
@@ -91,7 +98,8 @@ class _LinearLogprobs(torch.autograd.Function):
             dh = plan.grad_to_all_rows(hidden.shape[0], hidden.dtype, ebasis, g_ent, s)
         else:
             dh = plan.grad_to_all_rows(hidden.shape[0], hidden.dtype, basis, g_logp, s,
-                                       v=None if g_ent is None else ebasis, w_v=g_ent, s_v=s)
+                                       v=None if g_ent is None else ebasis, w_v=g_ent, s_v=s,
+                                       u_lo=basis_lo)
         return (dh, None, None) + none
 
 

@@ -8,12 +8,17 @@ Run: python -m pytest tests/test_device_rows.py -q
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 import grpo_lce._head_fused as head_fused
 import grpo_lce._rows as rows_mod
 from grpo_lce import linear_cross_entropy, linear_logprobs
 from grpo_lce.kernels import gemm_rows as gr
 from grpo_lce.kernels import gemm_softmax as gs
+from grpo_lce.kernels.split_float import join as join_split
+from grpo_lce.kernels.split_float import load_split, store_split
+from grpo_lce.kernels.split_float import split as split_f32
 from grpo_lce.reference import cross_entropy_ref, logprobs_ref
 from _head_inputs import head_inputs
 from _tolerance import FUSED_GRAD_RTOL as GRAD_RTOL
@@ -70,6 +75,12 @@ def test_row_bounded_gemms_match_fp64(n_valid, row0):
         gr.basis_gemm(g, w, factor, alpha, y, count, row0, out, cfg=cfg, split=split)
         assert (out[m:] == 0).all()
         assert_close_scaled(out, ref, rtol=GEMM_RTOL, what=f"basis split={split}")
+        # the fused loop's basis split in 3 bytes: the same fp32 result, low 8 bits dropped
+        hi = torch.full((M, H), 7.0, device=DEV, dtype=torch.bfloat16)
+        lo = torch.full((M, H), 7, device=DEV, dtype=torch.uint8)
+        gr.basis_gemm(g, w, factor, alpha, y, count, row0, hi, out_lo=lo, cfg=cfg, split=split)
+        expected = (out.view(torch.int32) & ~0xFF).view(torch.float32)
+        torch.testing.assert_close(join_split(hi, lo), expected, rtol=0, atol=0)
 
     xf = torch.randn(M, H, generator=gen).to(torch.bfloat16).to(DEV)
     g[m:] = 0  # as GEMM 1 writes it past the valid rows
@@ -120,6 +131,42 @@ def test_logprobs_with_ignored_rows_match_fp64(N, n_ignored, chunk, monkeypatch)
     assert torch.isfinite(hh.grad).all() and (hh.grad[ignored] == 0).all()
     if n_ignored < N:
         assert_close_scaled(hh.grad, h_ref.grad, rtol=GRAD_RTOL, what="d hidden")
+
+
+@pytest.mark.parametrize("n_ignored", [0, 9])
+def test_frozen_basis_goes_over_the_gathered_rows(n_ignored, monkeypatch):
+    """Frozen head, fused path: the basis's bf16 half is written over the call's own gathered
+    copy of the rows (kernels/split_float), never over the caller's hidden states, which stay
+    bit-identical; log-probs and CE, with and without ignored rows, several chunks."""
+    import grpo_lce.cross_entropy as ce_mod
+    import grpo_lce.logprobs as lp_mod
+
+    N, H, V = 40, 32, 300
+    h, w, _, y = head_inputs(N, H, V, torch.bfloat16, False, n_ignored, seed=6)
+    g = torch.randn(N, generator=torch.Generator().manual_seed(7))
+    h, w, y, g = (t.to(DEV) for t in (h, w, y, g))
+    seen = []
+    for mod in (lp_mod, ce_mod):
+        def spy(rows, *args, real=mod.head_forward, **kw):
+            out = real(rows, *args, **kw)
+            seen.append((kw["rows_scratch"], out.basis.dtype, out.basis_lo.dtype,
+                         out.basis.data_ptr() == rows.data_ptr()))
+            return out
+        monkeypatch.setattr(mod, "head_forward", spy)
+    hh = h.clone().requires_grad_()
+    (linear_logprobs(hh, w, y, chunk_size=16) * g).sum().backward()
+    dh_lp = hh.grad.clone()
+    hh.grad = None
+    linear_cross_entropy(hh, w, y, chunk_size=16).backward()
+    assert seen == [(True, torch.bfloat16, torch.uint8, True)] * 2
+    assert torch.equal(hh.detach(), h)
+    h64 = h.double().requires_grad_()
+    rl, _ = logprobs_ref(h64, w.double(), y)
+    (rl * g.double()).sum().backward()
+    assert_close_scaled(dh_lp, h64.grad, rtol=GRAD_RTOL, what="logp d hidden")
+    h64.grad = None
+    cross_entropy_ref(h64, w.double(), y).backward()
+    assert_close_scaled(hh.grad, h64.grad, rtol=GRAD_RTOL, what="CE d hidden")
 
 
 @pytest.mark.parametrize("reduction, num_items", [("mean", None), ("sum", None), ("sum", 7)])
@@ -285,7 +332,8 @@ def test_out_of_range_target_raises_on_cpu_at_once():
 def test_row_gather_and_scatter_match_torch(N, m):
     """kernels/row_gather (the CUDA layout; interpreted on CPU): gather = where(i < m,
     t[order], 0) from a strided t with NaN in a row it must not read; scatter = the weighted
-    sum of two fp32 bases put back at order, in bf16 (H = 300: a partial column step)."""
+    sum of two fp32 bases (or the first split in 3 bytes) put back at order, in bf16 (H = 300:
+    a partial column step)."""
     from grpo_lce.kernels.row_gather import gather_rows, scatter_rows
 
     H = 300
@@ -320,6 +368,13 @@ def test_row_gather_and_scatter_match_torch(N, m):
         full = torch.empty_like(exact).index_copy_(0, order, exact)
         # one rounding to bf16 (nearest even) of an fp32 sum: within 2^-8 of the exact value
         assert ((d.double() - full).abs() <= 2.0**-8 * full.abs() + 1e-30).all(), (w_u, w_v)
+    # u split in 3 bytes (kernels/split_float, the fused path's basis): the same as from the
+    # fp32 u its two halves join to
+    hi, lo = split_f32(u)
+    kw = dict(s_u=-0.5, v=v, w_v=g0, s_v=2.0)
+    d = scatter_rows(hi, g_row, order, count, torch.bfloat16, u_lo=lo, **kw)
+    assert torch.equal(d, scatter_rows(join_split(hi, lo), g_row, order, count, torch.bfloat16,
+                                       **kw))
 
 
 @pytest.mark.parametrize("N, ignore_index, dtype", [
@@ -350,3 +405,32 @@ def test_partition_kernel_matches_a_plain_stable_partition(N, ignore_index, dtyp
     assert torch.equal(b, bad[order])
     assert torch.equal(valid, keep[order])
     assert counts.tolist() == [int(keep.sum()), int(bad.sum())]
+
+
+@triton.jit
+def _split_roundtrip(x_ptr, hi_ptr, lo_ptr, y_ptr, n, BLOCK: tl.constexpr):
+    # (module level: the interpreter resolves a kernel's globals in its module)
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    store_split(hi_ptr + offs, lo_ptr + offs, tl.load(x_ptr + offs, mask=mask), mask)
+    tl.store(y_ptr + offs, load_split(hi_ptr + offs, lo_ptr + offs, mask), mask=mask)
+
+
+def test_split_float_kernels_match_the_torch_format():
+    """kernels/split_float: store_split writes the bytes `split` gives, load_split reads back
+    `join`'s values: fp32 truncated to 15 mantissa bits (< 2^-15 relative), 0, ±inf, NaN kept."""
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(1000, generator=gen) * torch.logspace(-30, 30, 1000)
+    x[:5] = torch.tensor([0.0, -0.0, float("inf"), float("-inf"), float("nan")])
+    x = x.to(DEV)
+    hi = torch.empty(1000, device=DEV, dtype=torch.bfloat16)
+    lo = torch.empty(1000, device=DEV, dtype=torch.uint8)
+    y = torch.empty_like(x)
+    _split_roundtrip[(triton.cdiv(1000, 256),)](x, hi, lo, y, 1000, BLOCK=256)
+    hi_ref, lo_ref = split_f32(x)
+    assert torch.equal(hi.view(torch.int16), hi_ref.view(torch.int16)) and torch.equal(lo, lo_ref)
+    assert torch.equal(y.view(torch.int32), join_split(hi, lo).view(torch.int32))
+    assert torch.equal(y.view(torch.int32), x.view(torch.int32) & ~0xFF)
+    finite = torch.isfinite(x) & (x != 0)
+    assert ((y - x)[finite].abs() < 2.0**-15 * x[finite].abs()).all()
+    assert torch.isnan(y[4]) and torch.equal(y[:4], x[:4])

@@ -13,6 +13,7 @@ import grpo_lce._head_fused as head_fused
 from grpo_lce import linear_cross_entropy, linear_logprobs
 from grpo_lce._head_fused import use_fused
 from grpo_lce.kernels._tma_common import tile_coords
+from grpo_lce.kernels.split_float import join as join_split
 from grpo_lce.reference import cross_entropy_ref, logits_ref, logprobs_ref
 from _head_inputs import head_inputs
 from _tolerance import FUSED_GRAD_RTOL as GRAD_RTOL
@@ -24,16 +25,16 @@ pytestmark = pytest.mark.usefixtures("fused_triton_env")
 
 
 def _spy_fused(monkeypatch):
-    """Record the flagged-row count of every fused call with a gradient (its one fixup: proves
-    which path ran)."""
+    """Record the flagged-row count of every chunk of a fused call with a gradient (one
+    rewrite_flagged launch per chunk: proves which path ran)."""
     flagged = []
-    real = head_fused.gs.fixup_flagged
+    real = head_fused.gs.rewrite_flagged
 
     def spy(*args, **kw):
-        flagged.append(int(args[7].item()))  # n_flag
+        flagged.append(int(args[7].item()))  # n_flag of the chunk
         return real(*args, **kw)
 
-    monkeypatch.setattr(head_fused.gs, "fixup_flagged", spy)
+    monkeypatch.setattr(head_fused.gs, "rewrite_flagged", spy)
     return flagged
 
 
@@ -48,6 +49,11 @@ def _spy_chunks(monkeypatch):
 
     monkeypatch.setattr(head_fused.gs, "gemm_softmax", spy)
     return launches
+
+
+def _truncated(x: torch.Tensor) -> torch.Tensor:
+    """fp32 x with the low 8 bits of each value cleared (what kernels/split_float keeps)."""
+    return (x.view(torch.int32) & ~0xFF).view(torch.float32)
 
 
 def _to(dev, *ts):
@@ -108,7 +114,7 @@ def test_cross_entropy_metrics_and_trainable_head(monkeypatch):
     loss, m = linear_cross_entropy(hh, ww, y, return_metrics=True, chunk_size=32)
     loss.backward()
     # 81 valid rows of 90 in the device-counted layout: the last chunk holds 17 valid rows
-    assert chunks == [32, 32, 26] and flagged == [0]
+    assert chunks == [32, 32, 26] and flagged == [0, 0, 0]
     h64, w64 = h.double().requires_grad_(), w.double().requires_grad_()
     ref = cross_entropy_ref(h64, w64, y)
     ref.backward()
@@ -229,8 +235,9 @@ def test_target_logits_match_fp64(N, n_valid):
 
 @pytest.mark.parametrize("k, with_alpha", [(1, True), (37, True), (37, False)])
 def test_target_terms_match_fp64(k, with_alpha):
-    """kernels/target_terms around the cuBLAS GEMMs: basis = f (G'W) − α W[y] in place,
-    xf = bf16(f x), dW[y] −= α x with repeated targets (H = 300: a partial column step)."""
+    """kernels/target_terms around the cuBLAS GEMMs: basis = f (G'W) − α W[y] (fp32 in place,
+    or split in 3 bytes), xf = bf16(f x), dW[y] −= α x with repeated targets (H = 300: a partial
+    column step)."""
     from grpo_lce.kernels.target_terms import finish_basis_and_scale_rows, scatter_target
 
     V, H = 50, 300
@@ -246,14 +253,19 @@ def test_target_terms_match_fp64(k, with_alpha):
     a64 = a.double() if with_alpha else torch.ones(k, dtype=torch.float64, device=DEV)
 
     basis = gw.clone()
-    xf = finish_basis_and_scale_rows(basis, x, f, alpha, y, w, True)
+    xf = finish_basis_and_scale_rows(basis, basis, None, x, f, alpha, y, w, True)
     ref = f.double()[:, None] * gw.double() - a64[:, None] * w.double()[y]
     # two fp32 roundings (product, difference) of O(1) terms
     assert (basis.double() - ref).abs().max() <= 4 * 2.0**-24 * (ref.abs().max() + 1)
     # one product rounded to fp32, then to bf16 (nearest even): within 2^-8 relative
     xf_ref = f.double()[:, None] * x.double()
     assert ((xf.double() - xf_ref).abs() <= 2.0**-8 * xf_ref.abs() + 1e-30).all()
-    assert finish_basis_and_scale_rows(None, x, f, alpha, y, w, False) is None
+    assert finish_basis_and_scale_rows(None, None, None, x, f, alpha, y, w, False) is None
+    # the fused loop's basis split in 3 bytes, its bf16 half over the rows of x (no xf then):
+    # exactly the fp32 result above with its low 8 bits dropped
+    x_over, lo = x.clone(), torch.empty(k, H, dtype=torch.uint8, device=DEV)
+    assert finish_basis_and_scale_rows(gw, x_over, lo, x_over, f, alpha, y, w, False) is None
+    torch.testing.assert_close(join_split(x_over, lo), _truncated(basis), rtol=0, atol=0)
 
     dw = dw0.clone()
     scatter_target(dw, x, alpha, y)

@@ -11,7 +11,8 @@ GEMM 2, the basis (M, H) = factor ∘ (G' W) − α ∘ W[y], rows ≥ m zero:
     row blocks below m (an (M, H) output is small next to its K = V: at M = 1024, H = 896 there
     are 49 output tiles for 132 SMs, so the V range is split to fill the GPU); then
     `_basis_finish_kernel` sums them and applies the per-row factor and the target term (one
-    fp32 pass over S · M · H, in a fixed order: deterministic, no atomics).
+    fp32 pass over S · M · H, in a fixed order: deterministic, no atomics), stored in fp32 or
+    split in 3 bytes (kernels/split_float: the fused loop's basis, _head_fused).
 GEMM 3, dW (V, H) (+)= G'[:m]ᵀ (factor ∘ X)[:m]: `_grad_w_kernel`, whose reduction (K) loop
     stops at m. The last K block may read rows in [m, ⌈m / BK⌉ BK): the fused GEMM 1 writes zeros
     there (its row tiles are multiples of BK), and the factor ∘ X operand is zero there too.
@@ -32,6 +33,7 @@ if HAS_TMA:
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     from grpo_lce.kernels._tma_common import dot_acc, tile_coords, valid_in_chunk
+    from grpo_lce.kernels.split_float import store_split
 
     @triton.jit(do_not_specialize=["row0"])
     def _basis_partial_kernel(
@@ -63,8 +65,8 @@ if HAS_TMA:
     @triton.jit(do_not_specialize=["row0"])
     def _basis_finish_kernel(
         part_ptr, n_split, factor_ptr, alpha_ptr, y_ptr, w_ptr, stride_w,
-        out_ptr, stride_out, n_valid_ptr, row0, M, H,
-        HAS_ALPHA: tl.constexpr, BH: tl.constexpr,
+        out_ptr, stride_out, lo_ptr, stride_lo, n_valid_ptr, row0, M, H,
+        HAS_ALPHA: tl.constexpr, SPLIT: tl.constexpr, BH: tl.constexpr,
     ):
         r = tl.program_id(0)
         cols = tl.program_id(1) * BH + tl.arange(0, BH)
@@ -78,7 +80,12 @@ if HAS_TMA:
             w_y = tl.load(w_ptr + y * stride_w + cols, mask=cmask, other=0.0).to(tl.float32)
             a = tl.load(alpha_ptr + r) if HAS_ALPHA else 1.0
             val = tl.load(factor_ptr + r) * val - a * w_y
-        tl.store(out_ptr + r.to(tl.int64) * stride_out + cols, val, mask=cmask)
+        r64 = r.to(tl.int64)
+        if SPLIT:  # fp32 in 3 bytes (kernels/split_float)
+            store_split(out_ptr + r64 * stride_out + cols, lo_ptr + r64 * stride_lo + cols, val,
+                        cmask)
+        else:
+            tl.store(out_ptr + r64 * stride_out + cols, val, mask=cmask)
 
     @triton.jit(do_not_specialize=["row0"])
     def _grad_w_kernel(
@@ -143,10 +150,13 @@ def basis_gemm(
     row0: int,
     out: torch.Tensor,
     *,
+    out_lo: torch.Tensor | None = None,
     cfg: dict | None = None,
     split: int | None = None,
 ) -> torch.Tensor:
-    """out (M, H) fp32 = factor ∘ (g W) − α ∘ W[y] for the chunk's valid rows, 0 below them.
+    """out (M, H) fp32 = factor ∘ (g W) − α ∘ W[y] for the chunk's valid rows, 0 below them;
+    with `out_lo` (M, H) uint8, out is bf16 and the pair holds the fp32 result split
+    (kernels/split_float).
 
     g (M, V) bf16 (TMA-aligned rows), w (V, H), factor/alpha/y (M,) for the chunk's rows,
     n_valid an int32 (1,) device tensor, row0 the chunk's first row in the call.
@@ -169,8 +179,9 @@ def basis_gemm(
     BH = min(1024, triton.next_power_of_2(H))
     _basis_finish_kernel[(M, triton.cdiv(H, BH))](
         part, S, factor, alpha if alpha is not None else factor, y, w, w.stride(0),
-        out, out.stride(0), n_valid, row0, M, H,
-        HAS_ALPHA=alpha is not None, BH=BH, num_warps=4,
+        out, out.stride(0), out_lo if out_lo is not None else out,
+        out_lo.stride(0) if out_lo is not None else 0, n_valid, row0, M, H,
+        HAS_ALPHA=alpha is not None, SPLIT=out_lo is not None, BH=BH, num_warps=4,
     )
     return out
 

@@ -27,10 +27,11 @@ fp32's exponent range, so G' keeps 8 significant bits whatever the shift, as lon
 overflows nor drops mass that matters:
   - max z₂ − c_r ≤ CLAMP2 (64): G' ≤ 2^64 and G'W sums stay far inside fp32. A row beyond it
     (max z − z_y > 96 ln 2 ≈ 66.5 nats, i.e. log p(target) below about −66) is *flagged* (some
-    r_t > c_r): its factor is 0 (its G', still ≤ 2^64, contributes exactly nothing) and
-    `fixup_flagged` adds its exact contribution from W directly; its lse, entropy and argmax
-    are exact as for any row. Such a row is a target of probability < e^-66: never sampled,
-    and a broken model in SFT; correct, but slow (one pass over W per row).
+    r_t > c_r): its factor is α alone and `rewrite_flagged` replaces its G' row with p itself
+    (exp(z − lse), recomputed from W and x in fp32, stored in bf16) before GEMMs 2 and 3, which
+    then treat it as any other row; its lse, entropy and argmax are exact as for any row. Such
+    a row is a target of probability < e^-66: never sampled, and a broken model in SFT;
+    correct, but slow (one pass over W per row).
   - c_r ≤ max z₂ + SHIFT2 (32), since z_y ≤ max z (up to the rounding of two fp32 sums of
     the same products): the entries G' rounds to 0 (z₂ < c_r − 126) carry
     < V · 2^(−126 + 32) ≈ 1e-23 of the row's mass (the same terms drop out of s_t).
@@ -255,28 +256,27 @@ if HAS_TMA:
             # the G' launch's references are c unless a tile's max exceeded c + CLAMP
             c2 = zy2 + SHIFT
             flag = (r > c2) & valid
-            factor = tl.exp2(c2 - lse2)
             if HAS_ALPHA:
-                factor *= tl.load(alpha_ptr + rows, mask=valid, other=0.0)
-            tl.store(factor_ptr + rows, tl.where(flag | ~valid, 0.0, factor), mask=rmask)
+                a = tl.load(alpha_ptr + rows, mask=valid, other=0.0)
+            else:
+                a = tl.where(valid, 1.0, 0.0)
+            # a flagged row's G' row becomes p itself (rewrite_flagged): its factor is α
+            factor = tl.where(flag, a, a * tl.exp2(c2 - lse2))
+            tl.store(factor_ptr + rows, tl.where(valid, factor, 0.0), mask=rmask)
             n_here = tl.sum(flag.to(tl.int32), axis=0)
             first = tl.atomic_add(n_flag_ptr, n_here)
             pos = first + tl.cumsum(flag.to(tl.int32), axis=0) - 1
-            tl.store(flag_rows_ptr + pos, row0 + rows, mask=flag)  # rows of the call
+            tl.store(flag_rows_ptr + pos, rows, mask=flag)  # rows of the chunk
 
     @triton.jit
-    def _fixup_kernel(
-        x_ptr, stride_x, w_ptr, stride_w, b_ptr,
-        flag_rows_ptr, n_flag_ptr, lse_ptr, alpha_ptr,
-        basis_ptr, stride_basis, dw_ptr, stride_dw,
-        V, H, inv_tau,
-        HAS_BIAS: tl.constexpr, HAS_ALPHA: tl.constexpr,
-        WANT_BASIS: tl.constexpr, WANT_DW: tl.constexpr,
-        BV: tl.constexpr, BH: tl.constexpr,
+    def _rewrite_flagged_kernel(
+        x_ptr, stride_x, w_ptr, stride_w, b_ptr, g_ptr, stride_g,
+        flag_rows_ptr, n_flag_ptr, lse_ptr, V, H, inv_tau,
+        HAS_BIAS: tl.constexpr, ROUND_BF16: tl.constexpr, BV: tl.constexpr, BH: tl.constexpr,
     ):
-        # One program per block of BV vocabulary rows; for each flagged row r (usually none:
-        # the loop count is read on the device, no host sync) it recomputes z = W_blk x_r and
-        # p = exp(z − lse_r) exactly in fp32 and adds α p W_blk to basis[r], α p ⊗ x_r to dW_blk.
+        # One program per block of BV vocabulary rows; for each flagged row r of the chunk
+        # (usually none: the loop count is read on the device, no host sync) it recomputes
+        # z = W_blk x_r in fp32 and stores p = exp(z − lse_r) over G'[r, blk].
         v = tl.program_id(0) * BV + tl.arange(0, BV)
         vmask = v < V
         v64 = v.to(tl.int64)
@@ -294,23 +294,9 @@ if HAS_TMA:
             if HAS_BIAS:
                 z += tl.load(b_ptr + v, mask=vmask, other=0.0).to(tl.float32)
             p = tl.exp(z * inv_tau - tl.load(lse_ptr + r))
-            if HAS_ALPHA:
-                p *= tl.load(alpha_ptr + r)
-            p = tl.where(vmask, p, 0.0)
-            for h0 in range(0, H, BH):
-                hh = h0 + tl.arange(0, BH)
-                hmask = hh < H
-                m2 = vmask[:, None] & hmask[None, :]
-                if WANT_BASIS:
-                    w = tl.load(w_ptr + v64[:, None] * stride_w + hh[None, :], mask=m2,
-                                other=0.0).to(tl.float32)
-                    tl.atomic_add(basis_ptr + r * stride_basis + hh,
-                                  tl.sum(p[:, None] * w, axis=0), mask=hmask)
-                if WANT_DW:
-                    x = tl.load(x_ptr + r * stride_x + hh, mask=hmask, other=0.0).to(tl.float32)
-                    dwp = dw_ptr + v64[:, None] * stride_dw + hh[None, :]
-                    tl.store(dwp, tl.load(dwp, mask=m2, other=0.0) + p[:, None] * x[None, :],
-                             mask=m2)
+            if ROUND_BF16:
+                p = round_to_bf16(p)
+            tl.store(g_ptr + r * stride_g + v, p.to(g_ptr.dtype.element_ty), mask=vmask)
 
 
 def fused_supported(h: torch.Tensor, w: torch.Tensor, *, gathered: bool = False) -> bool:
@@ -443,9 +429,9 @@ def reduce_partials(
 
     `factor` is given exactly when the partials come from a launch with G' (the operand is only
     ever wanted with its factor): then also the per-row factor α · 2^(c₂ − lse₂), c₂ = zy₂ + SHIFT2,
-    that turns G' into α · p (0 for a flagged row), and appends the flagged rows to `flag_rows`
-    as rows of the call (row0 + row of the chunk), counting them in `n_flag` (int32, (1,),
-    zeroed by the caller once per call: `fixup_flagged` then serves every chunk at once).
+    that turns G' into α · p (α for a flagged row), and lists the flagged rows in `flag_rows`
+    as rows of the chunk, counting them in `n_flag` (int32, (1,), zeroed by the caller), for
+    `rewrite_flagged` to replace their G' rows with p before the chunk's GEMMs 2 and 3.
     """
     lse, z_y, ent, amax = out
     m_buf = parts["m"]
@@ -477,30 +463,25 @@ def _count(n_valid: torch.Tensor | None, default: int, device) -> torch.Tensor:
     return torch.full((1,), default, device=device, dtype=torch.int32)
 
 
-def fixup_flagged(
+def rewrite_flagged(
+    g: torch.Tensor,
     x: torch.Tensor,
     w: torch.Tensor,
     bias: torch.Tensor | None,
     inv_tau: float,
     lse: torch.Tensor,
-    alpha: torch.Tensor | None,
     flag_rows: torch.Tensor,
     n_flag: torch.Tensor,
-    *,
-    basis: torch.Tensor | None = None,
-    grad_weight: torch.Tensor | None = None,
 ) -> None:
-    """Add the exact α p W (to basis rows) and α p ⊗ x (to grad_weight) of the flagged rows."""
+    """Over the G' rows (M, V) of a chunk, the exact p of its flagged rows (the first n_flag
+    entries of flag_rows, rows of the chunk, as reduce_partials lists them), from the chunk's
+    rows x (M, H), w, bias, 1/τ and lse (M,) (natural units). One pass over W per flagged row;
+    one launch that returns at once when there is none."""
     V, H = w.shape
     BV, BH = 64, 128
-    _fixup_kernel[(triton.cdiv(V, BV),)](
-        x, x.stride(0), w, w.stride(0), bias if bias is not None else lse,
-        flag_rows, n_flag, lse, alpha if alpha is not None else lse,
-        basis if basis is not None else lse, basis.stride(0) if basis is not None else 0,
-        grad_weight if grad_weight is not None else lse,
-        grad_weight.stride(0) if grad_weight is not None else 0,
-        V, H, inv_tau,
-        HAS_BIAS=bias is not None, HAS_ALPHA=alpha is not None,
-        WANT_BASIS=basis is not None, WANT_DW=grad_weight is not None,
+    _rewrite_flagged_kernel[(triton.cdiv(V, BV),)](
+        x, x.stride(0), w, w.stride(0), bias if bias is not None else lse, g, g.stride(0),
+        flag_rows, n_flag, lse, V, H, inv_tau,
+        HAS_BIAS=bias is not None, ROUND_BF16=g.dtype == torch.bfloat16 and not g.is_cuda,
         BV=BV, BH=BH, num_warps=4,
     )

@@ -27,6 +27,7 @@ if HAS_TRITON:
     import triton.language as tl
 
     from grpo_lce.kernels._tma_common import round_to_bf16
+    from grpo_lce.kernels.split_float import load_split
 
     @triton.jit
     def _gather_rows_kernel(
@@ -58,9 +59,10 @@ if HAS_TRITON:
 
     @triton.jit
     def _scatter_rows_kernel(
-        u_ptr, wu_ptr, su, v_ptr, wv_ptr, sv, order_ptr, n_valid_ptr, out_ptr,
-        N, H, stride_un, stride_vn, stride_on,
-        WU_KIND: tl.constexpr, HAS_V: tl.constexpr, WV_KIND: tl.constexpr,
+        u_ptr, ulo_ptr, wu_ptr, su, v_ptr, wv_ptr, sv, order_ptr, n_valid_ptr, out_ptr,
+        N, H, stride_un, stride_ulo, stride_vn, stride_on,
+        U_SPLIT: tl.constexpr, WU_KIND: tl.constexpr, HAS_V: tl.constexpr,
+        WV_KIND: tl.constexpr,
         ROUND_BF16: tl.constexpr, BR: tl.constexpr, BH: tl.constexpr,
     ):
         rows = tl.program_id(0) * BR + tl.arange(0, BR)
@@ -76,7 +78,11 @@ if HAS_TRITON:
             cmask = cols[None, :] < H
             # loads masked to the valid rows: a NaN basis row past them still gives 0
             lmask = valid[:, None] & cmask
-            acc = tl.load(u_ptr + r64 * stride_un + cols[None, :], mask=lmask, other=0.0)
+            if U_SPLIT:  # fp32 kept in 3 bytes (kernels/split_float)
+                acc = load_split(u_ptr + r64 * stride_un + cols[None, :],
+                                 ulo_ptr + r64 * stride_ulo + cols[None, :], lmask)
+            else:
+                acc = tl.load(u_ptr + r64 * stride_un + cols[None, :], mask=lmask, other=0.0)
             acc = acc * a[:, None]
             if HAS_V:
                 v = tl.load(v_ptr + r64 * stride_vn + cols[None, :], mask=lmask, other=0.0)
@@ -111,20 +117,22 @@ def _kind(w: torch.Tensor | None) -> int:
 def scatter_rows(
     u: torch.Tensor, w_u: torch.Tensor | None, order: torch.Tensor, n_valid: torch.Tensor,
     dtype: torch.dtype, *, s_u: float = 1.0, v: torch.Tensor | None = None,
-    w_v: torch.Tensor | None = None, s_v: float = 1.0,
+    w_v: torch.Tensor | None = None, s_v: float = 1.0, u_lo: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """d (N, H) in `dtype`, d[order[i]] = a_i u[i] + b_i v[i] (module docstring). u, v (N, H)
-    fp32, contiguous rows; w_u, w_v (N,) per caller row (contiguous), 0-dim, or None (1)."""
+    fp32, contiguous rows, or u split in 3 bytes: bf16 u and uint8 `u_lo` (kernels/split_float);
+    w_u, w_v (N,) per caller row (contiguous), 0-dim, or None (1)."""
     N, H = u.shape
     out = torch.empty(N, H, device=u.device, dtype=dtype)
     if N == 0:
         return out
     has_v = v is not None
     _scatter_rows_kernel[(triton.cdiv(N, _BR),)](
-        u, u if w_u is None else w_u, s_u, v if has_v else u,
+        u, u if u_lo is None else u_lo, u if w_u is None else w_u, s_u, v if has_v else u,
         u if w_v is None else w_v, s_v, order, n_valid, out,
-        N, H, u.stride(0), v.stride(0) if has_v else 0, out.stride(0),
-        WU_KIND=_kind(w_u), HAS_V=has_v, WV_KIND=_kind(w_v),
+        N, H, u.stride(0), 0 if u_lo is None else u_lo.stride(0),
+        v.stride(0) if has_v else 0, out.stride(0),
+        U_SPLIT=u_lo is not None, WU_KIND=_kind(w_u), HAS_V=has_v, WV_KIND=_kind(w_v),
         ROUND_BF16=dtype == torch.bfloat16 and not u.is_cuda, BR=_BR, BH=_BH, num_warps=4,
     )
     return out

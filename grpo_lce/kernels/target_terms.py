@@ -2,7 +2,7 @@
 
 For the k valid rows of a chunk, x (k, H) bf16, factor f (k,), α (k,) (None: 1), targets y:
 
-    basis_i = f_i · (G' W)_i − α_i · W[y_i]      in place over GEMM 2's output  } one kernel:
+    basis_i = f_i · (G' W)_i − α_i · W[y_i]      from GEMM 2's fp32 output      } one kernel:
     xf_i    = bf16(f_i · x_i)                     GEMM 3's operand               } finish_basis...
     dW[y_i] −= α_i · x_i                          the e_y part of dW (atomics)     scatter_target
 
@@ -23,6 +23,7 @@ if HAS_TRITON:
     import triton.language as tl
 
     from grpo_lce.kernels._tma_common import round_to_bf16
+    from grpo_lce.kernels.split_float import store_split
 
     @triton.jit
     def _target_and_alpha(y_ptr, a_ptr, rows, rmask, HAS_ALPHA: tl.constexpr):
@@ -36,9 +37,10 @@ if HAS_TRITON:
 
     @triton.jit
     def _finish_basis_kernel(
-        basis_ptr, f_ptr, a_ptr, y_ptr, w_ptr, xf_ptr, x_ptr, k, H,
-        stride_b, stride_w, stride_xf, stride_x,
-        HAS_ALPHA: tl.constexpr, WANT_BASIS: tl.constexpr, WANT_XF: tl.constexpr,
+        gw_ptr, basis_ptr, lo_ptr, f_ptr, a_ptr, y_ptr, w_ptr, xf_ptr, x_ptr, k, H,
+        stride_gw, stride_b, stride_lo, stride_w, stride_xf, stride_x,
+        HAS_ALPHA: tl.constexpr, WANT_BASIS: tl.constexpr, SPLIT: tl.constexpr,
+        WANT_XF: tl.constexpr,
         ROUND_BF16: tl.constexpr, BR: tl.constexpr, BH: tl.constexpr,
     ):
         rows = tl.program_id(0) * BR + tl.arange(0, BR)
@@ -51,9 +53,14 @@ if HAS_TRITON:
             cols = h0 + tl.arange(0, BH)[None, :]
             m2 = rmask[:, None] & (cols < H)
             if WANT_BASIS:
-                bp = basis_ptr + r64 * stride_b + cols
+                gw = tl.load(gw_ptr + r64 * stride_gw + cols, mask=m2, other=0.0)
                 wy = tl.load(w_ptr + y * stride_w + cols, mask=m2, other=0.0).to(tl.float32)
-                tl.store(bp, f * tl.load(bp, mask=m2, other=0.0) - a * wy, mask=m2)
+                basis = f * gw - a * wy
+                if SPLIT:  # fp32 in 3 bytes (kernels/split_float)
+                    store_split(basis_ptr + r64 * stride_b + cols, lo_ptr + r64 * stride_lo + cols,
+                                basis, m2)
+                else:
+                    tl.store(basis_ptr + r64 * stride_b + cols, basis, mask=m2)
             if WANT_XF:
                 xf = f * tl.load(x_ptr + r64 * stride_x + cols, mask=m2, other=0.0).to(tl.float32)
                 if ROUND_BF16:  # the interpreter's cast truncates (see round_to_bf16)
@@ -80,21 +87,27 @@ _BR, _BH = 16, 256
 
 
 def finish_basis_and_scale_rows(
-    basis: torch.Tensor | None, x: torch.Tensor, factor: torch.Tensor,
-    alpha: torch.Tensor | None, y: torch.Tensor, w: torch.Tensor, want_xf: bool,
+    gw: torch.Tensor | None, basis: torch.Tensor | None, basis_lo: torch.Tensor | None,
+    x: torch.Tensor, factor: torch.Tensor, alpha: torch.Tensor | None, y: torch.Tensor,
+    w: torch.Tensor, want_xf: bool,
 ) -> torch.Tensor | None:
-    """In place: basis (k, H) fp32 (G' W) -> f ∘ basis − α ∘ W[y] (when given); returns xf = f ∘ x
-    in x's dtype when `want_xf` (module docstring). x (k, H), w (V, H): unit column stride."""
+    """basis (k, H) = f ∘ gw − α ∘ W[y] from GEMM 2's fp32 output gw (k, H) (when given): fp32
+    (basis may be gw itself), or with `basis_lo` (k, H) uint8 split over a bf16 basis and
+    basis_lo (kernels/split_float; the bf16 half may be rows of x when want_xf is False).
+    Returns xf = f ∘ x in x's dtype when `want_xf` (module docstring). x (k, H), w (V, H):
+    unit column stride."""
     k, H = x.shape
     xf = torch.empty_like(x) if want_xf else None
-    if k == 0 or (basis is None and not want_xf):
+    if k == 0 or (gw is None and not want_xf):
         return xf
+    want_basis, split = gw is not None, basis_lo is not None
     _finish_basis_kernel[(triton.cdiv(k, _BR),)](
-        basis if basis is not None else x, factor, alpha if alpha is not None else factor, y, w,
-        xf if want_xf else x, x, k, H,
-        basis.stride(0) if basis is not None else 0, w.stride(0),
-        xf.stride(0) if want_xf else 0, x.stride(0),
-        HAS_ALPHA=alpha is not None, WANT_BASIS=basis is not None, WANT_XF=want_xf,
+        gw if want_basis else x, basis if want_basis else x, basis_lo if split else x, factor,
+        alpha if alpha is not None else factor, y, w, xf if want_xf else x, x, k, H,
+        gw.stride(0) if want_basis else 0, basis.stride(0) if want_basis else 0,
+        basis_lo.stride(0) if split else 0, w.stride(0), xf.stride(0) if want_xf else 0,
+        x.stride(0),
+        HAS_ALPHA=alpha is not None, WANT_BASIS=want_basis, SPLIT=split, WANT_XF=want_xf,
         ROUND_BF16=x.dtype == torch.bfloat16 and not x.is_cuda, BR=_BR, BH=_BH, num_warps=4,
     )
     return xf
