@@ -40,9 +40,9 @@ from grpo_lce._chunks import compact_rows
 from grpo_lce._head_fused import use_fused
 from grpo_lce.kernels.partition import partition_rows
 from grpo_lce.kernels.row_gather import gather_rows, scatter_rows
+from grpo_lce.kernels.row_softmax import select_backend
 from grpo_lce.kernels.scale_cast import scale_cast
 from grpo_lce.kernels.split_float import join as join_split
-from grpo_lce.kernels.row_softmax import select_backend
 
 
 def sync_checks() -> bool:

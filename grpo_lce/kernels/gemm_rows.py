@@ -33,7 +33,7 @@ if HAS_TMA:
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     from grpo_lce.kernels._tma_common import dot_acc, tile_coords, valid_in_chunk
-    from grpo_lce.kernels.split_float import store_split
+    from grpo_lce.kernels.split_float import store_f32
 
     @triton.jit(do_not_specialize=["row0"])
     def _basis_partial_kernel(
@@ -81,11 +81,8 @@ if HAS_TMA:
             a = tl.load(alpha_ptr + r) if HAS_ALPHA else 1.0
             val = tl.load(factor_ptr + r) * val - a * w_y
         r64 = r.to(tl.int64)
-        if SPLIT:  # fp32 in 3 bytes (kernels/split_float)
-            store_split(out_ptr + r64 * stride_out + cols, lo_ptr + r64 * stride_lo + cols, val,
-                        cmask)
-        else:
-            tl.store(out_ptr + r64 * stride_out + cols, val, mask=cmask)
+        store_f32(out_ptr + r64 * stride_out + cols, lo_ptr + r64 * stride_lo + cols, val, cmask,
+                  SPLIT)
 
     @triton.jit(do_not_specialize=["row0"])
     def _grad_w_kernel(

@@ -32,6 +32,15 @@ if HAS_TRITON:
         tl.store(lo_ptrs, ((bits >> 8) & 0xFF).to(tl.uint8), mask=mask)
 
     @triton.jit
+    def store_f32(ptrs, lo_ptrs, val, mask, SPLIT: tl.constexpr):
+        """Store fp32 `val` at ptrs (fp32), or split over ptrs (bf16) and lo_ptrs when SPLIT:
+        the two formats of the gradient basis (fp32 unfused, 3 bytes fused)."""
+        if SPLIT:
+            store_split(ptrs, lo_ptrs, val, mask)
+        else:
+            tl.store(ptrs, val, mask=mask)
+
+    @triton.jit
     def load_split(hi_ptrs, lo_ptrs, mask):
         """The fp32 values of store_split (0 where masked)."""
         hi = tl.load(hi_ptrs, mask=mask, other=0.0).to(tl.uint16, bitcast=True).to(tl.uint32)

@@ -23,7 +23,7 @@ if HAS_TRITON:
     import triton.language as tl
 
     from grpo_lce.kernels._tma_common import round_to_bf16
-    from grpo_lce.kernels.split_float import store_split
+    from grpo_lce.kernels.split_float import store_f32
 
     @triton.jit
     def _target_and_alpha(y_ptr, a_ptr, rows, rmask, HAS_ALPHA: tl.constexpr):
@@ -55,12 +55,8 @@ if HAS_TRITON:
             if WANT_BASIS:
                 gw = tl.load(gw_ptr + r64 * stride_gw + cols, mask=m2, other=0.0)
                 wy = tl.load(w_ptr + y * stride_w + cols, mask=m2, other=0.0).to(tl.float32)
-                basis = f * gw - a * wy
-                if SPLIT:  # fp32 in 3 bytes (kernels/split_float)
-                    store_split(basis_ptr + r64 * stride_b + cols, lo_ptr + r64 * stride_lo + cols,
-                                basis, m2)
-                else:
-                    tl.store(basis_ptr + r64 * stride_b + cols, basis, mask=m2)
+                store_f32(basis_ptr + r64 * stride_b + cols, lo_ptr + r64 * stride_lo + cols,
+                          f * gw - a * wy, m2, SPLIT)
             if WANT_XF:
                 xf = f * tl.load(x_ptr + r64 * stride_x + cols, mask=m2, other=0.0).to(tl.float32)
                 if ROUND_BF16:  # the interpreter's cast truncates (see round_to_bf16)
