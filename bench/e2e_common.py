@@ -1,4 +1,4 @@
-"""Pieces of scripts/bench_e2e.py that run inside a worker process: model shapes, building and
+"""Pieces of bench/e2e.py that run inside a worker process: model shapes, building and
 loading the random models, the synthetic batches, one timed + memory-measured call.
 
 Everything here imports torch / transformers lazily or is plain Python, so the driver (which must

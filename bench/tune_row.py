@@ -1,6 +1,6 @@
 """Sweep the row kernel's launch config and the chunk budget on a GPU; prints a table.
 
-    python scripts/tune_row.py            # N=8192, H=2048, V=128256, bf16
+    python -m bench.tune_row            # N=8192, H=2048, V=128256, bf16
 The chosen values go into grpo_lce/kernels/_tuning.py and grpo_lce/_chunks.py by hand.
 """
 

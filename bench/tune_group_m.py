@@ -1,6 +1,6 @@
 """Interleaved A/B of the G' launch's tile-group size (kernels/gemm_softmax.group_m) on a GPU.
 
-    python scripts/tune_group_m.py [--rounds 6] [--shapes qwen-0.5b,llama-1b,llama-8b]
+    python -m bench.tune_group_m [--rounds 6] [--shapes qwen-0.5b,llama-1b,llama-8b]
         [--groups 8,16,32]
 
 Per shape, CE mean with a trainable head (bench_head's case iii: 4096-row chunks, 32 row tiles)
@@ -15,7 +15,7 @@ import statistics
 
 import torch
 import triton.testing
-from bench_head import SHAPES  # the benchmark's head shapes (scripts/ is on sys.path)
+from bench.head import SHAPES
 
 from grpo_lce import linear_cross_entropy
 from grpo_lce.kernels import _tuning

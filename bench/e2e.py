@@ -43,7 +43,7 @@ Parts (--parts):
 Each (part, model, system) runs in its own worker process (`--worker`), which writes one JSON
 line per measurement as soon as it has it; the driver launches the workers, stops starting new
 ones after --budget-min, and then writes the tables, plots and JSON from all lines so far. TRL
-1.13 and 1.16 cannot share a process, so unlike the kernel benchmark (bench_head.py), the systems
+1.13 and 1.16 cannot share a process, so unlike the kernel benchmark (bench/head.py), the systems
 here are compared across processes, one at a time on the same GPU. A system that is not
 installed is recorded as "n/a: not installed"; an out-of-memory point as OOM (larger points of the
 same sweep are then skipped as OOM).
@@ -57,15 +57,15 @@ GPU (from the project root; `.whl/` from ../shared/gpu/wheels.sh and `.whl113/` 
 trl-1.13.0-py3-none-any.whl, both carried). Quick run (1b; grpo L 1024/4096, sft T 1024/4096,
 lossmatch 10 SFT + 5 GRPO steps; ~6 min on an H200):
 
-    python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl; python3 -m pip install -q --no-index --no-deps --target /tmp/site113 .whl113/trl-1.13.0-py3-none-any.whl; export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1; python3 scripts/bench_e2e.py --quick --budget-min 8.5
+    python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl; python3 -m pip install -q --no-index --no-deps --target /tmp/site113 .whl113/trl-1.13.0-py3-none-any.whl; export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1; python3 -m bench.e2e --quick --budget-min 8.5
 
 Full run, one 10-minute call per line, each adding to the same results (--resume):
 
-    python3 scripts/bench_e2e.py --models 1b --parts grpo --resume --budget-min 8.5
-    python3 scripts/bench_e2e.py --models 1b --parts sft --resume --budget-min 8.5
-    python3 scripts/bench_e2e.py --models 1b --parts fit --resume --budget-min 8.5
-    python3 scripts/bench_e2e.py --models 1b --parts lossmatch --resume --budget-min 8.5
-    python3 scripts/bench_e2e.py --models 8b --parts grpo --systems ours,trl116,trl113 --reps 2 --resume --budget-min 8.5
+    python3 -m bench.e2e --models 1b --parts grpo --resume --budget-min 8.5
+    python3 -m bench.e2e --models 1b --parts sft --resume --budget-min 8.5
+    python3 -m bench.e2e --models 1b --parts fit --resume --budget-min 8.5
+    python3 -m bench.e2e --models 1b --parts lossmatch --resume --budget-min 8.5
+    python3 -m bench.e2e --models 8b --parts grpo --systems ours,trl116,trl113 --reps 2 --resume --budget-min 8.5
 
 (the committed 8b run: --lengths 512,1024,2048,4096,8192,16384 --batches 8,16,32 over three
 calls; its fit table is read off that grid). `--report-only H200` rewrites the tables, plots
@@ -75,7 +75,7 @@ and JSON from e2e_H200.jsonl without running anything.
 
 CPU smoke run (tiny offline Llama, no 4-bit, two lengths, 2 loss-match steps):
 
-    python scripts/bench_e2e.py --tiny --device cpu
+    python3 -m bench.e2e --tiny --device cpu
 
 Writes to --out-dir (default bench/results): e2e_<GPU>[_quick|_tiny].jsonl (raw lines),
 .json (all records + environment per system), .md (tables) and _grpo_<model>.png /
@@ -95,10 +95,8 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-sys.path.insert(0, str(HERE))
-sys.path.insert(1, str(ROOT))
 
-import _e2e_common as E  # noqa: E402
+from bench import e2e_common as E
 
 GRPO_SYSTEMS = ("ours", "ours_padded", "ours_packed", "trl116", "trl113")
 # ours: the default packing="auto", which under sdpa on CUDA packs through torch's varlen
@@ -162,7 +160,7 @@ class Sink:
 def worker_env(device: str) -> dict:
     import torch
 
-    import _bench_common as bc
+    from bench import common as bc
 
     info = bc.env_info(torch.device(device))
     for pkg in ("transformers", "trl", "peft", "accelerate", "bitsandbytes", "liger-kernel"):
@@ -701,12 +699,12 @@ def run_job(job, a, jsonl: Path, deadline: float) -> None:
         return
     while todo and time.time() < deadline:
         print(f"[{job['part']} {job['model']} {job['system']}] {len(todo)} task(s)", flush=True)
-        cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "--part", job["part"],
+        cmd = [sys.executable, "-m", "bench.e2e", "--worker", "--part", job["part"],
                "--model", job["model"], "--system", job["system"], "--tasks", json.dumps(todo),
                "--jsonl", str(jsonl), "--deadline", str(deadline), "--device", a.device,
                "--model-cache", a.model_cache, "--reps", str(a.reps),
                "--trl113-path", a.trl113_path]
-        proc = subprocess.Popen(cmd, env=worker_env_vars(job["system"], a),
+        proc = subprocess.Popen(cmd, env=worker_env_vars(job["system"], a), cwd=ROOT,
                                 start_new_session=True)
         try:
             rc = proc.wait(timeout=max(1.0, deadline + a.grace_s - time.time()))
@@ -997,7 +995,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tiny", action="store_true",
                    help="tiny offline Llama, no 4-bit: a CPU smoke run of every code path")
     p.add_argument("--device", default=None, help="cuda (default when available) or cpu")
-    p.add_argument("--out-dir", default=str(ROOT / "bench" / "results"))
+    p.add_argument("--out-dir", default=str(HERE / "results"))
     p.add_argument("--report-only", metavar="TAG", default=None,
                    help="run nothing: rewrite e2e_TAG.{md,json,png} from e2e_TAG.jsonl in "
                    "--out-dir")

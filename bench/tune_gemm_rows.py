@@ -1,6 +1,6 @@
 """Sweep the row-bounded GEMMs 2 and 3 (kernels/gemm_rows.py) on a GPU against cuBLAS.
 
-    python scripts/tune_gemm_rows.py [--shapes llama-1b,qwen-0.5b,llama-8b] [--ops basis,grad_w]
+    python -m bench.tune_gemm_rows [--shapes llama-1b,qwen-0.5b,llama-8b] [--ops basis,grad_w]
         [--json out.json]
 
 Per shape (one chunk of the fused loop, its rows from grpo_lce's default chunk sizing for a
@@ -21,7 +21,7 @@ import json
 
 import torch
 import triton.testing
-from bench_head import SHAPES  # the benchmark's head shapes (scripts/ is on sys.path)
+from bench.head import SHAPES
 
 from grpo_lce._chunks import MIN_ROWS_GRAD_WEIGHT_FUSED, fused_chunk_size
 from grpo_lce.kernels import gemm_rows as gr

@@ -1,6 +1,6 @@
 """Sweep the fused GEMM 1 (kernels/gemm_softmax.py) configurations on a GPU against cuBLAS.
 
-    python scripts/tune_gemm.py [--h 2048] [--v 128256] [--n 8192] [--chunk 1024]
+    python -m bench.tune_gemm [--h 2048] [--v 128256] [--n 8192] [--chunk 1024]
 
 For each configuration: the statistics-only launch over all N rows (log-probs without gradient)
 and the statistics + G' launch over chunks of `--chunk` rows (the gradient paths), each against

@@ -1,6 +1,6 @@
 """Per-kernel GPU time of one grpo_lce call (torch.profiler), to see where a case's time goes.
 
-    python scripts/profile_head.py [--case i|ii|iii|iv] [--n 8192 --h 2048 --v 128256]
+    python -m bench.profile_head [--case i|ii|iii|iv] [--n 8192 --h 2048 --v 128256]
         [--chunk-size C]
 """
 

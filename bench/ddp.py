@@ -4,7 +4,7 @@ One step per rank = what GRPO does between generations for one micro-batch: the 
 log-prob pass (adapter disabled, no grad) and `compute_loss` + backward through the DDP wrapper
 (β = 0.04, so the reference log-probs enter the loss; loss_type dapo). Each rank scores its own
 synthetic ragged batch of G completions of up to L tokens after a 64-token prompt (56 % mean
-fill at G=8, as scripts/_e2e_common.grpo_batch builds it). Model: Llama-3.2-1B shape (hidden
+fill at G=8, as bench.e2e_common.grpo_batch builds it). Model: Llama-3.2-1B shape (hidden
 2048, 16 layers, 32/8 heads, intermediate 8192, vocab 128256, tied), random init, NF4 4-bit with
 double quantization and bf16 compute, LoRA r=16 on all linear layers, gradient checkpointing.
 
@@ -15,15 +15,15 @@ scaling efficiency tokens/s(P) / (P · tokens/s(1)) when both runs are in bench/
 
 Two GPUs (from the project root; each command writes its JSON, the second also the .md table):
 
-    torchrun --nproc_per_node 1 scripts/bench_ddp.py
-    torchrun --nproc_per_node 2 scripts/bench_ddp.py
+    torchrun --nproc_per_node 1 -m bench.ddp
+    torchrun --nproc_per_node 2 -m bench.ddp
 
-or both in one go, spawning the ranks itself:  python scripts/bench_ddp.py --nprocs 1,2
-Longer completions:  torchrun --nproc_per_node 2 scripts/bench_ddp.py --lengths 1024,4096
+or both in one go, spawning the ranks itself:  python3 -m bench.ddp --nprocs 1,2
+Longer completions:  torchrun --nproc_per_node 2 -m bench.ddp --lengths 1024,4096
 
 CPU smoke run (tiny fp32 Llama, gloo, no quantization; checks the plumbing, not the speed):
 
-    python scripts/bench_ddp.py --tiny --device cpu --nprocs 1,2
+    python3 -m bench.ddp --tiny --device cpu --nprocs 1,2
 
 Writes bench/results/bench_ddp_<GPU>_<P>proc.json (one per world size) and bench_ddp_<GPU>.md
 (`_tiny` in the names for --tiny runs).
@@ -41,13 +41,12 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
+import torch
+import torch.distributed as dist
 
-from _bench_common import RESULTS_DIR, env_info, gpu_short_name, package_version  # noqa: E402
-from _e2e_common import (  # noqa: E402
+from bench.common import RESULTS_DIR, env_info, gpu_short_name, package_version
+from bench.e2e_common import (
     grpo_batch, lora_config, model_dir, prepare_for_direct_calls, summarize,
 )
 

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-RESULTS_DIR = Path(__file__).resolve().parent.parent / "bench" / "results"
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
 
 def free_memory() -> None:

@@ -26,14 +26,14 @@ Before timing, grpo_lce is checked against the fp64 reference; the run aborts if
 GPU (from the project root, `.whl/` filled by ../shared/gpu/wheels.sh and carried; aimed at
 ~6 min on an H100 for the three shapes, torch.compile's compilations included):
 
-    python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl; export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1; python3 scripts/bench_head.py
+    python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl; export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1; python3 -m bench.head
 
-    python3 scripts/bench_head.py --quick                         # smoke shape, ~1 min
-    python3 scripts/bench_head.py --shapes llama-1b --cases i,ii --competitors trl,grpo_lce
+    python3 -m bench.head --quick                         # smoke shape, ~1 min
+    python3 -m bench.head --shapes llama-1b --cases i,ii --competitors trl,grpo_lce
 
 CPU smoke run (eager, torch.compile, TRL and grpo_lce's torch fallback; no CUDA timers):
 
-    python scripts/bench_head.py --quick --device cpu
+    python3 -m bench.head --quick --device cpu
 
 Writes bench/results/bench_head_<GPU>.json and .md (and .png when matplotlib is there);
 `--quick` runs write bench_head_<GPU>_quick.*.
@@ -53,12 +53,10 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(1, str(Path(__file__).resolve().parent.parent))
 
-import _bench_common as bc  # noqa: E402
-import grpo_lce  # noqa: E402
-from grpo_lce.reference import logits_ref, logprobs_ref  # noqa: E402
+from bench import common as bc
+import grpo_lce
+from grpo_lce.reference import logits_ref, logprobs_ref
 
 # name -> (N tokens, H hidden, V vocabulary)
 SHAPES = {
