@@ -91,15 +91,51 @@ def gpu_short_name(device: torch.device) -> str:
     """'H100' from 'NVIDIA H100 80GB HBM3', 'cpu' without CUDA; used in result file names."""
     if device.type != "cuda":
         return "cpu"
-    name = torch.cuda.get_device_name(device)
+    return short_gpu_name(torch.cuda.get_device_name(device))
+
+
+def short_gpu_name(name: str) -> str:
     for tok in name.replace("NVIDIA", "").split():
         if re.fullmatch(r"[A-Z]+\d+[A-Za-z]*", tok):
             return tok
     return re.sub(r"[^A-Za-z0-9]+", "_", name).strip("_") or "gpu"
 
 
+def git_commit() -> str:
+    """The measured code's commit: `git rev-parse HEAD` (with "+dirty" if the tree has changes),
+    or $BENCH_COMMIT where the tree travelled without its .git (the GPU machine)."""
+    import os
+    import subprocess
+
+    root = Path(__file__).resolve().parent.parent
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True,
+                              text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                               cwd=root, capture_output=True, text=True).stdout.strip()
+        return head + ("+dirty" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return os.environ.get("BENCH_COMMIT", "unknown")
+
+
+def gpu_tag(device: str) -> str:
+    """`gpu_short_name` read from nvidia-smi, for drivers that must not start CUDA themselves
+    (their workers measure memory); "cpu" for device "cpu"."""
+    import subprocess
+
+    if device != "cuda":
+        return "cpu"
+    try:
+        name = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+                              capture_output=True, text=True, timeout=30).stdout.splitlines()[0]
+    except (OSError, IndexError, subprocess.SubprocessError):
+        return "gpu"
+    return short_gpu_name(name)
+
+
 def env_info(device: torch.device) -> dict:
     info = {
+        "commit": git_commit(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "host": platform.node(),
         "python": platform.python_version(),

@@ -35,19 +35,20 @@ import argparse
 import json
 import os
 import socket
-import sys
 import tempfile
 import time
 from pathlib import Path
-
-ROOT = Path(__file__).resolve().parent.parent
 
 import torch
 import torch.distributed as dist
 
 from bench.common import RESULTS_DIR, env_info, gpu_short_name, package_version
 from bench.e2e_common import (
-    grpo_batch, lora_config, model_dir, prepare_for_direct_calls, summarize,
+    grpo_batch,
+    lora_config,
+    model_dir,
+    prepare_for_direct_calls,
+    summarize,
 )
 
 

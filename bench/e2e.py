@@ -87,16 +87,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+from bench import common as bc
+from bench import e2e_common as E
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-
-from bench import e2e_common as E
 
 GRPO_SYSTEMS = ("ours", "ours_padded", "ours_packed", "trl116", "trl113")
 # ours: the default packing="auto", which under sdpa on CUDA packs through torch's varlen
@@ -160,7 +160,7 @@ class Sink:
 def worker_env(device: str) -> dict:
     import torch
 
-    from bench import common as bc
+
 
     info = bc.env_info(torch.device(device))
     for pkg in ("transformers", "trl", "peft", "accelerate", "bitsandbytes", "liger-kernel"):
@@ -594,20 +594,6 @@ def worker_main(a) -> int:
 
 
 # =========================================================================== driver
-
-
-def gpu_tag(device: str) -> str:
-    if device != "cuda":
-        return "cpu"
-    try:
-        name = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
-                              capture_output=True, text=True, timeout=30).stdout.splitlines()[0]
-    except (OSError, IndexError, subprocess.SubprocessError):
-        return "gpu"
-    for tok in name.replace("NVIDIA", "").split():
-        if re.fullmatch(r"[A-Z]+\d+[A-Za-z]*", tok):
-            return tok
-    return re.sub(r"[^A-Za-z0-9]+", "_", name).strip("_") or "gpu"
 
 
 def plan(a, grid) -> list[dict]:
@@ -1065,7 +1051,7 @@ def main(argv=None) -> int:
     deadline = t_start + 60 * a.budget_min if a.budget_min else float("inf")
     out_dir = Path(a.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    tag = gpu_tag(a.device) + ("" if grid == "full" else f"_{grid}")
+    tag = bc.gpu_tag(a.device) + ("" if grid == "full" else f"_{grid}")
     jsonl = out_dir / f"e2e_{tag}.jsonl"
     if jsonl.exists() and not a.resume:
         jsonl.rename(jsonl.with_suffix(".jsonl.bak"))

@@ -53,9 +53,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-
-from bench import common as bc
 import grpo_lce
+from bench import common as bc
 from grpo_lce.reference import logits_ref, logprobs_ref
 
 # name -> (N tokens, H hidden, V vocabulary)

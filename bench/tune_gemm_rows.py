@@ -21,8 +21,8 @@ import json
 
 import torch
 import triton.testing
-from bench.head import SHAPES
 
+from bench.head import SHAPES
 from grpo_lce._chunks import MIN_ROWS_GRAD_WEIGHT_FUSED, fused_chunk_size
 from grpo_lce.kernels import gemm_rows as gr
 from grpo_lce.kernels import gemm_softmax as gs

@@ -15,8 +15,8 @@ import statistics
 
 import torch
 import triton.testing
-from bench.head import SHAPES
 
+from bench.head import SHAPES
 from grpo_lce import linear_cross_entropy
 from grpo_lce.kernels import _tuning
 

@@ -4,11 +4,14 @@
 
 Same constructors, configs, datasets, reward functions, callbacks, PEFT and quantization
 configs as TRL 1.16.x (checked at construction). `trainers.grpo` and `trainers.sft` say what is
-overridden, what falls back to TRL's own head and what is refused.
+overridden, what falls back to TRL's own head and what is refused. `trainers.GRPOConfig` is
+`trl.GRPOConfig` plus the GRPO trainer's own options (packing, fast generation), for YAML and
+`TrlParser` workflows; a stock `trl.GRPOConfig` works too.
 """
 
 from trainers._version import SUPPORTED_TRL
+from trainers.config import GRPOConfig
 from trainers.grpo import GRPOTrainer
 from trainers.sft import SFTTrainer
 
-__all__ = ["GRPOTrainer", "SFTTrainer", "SUPPORTED_TRL"]
+__all__ = ["GRPOConfig", "GRPOTrainer", "SFTTrainer", "SUPPORTED_TRL"]

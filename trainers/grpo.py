@@ -47,12 +47,17 @@ parameters are sharded outside the module's forward).
 from __future__ import annotations
 
 import contextlib
+import time
 
 import torch
 import trl
 from transformers.utils import logging
+from trl.models import unwrap_model_for_generation
+from trl.trainer.utils import pad
 
 from trainers._version import check_trl_version
+from trainers.config import check_max_packed_tokens, normalize_packing
+from trainers.generation import FastSampler, trim_after_eos
 from trainers.head import (
     check_fused_head,
     check_parallelism,
@@ -68,36 +73,49 @@ logger = logging.get_logger(__name__)
 
 
 class GRPOTrainer(trl.GRPOTrainer):
-    """`trl.GRPOTrainer` (1.16.x) whose log-probs and entropies come from `grpo_lce`.
+    """`trl.GRPOTrainer` (1.16.x) whose log-probs and entropies come from `grpo_lce`, and whose
+    on-policy samples come from a compiled decode step on CUDA.
 
-    Same constructor and config as `trl.GRPOTrainer`, plus two keyword-only options:
+    Same constructor and config as `trl.GRPOTrainer`. Three options, read from a
+    `trainers.GRPOConfig` (stock `trl.GRPOConfig`: their defaults) or given as keywords, which
+    win over the config:
 
         packing: "auto" (default), True or False — padding-free log-prob passes (module
             docstring); also settable later as the attribute `trainer.packing`.
         max_packed_tokens: tokens per packed forward; None (default) = TRL's chunk,
             `batch_size · L`, so a pack never outgrows the padded chunk it replaces.
+        fast_generation: True (default) — on CUDA, TRL's `generate` call over a static KV
+            cache with a compiled decode step (`trainers.generation`); False — TRL's own
+            sampling. Where the compiled path cannot run it falls back with one logged line.
 
     See the module docstring for what is overridden, what falls back to TRL's head and what is
     refused.
     """
 
-    def __init__(self, *args, packing: bool | str = "auto", max_packed_tokens: int | None = None,
+    def __init__(self, *args, packing: bool | str | None = None,
+                 max_packed_tokens: int | None = None, fast_generation: bool | None = None,
                  **kwargs):
         check_trl_version("GRPOTrainer")
-        if packing not in (True, False, "auto"):
-            raise ValueError(f"packing must be True, False or 'auto', got {packing!r}")
-        if max_packed_tokens is not None and not (
-            isinstance(max_packed_tokens, int) and max_packed_tokens > 0
-        ):
-            raise ValueError(
-                f"max_packed_tokens must be a positive int or None, got {max_packed_tokens!r}")
+        if packing is not None:
+            packing = normalize_packing(packing)
+        check_max_packed_tokens(max_packed_tokens)
+        if fast_generation is not None and not isinstance(fast_generation, bool):
+            raise ValueError(f"fast_generation must be True or False, got {fast_generation!r}")
         super().__init__(*args, **kwargs)
         check_fused_head(self.model)
         if self.ref_model is not None:
             check_fused_head(self.ref_model)
         check_parallelism(self)
-        self.packing = packing
-        self.max_packed_tokens = max_packed_tokens
+        self.packing = packing if packing is not None else getattr(self.args, "packing", "auto")
+        self.max_packed_tokens = (max_packed_tokens if max_packed_tokens is not None
+                                  else getattr(self.args, "max_packed_tokens", None))
+        self.fast_generation = (fast_generation if fast_generation is not None
+                                else getattr(self.args, "fast_generation", True))
+        self._lce_sampler = FastSampler()
+        if self.fast_generation and (self.is_deepspeed_enabled or self.is_fsdp_enabled):
+            # Sharded parameters are gathered into new storage for every generate call, which
+            # a captured decode step cannot follow.
+            self._lce_sampler.disable("FSDP / DeepSpeed shard the parameters")
         self._lce_fallbacks_logged: set[str] = set()
         self._lce_packing_logged: set[str] = set()
 
@@ -211,3 +229,61 @@ class GRPOTrainer(trl.GRPOTrainer):
         if head_kwargs["return_entropy"]:
             return unpack(out[0], plan), unpack(out[1], plan)
         return unpack(out, plan), None
+
+    # ------------------------------------------------------------------ generation
+
+    def _generate(self, prompts: list):
+        """TRL's `_generate`, timed: `timing/generation_s` (sampling, tool calls included) and
+        the fast sampler's compile count and one-time cost go to the logged metrics."""
+        t0 = time.perf_counter()
+        out = super()._generate(prompts)  # returns token lists: the device work is done
+        mode = "train" if self.model.training else "eval"
+        self._metrics[mode]["timing/generation_s"].append(time.perf_counter() - t0)
+        stats = self._lce_sampler.stats
+        if stats.calls or stats.compiles:
+            self._metrics[mode]["fast_generation/compiles"].append(stats.compiles)
+            self._metrics[mode]["fast_generation/compile_s"].append(stats.compile_s)
+        return out
+
+    def _fast_generation_applies(self, images, multimodal_fields) -> bool:
+        return (self.fast_generation and not self.use_vllm
+                and not self.use_transformers_continuous_batching and images is None
+                and not multimodal_fields and not self._is_vlm
+                and self._lce_sampler.disabled_reason is None)
+
+    def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations,
+                              has_tool_images=False):
+        """TRL's regular (non-vLLM) generation with `trainers.generation.FastSampler`: the
+        same left-padded prompts, generation config and EOS trimming; anything the sampler
+        does not serve (vLLM, continuous batching, multimodal inputs, a sampler that turned
+        itself off) goes to TRL's own method."""
+        if self._fast_generation_applies(images, multimodal_fields):
+            completion_ids = self._fast_generate(prompt_ids)
+            if completion_ids is not None:
+                return completion_ids, None
+        return super()._generate_single_turn(prompt_ids, images, multimodal_fields,
+                                             num_generations, has_tool_images=has_tool_images)
+
+    def _fast_generate(self, prompt_ids) -> list[list[int]] | None:
+        device = self.accelerator.device
+        rows = [torch.tensor(ids) for ids in prompt_ids]
+        input_ids = pad(rows, padding_value=self._tokenizer.pad_token_id, padding_side="left",
+                        pad_to_multiple_of=self.pad_to_multiple_of).to(device)
+        attention_mask = pad([torch.ones_like(r) for r in rows], padding_value=0,
+                             padding_side="left",
+                             pad_to_multiple_of=self.pad_to_multiple_of).to(device)
+        with (
+            unwrap_model_for_generation(
+                self.model_wrapped, self.accelerator,
+                gather_deepspeed3_params=self.args.ds3_gather_for_generation,
+                generation_kwargs=self.generation_kwargs,
+                gradient_checkpointing_kwargs=self.args.gradient_checkpointing_kwargs,
+            ) as unwrapped_model,
+            torch.no_grad(),
+            self._dist.summon_full_params(self.model_wrapped, recurse=False),
+        ):
+            sequences = self._lce_sampler.generate(unwrapped_model, input_ids, attention_mask,
+                                                   self.generation_config)
+        if sequences is None:
+            return None
+        return trim_after_eos(sequences[:, input_ids.size(1):], self.eos_token_ids)

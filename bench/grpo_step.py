@@ -1,0 +1,459 @@
+"""The whole GRPO step inside a real `trainer.train()`: generation, scoring and the reference
+pass, loss forward and backward, optimizer step; per-part time and peak memory.
+
+Systems (one worker process each, one after the other in one call, on the same data):
+
+    trl          stock trl.GRPOTrainer (1.16), its default generation (dynamic cache, eager)
+    trl_static   the same with GRPOConfig(cache_implementation="static")
+    ours         trainers.GRPOTrainer with its defaults (fast_generation, packing="auto")
+    ours_eager   trainers.GRPOTrainer(fast_generation=False)
+
+Model: a Llama-3.2-1B- or 3.1-8B-shaped model (random init, bench.e2e_common), NF4 double-quant
+base + LoRA r=16 on every linear layer (adapters in bf16, as TRL's QLoRA set-up), SDPA,
+gradient checkpointing as TRL's train() leaves it; G = --generations completions of one
+64-token prompt per step, beta = 0.04 (a reference pass with the adapter disabled), loss "dapo".
+
+--completions sampled: completions are sampled with max_completion_length = L. A random-init
+  model never emits EOS, so every completion runs to L tokens.
+--completions synthetic: generation is replaced by fixed ragged completions of ⌈L·(i+1)/G⌉
+  random tokens (56 % mean fill at G = 8, as bench.e2e's training-phase batches), so the rest
+  of the real step (scoring, reference pass, loss, backward, optimizer) is timed at that fill.
+  In the same worker, after train(), the training phase is also timed the way bench.e2e's
+  `grpo` part does it (direct calls of the reference pass and compute_loss + backward), so the
+  two methods are compared on one trainer.
+
+Parts and how they are timed (torch.cuda.synchronize at each boundary; the peak is
+max_memory_allocated during the part minus the memory the loaded model takes):
+
+    generation   trainer._generate_single_turn (sampling only)
+    score_ref    the rest of _generate_and_score_completions: rewards, reference pass, advantages
+    ref          the no-grad log-prob passes alone (inside score_ref)
+    loss         compute_loss + accelerator.backward
+    optimizer    on_pre_optimizer_step -> on_optimizer_step (clipping and AdamW)
+    step         on_step_begin -> on_step_end
+
+The first --warmup steps of each point are not counted (they compile, for `ours`).
+
+    python -m bench.grpo_step --models 1b --lengths 256,512,1024
+    python -m bench.grpo_step --models 8b --lengths 512
+    python -m bench.grpo_step --models 1b --lengths 1024,4096 --completions synthetic \\
+        --systems trl,ours --steps 4
+    python -m bench.grpo_step --tiny --device cpu          # smoke run
+
+Writes bench/results/grpo_step_<GPU>[_<tag>].jsonl (raw records), .json, .md and, for sampled
+runs with several lengths, a .png of step time and generation peak against L.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from bench import common as bc
+from bench import e2e_common as E
+
+SYSTEMS = ("trl", "trl_static", "ours", "ours_eager")
+LABEL = {"trl": "TRL 1.16", "trl_static": "TRL 1.16, static cache", "ours": "grpo_lce",
+         "ours_eager": "grpo_lce, fast_generation=False"}
+PARTS = ("generation", "score_ref", "ref", "loss", "optimizer", "step")
+ROOT = Path(__file__).resolve().parent.parent
+
+
+# =========================================================================== worker
+
+
+class PartTimer:
+    """Per-part wall time (CUDA-synchronized) and peak memory above `base` bytes, per step."""
+
+    def __init__(self, cuda: bool, base: int):
+        self.cuda, self.base = cuda, base
+        self.step: dict = {}
+        self.steps: list[dict] = []
+        self._open: dict = {}
+
+    def _sync(self):
+        if self.cuda:
+            import torch
+
+            torch.cuda.synchronize()
+
+    def start(self, part: str, reset_peak: bool = True):
+        import torch
+
+        self._sync()
+        if self.cuda and reset_peak:
+            torch.cuda.reset_peak_memory_stats()
+        self._open[part] = time.perf_counter()
+
+    def stop(self, part: str, peak: bool = True):
+        import torch
+
+        self._sync()
+        dt = time.perf_counter() - self._open.pop(part)
+        rec = self.step.setdefault(part, {"s": 0.0, "peak_bytes": 0})
+        rec["s"] += dt
+        if self.cuda and peak:
+            peak_now = torch.cuda.max_memory_allocated() - self.base
+            rec["peak_bytes"] = max(rec["peak_bytes"], peak_now)
+        return dt
+
+    def wrap(self, fn, part, when=lambda *a, **k: True, reset_peak=True):
+        def wrapped(*args, **kwargs):
+            if not when(*args, **kwargs):
+                return fn(*args, **kwargs)
+            self.start(part, reset_peak)
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.stop(part, peak=reset_peak)
+        return wrapped
+
+
+def attach(tr, timer: PartTimer):
+    """Wrap the trainer's methods and add a callback so that each part is timed."""
+    import torch
+    from transformers import TrainerCallback
+
+    tr._generate_single_turn = timer.wrap(tr._generate_single_turn, "generation")
+    tr._get_per_token_logps_and_entropies = timer.wrap(
+        tr._get_per_token_logps_and_entropies, "ref",
+        when=lambda *a, **k: not torch.is_grad_enabled(), reset_peak=True)
+    gen_score = tr._generate_and_score_completions
+
+    def gen_and_score(*args, **kwargs):
+        timer.start("_gen_score", reset_peak=False)
+        try:
+            return gen_score(*args, **kwargs)
+        finally:
+            total = timer.stop("_gen_score", peak=False)
+            gen = timer.step.get("generation", {}).get("s", 0.0)
+            timer.step["score_ref"] = {"s": total - gen, "peak_bytes": None}
+            timer.step.pop("_gen_score", None)
+    tr._generate_and_score_completions = gen_and_score
+
+    compute_loss, backward = tr.compute_loss, tr.accelerator.backward
+
+    def loss(*args, **kwargs):
+        timer.start("loss")
+        return compute_loss(*args, **kwargs)
+
+    def bwd(*args, **kwargs):
+        try:
+            return backward(*args, **kwargs)
+        finally:
+            timer.stop("loss")
+    tr.compute_loss, tr.accelerator.backward = loss, bwd
+
+    class Steps(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kw):
+            timer.step = {}
+            timer.start("step", reset_peak=False)
+
+        def on_pre_optimizer_step(self, args, state, control, **kw):
+            timer.start("optimizer")
+
+        def on_optimizer_step(self, args, state, control, **kw):
+            timer.stop("optimizer")
+
+        def on_step_end(self, args, state, control, **kw):
+            timer.stop("step", peak=False)
+            if timer.cuda:
+                timer.step["step"]["peak_bytes"] = (torch.cuda.max_memory_allocated()
+                                                    - timer.base)
+            timer.steps.append(timer.step)
+    tr.add_callback(Steps())
+
+
+def synthetic_completions(G: int, L: int, V: int, seed: int = 0):
+    """G completions of ⌈L·(i+1)/G⌉ random tokens (shuffled): 56 % mean fill at G = 8."""
+    rng = random.Random(seed)
+    lens = [-(-L * (i + 1) // G) for i in range(G)]
+    rng.shuffle(lens)
+    return [[rng.randrange(3, V) for _ in range(n)] for n in lens]
+
+
+def build_trainer(system, model, tok, *, G, L, steps, device, out, seed=0):
+    import trl
+    from datasets import Dataset
+
+    def reward(completions, **kw):  # varied rewards, so advantages are not all zero
+        return [random.Random(hash(str(c)) % 2**32).random() for c in completions]
+
+    extra = {"cache_implementation": "static"} if system == "trl_static" else {}
+    args = trl.GRPOConfig(
+        output_dir=out, report_to="none", save_strategy="no", logging_steps=1, seed=seed,
+        per_device_train_batch_size=G, num_generations=G, max_completion_length=L,
+        max_steps=steps, learning_rate=1e-5, beta=0.04, loss_type="dapo",
+        bf16=device == "cuda", use_cpu=device == "cpu", **E.checkpointing_kw(True), **extra)
+    prompt = "Write a long story about a llama who learns to count. " * 2
+    ds = Dataset.from_dict({"prompt": [prompt[:64]] * (G * steps)})
+    if system.startswith("ours"):
+        from trainers import GRPOTrainer
+
+        kw = {"fast_generation": system == "ours"}
+    else:
+        GRPOTrainer, kw = trl.GRPOTrainer, {}
+    return GRPOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=ds,
+                       processing_class=tok, **kw)
+
+
+def direct_training_phase(tr, G, L, V, device, reps=3) -> dict:
+    """bench.e2e's `grpo` part on this trainer: the reference pass and compute_loss + backward
+    called directly on a synthetic batch (56 % fill), median ms of `reps` after one warm-up."""
+    from bench.e2e import grpo_point
+
+    r = grpo_point(tr, G=G, L=L, V=V, device=device, reps=reps)
+    return {"ref_ms": r["ref"]["ms"], "loss_ms": r["loss"]["ms"],
+            "ref_extra_bytes": r["ref"]["extra_bytes"],
+            "loss_extra_bytes": r["loss"]["extra_bytes"]}
+
+
+def worker(a) -> int:
+    import torch
+    from peft import get_peft_model
+    from transformers import AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_warning()
+    cuda = a.device == "cuda"
+    sink = open(a.jsonl, "a")
+
+    def write(rec):
+        sink.write(json.dumps({"system": a.system, "model": a.model, "time": time.time(),
+                               **rec}, default=str) + "\n")
+        sink.flush()
+
+    env = bc.env_info(torch.device(a.device))
+    for pkg in ("transformers", "trl", "peft", "accelerate", "bitsandbytes"):
+        env[pkg] = bc.package_version(pkg)
+    write({"kind": "env", "env": env})
+    path = E.model_dir(a.model, a.model_cache)
+    tok = AutoTokenizer.from_pretrained(path)
+    model = E.load_model(path, device=a.device, quantize=cuda and a.model != "tiny")
+    model = get_peft_model(model, E.lora_config())
+    for p in model.parameters():  # TRL's QLoRA set-up keeps the adapters in bf16
+        if p.requires_grad and cuda:
+            p.data = p.data.to(torch.bfloat16)
+    bc.free_memory()
+    base = torch.cuda.memory_allocated() if cuda else 0
+    V = model.config.vocab_size
+    for L in a.lengths:
+        if time.time() > a.deadline:
+            write({"kind": "point", "L": L, "status": "skipped: time budget"})
+            continue
+        steps = a.warmup + a.steps
+        with tempfile.TemporaryDirectory() as out:
+            rec = {"kind": "point", "L": L, "G": a.generations, "completions": a.completions,
+                   "warmup": a.warmup, "model_bytes": base}
+            tr = None
+            try:
+                tr = build_trainer(a.system, model, tok, G=a.generations, L=L, steps=steps,
+                                   device=a.device, out=out)
+                if a.completions == "synthetic":
+                    fixed = synthetic_completions(a.generations, L, V)
+                    tr._generate_single_turn = lambda *args, **kw: (fixed, None)
+                timer = PartTimer(cuda, base)
+                attach(tr, timer)
+                t0 = time.perf_counter()
+                tr.train()
+                rec["train_s"] = time.perf_counter() - t0
+                rec["steps"] = timer.steps
+                hist = [h for h in tr.state.log_history if "loss" in h]
+                rec["loss"] = [h["loss"] for h in hist]
+                rec["completion_mean_length"] = [h.get("completions/mean_length") for h in hist]
+                sampler = getattr(tr, "_lce_sampler", None)
+                if sampler is not None:
+                    rec["sampler"] = {**vars(sampler.stats), "off": sampler.disabled_reason}
+                if a.completions == "synthetic":
+                    rec["direct"] = direct_training_phase(tr, a.generations, L, V, a.device)
+                rec["status"] = "ok"
+            except Exception as exc:  # noqa: BLE001 - recorded; the next point runs
+                import traceback
+
+                traceback.print_exc()
+                rec["status"] = bc.short_error(exc, 300)
+            write(rec)
+            print(f"[{a.system} L={L}] {fmt(rec)}", flush=True)
+            del tr
+            if "ref" in getattr(model, "peft_config", {}):  # TRL's reference copy of the adapter
+                model.delete_adapter("ref")
+            bc.free_memory()
+    return 0
+
+
+# =========================================================================== driver
+
+
+def median_part(rec: dict, part: str, key: str = "s"):
+    vals = [s[part][key] for s in rec["steps"][rec["warmup"]:]
+            if part in s and s[part].get(key) is not None]
+    return statistics.median(vals) if vals else None
+
+
+def fmt(rec: dict) -> str:
+    if rec.get("status") != "ok":
+        return rec.get("status", "?")
+    out = []
+    for part in PARTS:
+        s = median_part(rec, part)
+        if s is not None:
+            out.append(f"{part} {s:.2f} s")
+    return ", ".join(out)
+
+
+def read(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def gib(b):
+    return "" if b is None else f"{b / 2**30:.2f}"
+
+
+def table(recs: list[dict]) -> str:
+    pts = [r for r in recs if r.get("kind") == "point"]
+    lines = ["| model | L | system | step s | vs TRL | generation s | score+ref s | loss fwd+bwd s"
+             " | optimizer s | generation peak GiB | step peak GiB | compiles (s) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    ref = {(r["model"], r["L"]): median_part(r, "step") for r in pts
+           if r["system"] == "trl" and r.get("status") == "ok"}
+    for r in sorted(pts, key=lambda r: (r["model"], r["L"], SYSTEMS.index(r["system"]))):
+        if r.get("status") != "ok":
+            lines.append(f"| {r['model']} | {r['L']} | {LABEL[r['system']]} | {r['status']} "
+                         "| | | | | | | | |")
+            continue
+        step = median_part(r, "step")
+        base = ref.get((r["model"], r["L"]))
+        s = r.get("sampler") or {}
+        comp = f"{s['compiles']} ({s['compile_s']:.0f})" if s.get("compiles") else ""
+        if s.get("off"):
+            comp += f" off: {s['off']}"
+        parts = [median_part(r, q) for q in ("generation", "score_ref", "loss", "optimizer")]
+        cells = [r["model"], r["L"], LABEL[r["system"]], f"{step:.2f}",
+                 f"{step / base:.2f}x" if base else "",
+                 *("" if v is None else f"{v:.2f}" for v in parts),
+                 gib(median_part(r, "generation", "peak_bytes")),
+                 gib(median_part(r, "step", "peak_bytes")), comp]
+        lines.append("| " + " | ".join(map(str, cells)) + " |")
+    direct = [r for r in pts if r.get("direct")]
+    if direct:
+        lines += ["", "Training phase at 56 % fill, inside train() against direct calls "
+                  "(bench.e2e's method), ms:", "",
+                  "| model | L | system | ref (train) | loss fwd+bwd (train) | ref (direct) | "
+                  "loss fwd+bwd (direct) |", "|---|---|---|---|---|---|---|"]
+        for r in direct:
+            d = r["direct"]
+            lines.append(f"| {r['model']} | {r['L']} | {LABEL[r['system']]} | "
+                         f"{1e3 * median_part(r, 'ref'):.0f} | {1e3 * median_part(r, 'loss'):.0f}"
+                         f" | {d['ref_ms']:.0f} | {d['loss_ms']:.0f} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(recs: list[dict], path: Path) -> bool:
+    pts = [r for r in recs if r.get("kind") == "point" and r.get("status") == "ok"]
+    models = sorted({r["model"] for r in pts})
+    if not pts or max(len({r["L"] for r in pts if r["model"] == m}) for m in models) < 2:
+        return False
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(len(models), 2, figsize=(10, 3.6 * len(models)), squeeze=False)
+    for row, m in enumerate(models):
+        for col, (label, part, key, scale) in enumerate(
+                (("whole step, s", "step", "s", 1), ("generation peak, GiB", "generation",
+                                                     "peak_bytes", 2**-30))):
+            ax = axes[row, col]
+            for s in SYSTEMS:
+                xy = sorted((r["L"], median_part(r, part, key) * scale) for r in pts
+                            if r["model"] == m and r["system"] == s
+                            and median_part(r, part, key) is not None)
+                if xy:
+                    ax.plot(*zip(*xy), marker="o", label=LABEL[s])
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("completion length L (G = 8)")
+            ax.set_ylabel(label)
+            ax.set_title(f"{m}-shaped NF4 + LoRA")
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return True
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", default="1b")
+    p.add_argument("--lengths", default="256,512,1024")
+    p.add_argument("--systems", default="trl,trl_static,ours")
+    p.add_argument("--completions", choices=("sampled", "synthetic"), default="sampled")
+    p.add_argument("--generations", type=int, default=8)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--steps", type=int, default=1, help="timed steps per point")
+    p.add_argument("--budget-min", type=float, default=9.0,
+                   help="start no new point after this many minutes")
+    p.add_argument("--tiny", action="store_true")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--model-cache", default="/tmp/grpo_lce_e2e_models")
+    p.add_argument("--out-dir", default=str(bc.RESULTS_DIR))
+    p.add_argument("--tag", default="")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--system", help=argparse.SUPPRESS)
+    p.add_argument("--model", help=argparse.SUPPRESS)
+    p.add_argument("--jsonl", help=argparse.SUPPRESS)
+    p.add_argument("--deadline", type=float, default=float("inf"), help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+    a.lengths = [int(x) for x in str(a.lengths).split(",")]
+    if a.worker:
+        return worker(a)
+    if a.tiny:
+        a.models, a.lengths, a.generations = "tiny", [8, 16], 4
+        a.tag = a.tag or "_tiny"
+    gpu = bc.gpu_tag(a.device)
+    suffix = a.tag + ("" if a.completions == "sampled" else "_synthetic")
+    stem = Path(a.out_dir) / f"grpo_step_{gpu}{suffix}"
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    jsonl = stem.with_suffix(".jsonl")
+    deadline = time.time() + 60 * a.budget_min
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    for model in a.models.split(","):
+        for system in a.systems.split(","):
+            if system not in SYSTEMS:
+                p.error(f"--systems: unknown system {system!r} (choose from {SYSTEMS})")
+            if time.time() > deadline:
+                print(f"budget reached: {model} {system} not started", flush=True)
+                continue
+            cmd = [sys.executable, "-m", "bench.grpo_step", "--worker", "--system", system,
+                   "--model", model, "--jsonl", str(jsonl), "--deadline", str(deadline),
+                   "--lengths", ",".join(map(str, a.lengths)), "--completions", a.completions,
+                   "--generations", str(a.generations), "--warmup", str(a.warmup),
+                   "--steps", str(a.steps), "--device", a.device, "--model-cache", a.model_cache]
+            print(f"[{model} {system}]", flush=True)
+            subprocess.run(cmd, env=env, cwd=ROOT)
+    recs = read(jsonl)
+    md = (f"# bench.grpo_step on {gpu}: {a.completions} completions, G = {a.generations}\n\n"
+          f"Medians over the timed steps after {a.warmup} warm-up step(s); raw records in "
+          f"{jsonl.name}.\n\n" + table(recs))
+    stem.with_suffix(".md").write_text(md)
+    bc.write_json(stem.with_suffix(".json"), recs)
+    if plot(recs, stem.with_suffix(".png")):
+        print(f"wrote {stem.with_suffix('.png')}")
+    print(md)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
