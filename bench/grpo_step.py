@@ -9,9 +9,12 @@ Systems (one worker process each, one after the other in one call, on the same d
     ours_eager   trainers.GRPOTrainer(fast_generation=False)
 
 Model: a Llama-3.2-1B- or 3.1-8B-shaped model (random init, bench.e2e_common), NF4 double-quant
-base + LoRA r=16 on every linear layer (adapters in bf16, as TRL's QLoRA set-up), SDPA,
-gradient checkpointing as TRL's train() leaves it; G = --generations completions of one
-64-token prompt per step, beta = 0.04 (a reference pass with the adapter disabled), loss "dapo".
+base, loaded once per worker; each point's trainer gets `peft_config` = LoRA r=16 on every linear
+layer (TRL keeps QLoRA adapters in bf16) and unloads it at the end; SDPA, gradient
+checkpointing as TRL's train() leaves it; G = --generations completions of one 64-token prompt
+per step, beta = 0.04 (a reference pass with the adapter disabled), loss "dapo". Between points
+the compiled code is reset, so each point compiles as a new run would (inductor's on-disk kernel
+cache persists, as it does between a user's runs).
 
 --completions sampled: completions are sampled with max_completion_length = L. A random-init
   model never emits EOS, so every completion runs to L tokens.
@@ -32,7 +35,9 @@ max_memory_allocated during the part minus the memory the loaded model takes):
     optimizer    on_pre_optimizer_step -> on_optimizer_step (clipping and AdamW)
     step         on_step_begin -> on_step_end
 
-The first --warmup steps of each point are not counted (they compile, for `ours`).
+The first --warmup steps of each `ours` point are not counted: they compile, and the compile
+time is reported on its own. The other systems have nothing to compile; a 1-step run at L = 8
+before their first point takes CUDA and library start-up off the clock (--warmup-eager 0).
 
     python -m bench.grpo_step --models 1b --lengths 256,512,1024
     python -m bench.grpo_step --models 8b --lengths 512
@@ -181,6 +186,7 @@ def synthetic_completions(G: int, L: int, V: int, seed: int = 0):
 
 
 def build_trainer(system, model, tok, *, G, L, steps, device, out, seed=0):
+    """A GRPO trainer of `system` over `model` with a fresh LoRA adapter (peft_config)."""
     import trl
     from datasets import Dataset
 
@@ -202,7 +208,7 @@ def build_trainer(system, model, tok, *, G, L, steps, device, out, seed=0):
     else:
         GRPOTrainer, kw = trl.GRPOTrainer, {}
     return GRPOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=ds,
-                       processing_class=tok, **kw)
+                       processing_class=tok, peft_config=E.lora_config(), **kw)
 
 
 def direct_training_phase(tr, G, L, V, device, reps=3) -> dict:
@@ -216,15 +222,26 @@ def direct_training_phase(tr, G, L, V, device, reps=3) -> dict:
             "loss_extra_bytes": r["loss"]["extra_bytes"]}
 
 
+def fresh_compile_state(model) -> None:
+    """Drop dynamo's compiled code, its CUDA graphs and transformers' cached compiled call, so
+    that the next point starts as a new run would (inductor's on-disk kernel cache stays)."""
+    import torch
+
+    model.__dict__.pop("_compiled_call", None)
+    model.__dict__.pop("_last_compile_config", None)
+    torch.compiler.reset()
+
+
 def worker(a) -> int:
     import torch
-    from peft import get_peft_model
     from transformers import AutoTokenizer
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_warning()
     cuda = a.device == "cuda"
     sink = open(a.jsonl, "a")
+    compiled = a.system == "ours"
+    warmup = a.warmup if compiled else a.warmup_eager
 
     def write(rec):
         sink.write(json.dumps({"system": a.system, "model": a.model, "time": time.time(),
@@ -238,22 +255,16 @@ def worker(a) -> int:
     path = E.model_dir(a.model, a.model_cache)
     tok = AutoTokenizer.from_pretrained(path)
     model = E.load_model(path, device=a.device, quantize=cuda and a.model != "tiny")
-    model = get_peft_model(model, E.lora_config())
-    for p in model.parameters():  # TRL's QLoRA set-up keeps the adapters in bf16
-        if p.requires_grad and cuda:
-            p.data = p.data.to(torch.bfloat16)
     bc.free_memory()
     base = torch.cuda.memory_allocated() if cuda else 0
     V = model.config.vocab_size
-    for L in a.lengths:
-        if time.time() > a.deadline:
-            write({"kind": "point", "L": L, "status": "skipped: time budget"})
-            continue
-        steps = a.warmup + a.steps
+
+    def run_point(L, steps, rec):
+        """train() for `steps` steps at completion length L: the trainer wraps `model` with a
+        fresh LoRA adapter (peft_config, as a user passes it); unwrapped again at the end."""
+        nonlocal model
+        tr = None
         with tempfile.TemporaryDirectory() as out:
-            rec = {"kind": "point", "L": L, "G": a.generations, "completions": a.completions,
-                   "warmup": a.warmup, "model_bytes": base}
-            tr = None
             try:
                 tr = build_trainer(a.system, model, tok, G=a.generations, L=L, steps=steps,
                                    device=a.device, out=out)
@@ -280,12 +291,23 @@ def worker(a) -> int:
 
                 traceback.print_exc()
                 rec["status"] = bc.short_error(exc, 300)
-            write(rec)
-            print(f"[{a.system} L={L}] {fmt(rec)}", flush=True)
+            if tr is not None:
+                model = tr.accelerator.unwrap_model(tr.model).unload()
             del tr
-            if "ref" in getattr(model, "peft_config", {}):  # TRL's reference copy of the adapter
-                model.delete_adapter("ref")
+            fresh_compile_state(model)
             bc.free_memory()
+
+    if not compiled and a.warmup_eager == 0:
+        run_point(8, 1, {})  # CUDA, cuBLAS and allocator start-up, off the clock
+    for L in a.lengths:
+        if time.time() > a.deadline:
+            write({"kind": "point", "L": L, "status": "skipped: time budget"})
+            continue
+        rec = {"kind": "point", "L": L, "G": a.generations, "completions": a.completions,
+               "warmup": warmup, "model_bytes": base}
+        run_point(L, warmup + a.steps, rec)
+        write(rec)
+        print(f"[{a.system} L={L}] {fmt(rec)}", flush=True)
     return 0
 
 
@@ -400,7 +422,11 @@ def main(argv=None) -> int:
     p.add_argument("--systems", default="trl,trl_static,ours")
     p.add_argument("--completions", choices=("sampled", "synthetic"), default="sampled")
     p.add_argument("--generations", type=int, default=8)
-    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--warmup", type=int, default=1,
+                   help="steps not counted per point for `ours` (the first one compiles)")
+    p.add_argument("--warmup-eager", type=int, default=0,
+                   help="steps not counted per point for the other systems (with 0, a 1-step "
+                        "run at L = 8 first takes the process start-up off the clock)")
     p.add_argument("--steps", type=int, default=1, help="timed steps per point")
     p.add_argument("--budget-min", type=float, default=9.0,
                    help="start no new point after this many minutes")
@@ -440,13 +466,15 @@ def main(argv=None) -> int:
                    "--model", model, "--jsonl", str(jsonl), "--deadline", str(deadline),
                    "--lengths", ",".join(map(str, a.lengths)), "--completions", a.completions,
                    "--generations", str(a.generations), "--warmup", str(a.warmup),
+                   "--warmup-eager", str(a.warmup_eager),
                    "--steps", str(a.steps), "--device", a.device, "--model-cache", a.model_cache]
             print(f"[{model} {system}]", flush=True)
             subprocess.run(cmd, env=env, cwd=ROOT)
     recs = read(jsonl)
     md = (f"# bench.grpo_step on {gpu}: {a.completions} completions, G = {a.generations}\n\n"
-          f"Medians over the timed steps after {a.warmup} warm-up step(s); raw records in "
-          f"{jsonl.name}.\n\n" + table(recs))
+          f"Medians over the timed steps ({a.steps} per point) after {a.warmup} uncounted "
+          f"step(s) for grpo_lce (its compile) and {a.warmup_eager} for the others; raw records "
+          f"in {jsonl.name}.\n\n" + table(recs))
     stem.with_suffix(".md").write_text(md)
     bc.write_json(stem.with_suffix(".json"), recs)
     if plot(recs, stem.with_suffix(".png")):

@@ -203,9 +203,11 @@ def test_trim_after_eos_matches_trls_rule():
 # --------------------------------------------------------------------------- trainer
 
 
-def _trainer(tok, tmp_path, **kw):
+def _trainer(tok, tmp_path, beta=0.0, peft_config=False, **kw):
+    """A GRPOTrainer on the tiny LoRA Llama (passed wrapped, or bare with `peft_config`)."""
     import trl
     from datasets import Dataset
+    from peft import LoraConfig
 
     from trainers import GRPOTrainer
 
@@ -213,11 +215,16 @@ def _trainer(tok, tmp_path, **kw):
         output_dir=str(tmp_path), report_to="none", use_cpu=True, bf16=False,
         per_device_train_batch_size=4, num_generations=4, max_completion_length=NEW,
         logging_steps=1, save_strategy="no", seed=0, max_steps=3, learning_rate=0.05,
-        generation_kwargs={"do_sample": False})
+        beta=beta, generation_kwargs={"do_sample": False})
     ds = Dataset.from_dict({"prompt": ["1+1=", "2*3=", "abc", "xy z"] * 4})
-    return GRPOTrainer(model=lora_tiny_llama(tok), args=args, train_dataset=ds,
-                       processing_class=tok, reward_funcs=lambda completions, **k: [
-                           float(len(c)) for c in completions], **kw)
+    if peft_config:
+        model = lora_tiny_llama(tok, peft=False)
+        kw["peft_config"] = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear")
+    else:
+        model = lora_tiny_llama(tok)
+    return GRPOTrainer(model=model, args=args, train_dataset=ds, processing_class=tok,
+                       reward_funcs=lambda completions, **k: [float(len(c)) for c in completions],
+                       **kw)
 
 
 def test_trainer_fast_path_equals_trl_path(tok, tmp_path):
@@ -231,8 +238,12 @@ def test_trainer_fast_path_equals_trl_path(tok, tmp_path):
     assert fast == slow
 
 
-def test_trainer_train_compiles_once_and_logs_timing(tok, tmp_path):
-    tr = _trainer(tok, tmp_path)
+@pytest.mark.parametrize("beta,peft_config", [(0.0, False), (0.04, False), (0.04, True)])
+def test_trainer_train_compiles_once_and_logs_timing(tok, tmp_path, beta, peft_config):
+    """TRL's reference pass switches or disables the adapter every step (with a wrapped model
+    and beta > 0, a "ref" adapter copy; with `peft_config`, the adapter disabled); neither may
+    make the decode step compile again."""
+    tr = _trainer(tok, tmp_path, beta=beta, peft_config=peft_config)
     tr._lce_sampler = cpu_sampler()
     tr.args.gradient_checkpointing = True  # TRL toggles it around every generation
     tr.train()

@@ -158,6 +158,27 @@ def _input_grad_hooks_set_aside(base):
         hooks.update(removed)
 
 
+def _share_active_adapter_objects(base) -> None:
+    """Make PEFT layers whose active-adapter values are equal hold one and the same object.
+
+    PEFT's `set_adapter` stores a fresh `[name]` list in every layer, and TRL switches adapters
+    around each reference pass (disabling the adapter re-enables it through `set_adapter`).
+    Dynamo guards on whether two layers hold the same object, so after the first reference
+    pass the decode step would compile again. Equal values, one object: PEFT only ever assigns
+    this attribute, never mutates it in place, so sharing it changes nothing else.
+    """
+    shared: list = []
+    for module in base.modules():
+        value = module.__dict__.get("_active_adapter")
+        if value is None:
+            continue
+        same = next((v for v in shared if v == value), None)
+        if same is None:
+            shared.append(value)
+        elif same is not value:
+            module._active_adapter = same
+
+
 def unsupported_reason(model, generation_config, devices=("cuda",)) -> str | None:
     """Why the compiled path cannot serve `model` with `generation_config`, or None."""
     if model.device.type not in devices:
@@ -237,6 +258,7 @@ class FastSampler:
     def _generate(self, model, input_ids, attention_mask, config, cache):
         cache.reset()
         base = _base_model(model)
+        _share_active_adapter_objects(base)
         with _compile_allowed(base), _input_grad_hooks_set_aside(base):
             return model.generate(input_ids=input_ids, attention_mask=attention_mask,
                                   generation_config=config, past_key_values=cache)
