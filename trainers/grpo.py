@@ -112,6 +112,7 @@ class GRPOTrainer(trl.GRPOTrainer):
         self.fast_generation = (fast_generation if fast_generation is not None
                                 else getattr(self.args, "fast_generation", True))
         self._lce_sampler = FastSampler()
+        self._lce_attention_settled = False
         if self.fast_generation and (self.is_deepspeed_enabled or self.is_fsdp_enabled):
             # Sharded parameters are gathered into new storage for every generate call, which
             # a captured decode step cannot follow.
@@ -265,6 +266,12 @@ class GRPOTrainer(trl.GRPOTrainer):
                                              num_generations, has_tool_images=has_tool_images)
 
     def _fast_generate(self, prompt_ids) -> list[list[int]] | None:
+        if not self._lce_attention_settled:
+            # Packing may switch the model's attention implementation (sdpa -> the varlen one)
+            # at its first log-prob pass; the compiled decode step is guarded on it, so make
+            # that choice before the first compile instead of recompiling after it.
+            self._lce_packing_kind(self.model, False)
+            self._lce_attention_settled = True
         device = self.accelerator.device
         rows = [torch.tensor(ids) for ids in prompt_ids]
         input_ids = pad(rows, padding_value=self._tokenizer.pad_token_id, padding_side="left",
