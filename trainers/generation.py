@@ -51,10 +51,11 @@ logger = logging.get_logger(__name__)
 
 MIN_PROMPT_BUCKET = 64
 WARMUP_NEW_TOKENS = 3  # prefill + 2 compiled decode steps: compile, CUDA-graph warm-up, capture
-# Relative tolerance of the warm-up check, |compiled - eager| <= TOL * max|eager logits|: fused
-# bf16 kernels round differently from eager ones (relative differences of order 1e-3 on the
-# logits); a broken cache, mask or stale input is of order 1.
-WARMUP_LOGITS_RTOL = 0.05
+# Tolerance of the warm-up check, mean |compiled - eager| <= TOL * mean |eager| over the logits of
+# the rows whose tokens so far agree: fused bf16 kernels round differently from eager ones, which
+# through a deep bf16 stack moves the logits by a few per cent of their size (the largest single
+# differences more); a broken cache, mask, position or input moves them by their own size.
+WARMUP_LOGITS_RTOL = 0.1
 MAX_RECOMPILING_CALLS = 2  # calls that compile although their shape was warmed up
 
 
@@ -287,11 +288,11 @@ class FastSampler:
             lc, le = lc[same_prefix].float(), le[same_prefix].float()
             if not torch.isfinite(lc).all():
                 return f"non-finite compiled logits at decode step {step}"
-            err = (lc - le).abs().max().item()
-            scale = le.abs().max().item()
+            err = (lc - le).abs().mean().item()
+            scale = le.abs().mean().item()
             if err > WARMUP_LOGITS_RTOL * scale:
                 return (f"compiled logits differ from eager ones at decode step {step}: "
-                        f"max |diff| {err:.3g} against max |logit| {scale:.3g}")
+                        f"mean |diff| {err:.3g} against mean |logit| {scale:.3g}")
         return None
 
     @torch.no_grad()
