@@ -1,7 +1,7 @@
 """The device-counted row layout (grpo_lce/_rows.py): ignored rows moved after the valid ones, their
 number read by the kernels on the device (kernels/gemm_rows.py), no host sync. On CPU the Triton
-kernels run in the interpreter; the GPU-only checks (no sync at all, the deferred error) are
-marked `gpu`.
+kernels run in the interpreter; the GPU-only checks (no sync at all, the deferred error) are in
+tests/test_gpu_core.py, marked `gpu`.
 
 Run: python -m pytest tests/test_device_rows.py -q
 """
@@ -319,9 +319,8 @@ def test_all_ignored_gives_zeros(monkeypatch):
     assert (hh.grad == 0).all()
 
 
+@pytest.mark.skipif(DEV != "cpu", reason="on CUDA the error is deferred: test_gpu_core covers it")
 def test_out_of_range_target_raises_on_cpu_at_once():
-    if DEV != "cpu":
-        pytest.skip("on CUDA the error is deferred: test_gpu_core covers it")
     h, w, _, y = head_inputs(10, 16, 200, torch.bfloat16, False, 2)
     y[y != -100] = torch.where(y[y != -100] > 100, 200, y[y != -100])
     with pytest.raises(ValueError, match="targets contains 200"):
