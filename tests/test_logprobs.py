@@ -71,8 +71,8 @@ def _torch_same_dtype(h, w, b, y, tau):
 
 
 @pytest.mark.parametrize("case, dtype, backend, train_head", list(_grid()))
-def test_values_and_grads(case, dtype, backend, train_head, monkeypatch):
-    monkeypatch.setenv("GRPO_LCE_BACKEND", backend)
+def test_values_and_grads(case, dtype, backend, train_head, dispatch_override):
+    dispatch_override(backend=backend)
     N, H, V, tau, with_bias, n_ign = case
     if backend == "triton" and V > 60000 and train_head:
         pytest.skip("interpreter: the trainable-head recompute at V=151936 is covered by torch")
@@ -117,9 +117,9 @@ def test_values_and_grads(case, dtype, backend, train_head, monkeypatch):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_entropy_basis_hint_gives_same_gradient(backend, monkeypatch):
+def test_entropy_basis_hint_gives_same_gradient(backend, dispatch_override):
     """entropy_requires_grad only moves the entropy basis GEMM into the forward."""
-    monkeypatch.setenv("GRPO_LCE_BACKEND", backend)
+    dispatch_override(backend=backend)
     h, w, b, y = _inputs(29, 24, 300, torch.float32, True, 4)
     g = torch.randn(29)
     grads = []
@@ -184,8 +184,8 @@ def test_properties_uniform_and_shift_invariance():
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_all_ignored_and_empty(backend, monkeypatch):
-    monkeypatch.setenv("GRPO_LCE_BACKEND", backend)
+def test_all_ignored_and_empty(backend, dispatch_override):
+    dispatch_override(backend=backend)
     h = torch.randn(3, 5, 8, requires_grad=True)
     w = torch.randn(50, 8)
     y = torch.full((3, 5), -100)
@@ -230,10 +230,10 @@ def test_bad_input_names_the_argument(kwargs, exc, match):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_peaked_rows_keep_entropy_digits(backend, monkeypatch):
+def test_peaked_rows_keep_entropy_digits(backend, dispatch_override):
     """A near one-hot softmax has entropy ~1e-2: it must not be a difference of two ~lse
     numbers (which loses ~1e-3 of it). Tied-embedding models produce exactly such rows."""
-    monkeypatch.setenv("GRPO_LCE_BACKEND", backend)
+    dispatch_override(backend=backend)
     g = torch.Generator().manual_seed(0)
     h = torch.randn(64, 64, generator=g)
     w = torch.randn(1000, 64, generator=g) * 0.2

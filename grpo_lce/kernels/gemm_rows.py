@@ -24,11 +24,14 @@ import functools
 
 import torch
 
+from grpo_lce._dispatch import HAS_TMA, HAS_TRITON
 from grpo_lce.kernels import _tuning
-from grpo_lce.kernels._tma_common import HAS_TMA, num_programs
+from grpo_lce.kernels._tma_common import num_programs
+
+if HAS_TRITON:
+    import triton
 
 if HAS_TMA:
-    import triton
     import triton.language as tl
     from triton.tools.tensor_descriptor import TensorDescriptor
 

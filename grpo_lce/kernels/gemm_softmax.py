@@ -49,8 +49,9 @@ import math
 
 import torch
 
+from grpo_lce._dispatch import HAS_TMA
 from grpo_lce.kernels import _tuning
-from grpo_lce.kernels._tma_common import HAS_TMA, interpreting, num_programs
+from grpo_lce.kernels._tma_common import num_programs
 
 if HAS_TMA:
     import triton
@@ -297,33 +298,6 @@ if HAS_TMA:
             if ROUND_BF16:
                 p = round_to_bf16(p)
             tl.store(g_ptr + r * stride_g + v, p.to(g_ptr.dtype.element_ty), mask=vmask)
-
-
-def fused_supported(h: torch.Tensor, w: torch.Tensor, *, gathered: bool = False) -> bool:
-    """Whether the fused GEMM can run on these operands: Triton with tensor descriptors, a
-    Hopper-or-newer GPU (or the interpreter), bf16, and the TMA's 16-byte alignment of base
-    addresses and row strides. `gathered`: for a fresh contiguous copy of h's rows (only its
-    row length matters)."""
-    # bf16 only: G' relies on bf16 having fp32's exponent range (fp16's 2^-24..2^16 would need
-    # the shift within a few units of the row max, which no tile knows)
-    if not HAS_TMA or h.dtype != torch.bfloat16 or w.dtype != h.dtype:
-        return False
-    if h.is_cuda:
-        if torch.cuda.get_device_capability(h.device)[0] < 9:
-            return False
-    elif not interpreting():
-        return False
-    K = h.shape[-1]
-    if gathered:
-        return (K * h.element_size()) % 16 == 0 and w.stride(1) == 1 and (
-            w.stride(0) * w.element_size()) % 16 == 0 and w.data_ptr() % 16 == 0
-    return (
-        h.stride(1) == 1 and w.stride(1) == 1
-        and (K * h.element_size()) % 16 == 0
-        and (h.stride(0) * h.element_size()) % 16 == 0
-        and (w.stride(0) * w.element_size()) % 16 == 0
-        and h.data_ptr() % 16 == 0 and w.data_ptr() % 16 == 0
-    )
 
 
 def g_row_stride(V: int) -> int:

@@ -16,16 +16,11 @@ from __future__ import annotations
 
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-
-    HAS_TRITON = True
-except ImportError:  # pragma: no cover - torch-only installs take the torch version
-    HAS_TRITON = False
-
+from grpo_lce._dispatch import HAS_TRITON
 
 if HAS_TRITON:
+    import triton
+    import triton.language as tl
 
     @triton.jit
     def _classify(y_ptr, i, N, V, ignore, HAS_IGNORE: tl.constexpr):

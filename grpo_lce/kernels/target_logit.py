@@ -21,16 +21,11 @@ from __future__ import annotations
 
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-
-    HAS_TRITON = True
-except ImportError:  # pragma: no cover - the fused path (the only user) needs Triton
-    HAS_TRITON = False
-
+from grpo_lce._dispatch import HAS_TRITON
 
 if HAS_TRITON:
+    import triton
+    import triton.language as tl
 
     @triton.jit
     def _target_logit_kernel(
