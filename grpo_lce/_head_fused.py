@@ -21,8 +21,9 @@ waits for the copy; the chunks past the count are then skipped.
 
 Compared with the unfused loop (fp32 Z written by GEMM 1, read twice by the row kernel, G written
 over it) this moves C · V · 10 bytes less per chunk and writes the operand of GEMM 2 directly.
-Memory: G' (C, V) in bf16 (half the unfused fp32 chunk) and partials of C · V / 128 · 8-16
-bytes. Without a gradient, no (C, V) buffer at all: the chunk then only bounds the partials.
+Memory: G' (C, V) in bf16 (half the unfused fp32 chunk) and the partials, C · T · 4 bytes per
+statistic kept (2 to 5 of them; T = V / 128 partials a row with G', V / 256 without). Without a
+gradient, no (C, V) buffer at all: the chunk then only bounds the partials.
 
 The basis (N, H) is kept in 3 bytes a value (kernels/split_float: a bf16 array and a uint8
 one, fp32 truncated to 15 mantissa bits, < 2^-15 relative): GEMM 2 sums and the target term is

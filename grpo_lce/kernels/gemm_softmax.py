@@ -125,7 +125,7 @@ if HAS_TMA:
             g = e
             if ROUND_BF16:
                 g = round_to_bf16(g)
-            # (TMA: plain stores from the MMA's register layout measured 1.13-1.3x slower)
+            # (a TMA store: plain stores from the MMA's register layout are slower)
             g_desc.store([off_m, off_n], g.to(g_desc.dtype))
 
     @triton.jit(do_not_specialize=["row0"])
@@ -147,8 +147,8 @@ if HAS_TMA:
         num_n = tl.cdiv(V, BN)
         k_tiles = tl.cdiv(K, BK)
         # persistent: one program per SM walks the tiles, so tile i+1's loads overlap tile i's
-        # epilogue (whose exp2 and reductions cost ~5 % of a tile's tensor-core time at
-        # H = 2048, ~20 % at H = 896: the same work per logit over fewer multiply-adds)
+        # epilogue (whose exp2 and reductions are the same work per logit at any H: the smaller
+        # H, the more they weigh against the tile's multiply-adds)
         for tile in tl.range(tl.program_id(0), num_m * num_n, num_progs, flatten=FLATTEN):
             pid_m, pid_n = tile_coords(tile, num_m, num_n, GROUP_M)
             off_m = pid_m * BM
