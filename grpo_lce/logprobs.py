@@ -147,7 +147,7 @@ def linear_logprobs(
 
     No host synchronisation on the fused path (bf16 on Hopper or newer, frozen head): ignored
     rows are moved after the valid ones and the kernels read their number on the device; a
-    target out of range there gives NaN and a ValueError from a later call (see grpo_lce._rows).
+    target out of range there gives NaN and a ValueError from a later call (grpo_lce._deferred).
     A trainable weight takes the same layout, and its backward reads that number on the host
     (long copied by then) to size the cuBLAS GEMMs. Otherwise one host read per call in the
     forward (the number of valid rows sizes the GEMMs).

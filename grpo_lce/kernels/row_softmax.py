@@ -19,8 +19,9 @@ and, when a gradient is needed, a second pass over the row (p needs the final ls
     E[c] = p ∘ (z − z̄)
 
 ∂(−log p_y)/∂z = p − e_y and ∂entropy/∂z = −p ∘ (z − z̄), so with α = 1, β = 0, G @ W is the
-gradient basis of DESIGN.md; with per-row α, β (the upstream gradients of the log-prob and the
-entropy, times −1/τ) G is the whole ∂loss/∂(X Wᵀ) of the chunk, ready for dX = G W, dW = Gᵀ X.
+gradient basis of docs/DESIGN.md; with per-row α, β (the upstream gradients of the log-prob and
+the entropy, times −1/τ) G is the whole ∂loss/∂(X Wᵀ) of the chunk, ready for dX = G W,
+dW = Gᵀ X.
 
 Memory traffic per chunk: read C·V·4 (pass 1), read C·V·4 + write C·V·2 per operand (pass 2).
 """
