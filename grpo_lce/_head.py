@@ -143,6 +143,7 @@ def head_forward(rows: HeadRows, w: torch.Tensor, b: torch.Tensor | None, spec: 
     if N == 0:
         return out
     if fused:
+        assert h is rows.h  # the fused path: bf16 rows and weight, the weight as given
         return head_forward_fused(out, rows, w, b, spec, path)
 
     # a trainable head's recompute with an entropy gradient lands here in the device-counted

@@ -107,6 +107,7 @@ def head_forward_fused(out: HeadOut, rows: HeadRows, w: torch.Tensor, b: torch.T
         a = None if alpha is None else alpha[s:e]
         zy2_c = zy2[s:e]
         g = g_buf[:n, :V] if want_g else None
+        nf = n_flag[i:i + 1] if want_g else None  # the chunk's count of flagged rows
         path.note("gemm1", n)
         gs.gemm_softmax(x, w, b2, spec.inv_tau, parts, zy2=zy2_c, g_out=g,
                         want_d=spec.entropy, want_argmax=spec.argmax, n_valid=n_valid, row0=s)
@@ -117,13 +118,13 @@ def head_forward_fused(out: HeadOut, rows: HeadRows, w: torch.Tensor, b: torch.T
             zy2_c, alpha=a,
             factor=factor[s:e] if want_g else None,
             flag_rows=flag_rows if want_g else None,
-            n_flag=n_flag[i:i + 1] if want_g else None, n_valid=n_valid, row0=s,
+            n_flag=nf, n_valid=n_valid, row0=s,
         )
         if not want_g:
             continue
         # before GEMMs 2 and 3, and before the basis may overwrite x
-        path.note("flagged", n_flag[i:i + 1])
-        gs.rewrite_flagged(g, x, w, b, spec.inv_tau, out.lse[s:e], flag_rows, n_flag[i:i + 1])
+        path.note("flagged", nf)
+        gs.rewrite_flagged(g, x, w, b, spec.inv_tau, out.lse[s:e], flag_rows, nf)
         if m is None and count is not None:
             m = count.get()  # chunk 0's GEMM 1 is queued: the GPU is busy while the host waits
             path.note("count read", m)
