@@ -2,13 +2,15 @@
 
 Nothing here materializes the ``(tokens, vocab)`` logits: rows are processed in chunks whose
 size comes from a memory budget, the logits of one chunk live in one reused fp32 buffer, and
-the backward pass of a frozen head is elementwise (the "gradient basis" design, DESIGN.md).
+the backward pass of a frozen head is elementwise (the "gradient basis" design, docs/DESIGN.md).
 
     >>> logp = linear_logprobs(hidden, lm_head.weight, targets)          # (B, T) fp32
     >>> loss = linear_cross_entropy(hidden, lm_head.weight, labels)      # scalar fp32
     >>> out = chunked_linear(my_fn, hidden, lm_head.weight, row_args...)  # any f(X @ W.T)
 
-Importing this package changes no global state; it depends on torch and triton only.
+Importing this package changes no global state; it depends on torch, and on triton where it is
+installed (without it every call takes the torch path). Which path a call takes is decided in
+grpo_lce/_dispatch.py.
 """
 
 from grpo_lce.chunked import chunked_linear

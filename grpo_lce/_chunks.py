@@ -1,43 +1,39 @@
-"""Row compaction, chunk sizing and the fp32-output GEMM shared by every op.
+"""How many rows a chunk of the chunk loop holds.
 
-Fused path (_head_fused, Hopper + bf16): a chunk holds G' (C, V) in bf16 when a gradient is
-wanted (`fused_chunk_size`), otherwise only per-tile statistics. Unfused path, memory model of
-one chunk of C rows (V = vocabulary):
+Unfused loop (grpo_lce._head), memory of one chunk of C rows (V = vocabulary):
     Z    (C, V) fp32              the logits of the chunk, one reused buffer
     G    over Z's own bytes        the gradient operand (see _head.g_over_z): free
     E    (C, V) in the GEMM dtype  the entropy operand, only for an entropy basis
-so a chunk costs C · V · (4 + 2·k) bytes, k = 1 with E, else 0. The default chunk size fills
-`DEFAULT_CHUNK_BUDGET_BYTES` (256 MiB: 512 rows of a 128k vocabulary), but a call over few rows
-N uses at least `MIN_CHUNKS` chunks (of >= 64 rows): its chunk then holds <= 1/8 of the fp32
-logits of the call, so small calls cost memory in proportion to their tokens, like the
-activations around them (one 1024-token SFT row on a 128k vocabulary: 128 rows, 66 MB, where
-the full budget would add 256 MiB to a step whose backbone peak is ~0.2 GiB). Pass
-`chunk_size=` to any public function to override all this per call. Larger chunks amortise
-reading W (V, H) once per GEMM. A trainable head accumulates dW (V, H) in fp32 once per
-chunk, so there the chunk is at least `MIN_ROWS_GRAD_WEIGHT` rows (measured on an H200 at
-V=128256, H=2048: 320-row chunks make the dW accumulation 3x slower than one GEMM, 1024-row
-chunks 1.3x), even above the budget.
+so a chunk costs C · V · (4 + 2·k) bytes, k = 1 with E, else 0. Fused loop (_head_fused): a
+chunk holds G' (C, V) in bf16 when a gradient is wanted (`fused_chunk_size`), otherwise only
+per-tile statistics.
+
+The default chunk size fills `DEFAULT_CHUNK_BUDGET_BYTES` (256 MiB: 512 rows of a 128k
+vocabulary), but a call over few rows N uses at least `MIN_CHUNKS` chunks (of >= 64 rows): its
+chunk then holds <= 1/8 of the fp32 logits of the call, so small calls cost memory in
+proportion to their tokens, like the activations around them (one 1024-token SFT row on a 128k
+vocabulary: 128 rows, 66 MB, where the full budget would add 256 MiB to a step whose backbone
+needs little more). Pass `chunk_size=` to any public function to override all this per call.
+
+Larger chunks amortise reading W (V, H) once per GEMM. A trainable head reads and writes dW
+(V, H) in fp32 once per chunk, a cost that does not shrink with the chunk, so there the chunk
+is at least `MIN_ROWS_GRAD_WEIGHT` rows (`MIN_ROWS_GRAD_WEIGHT_FUSED` on the fused path), even
+above the budget.
 """
 
 from __future__ import annotations
 
-import torch
-
-from grpo_lce._checks import check_target_range
-
 DEFAULT_CHUNK_BUDGET_BYTES = 256 * 2**20
 MIN_ROWS_GRAD_WEIGHT = 1024
-# The fused loop's G' is bf16 (2 bytes a logit): 4096 rows hold 1 GiB at 128k. dW's fp32
-# read-modify-write per chunk (2 GiB at 128k x 2048) is what small chunks pay for: on an H200
-# (bench_head, case iii, llama-1b) 2048-row chunks ran 1.12x three GEMMs, 4096-row ones 1.09x
-# (2.2 GiB extra in all, against torch.compile's 2.5 GiB).
+# The fused loop's G' is bf16 (2 bytes a logit): 4096 rows hold 1 GiB at 128k, and dW's fp32
+# read-modify-write per chunk (2 GiB at 128k x 2048) is then paid over 4096 rows.
 MIN_ROWS_GRAD_WEIGHT_FUSED = 4096
 MIN_CHUNKS = 8
 
 # Keep the row count of a chunk a multiple of this, so the GEMMs see tensor-core friendly M.
 _ROW_ALIGN = 64
-# The fused loop's chunks are whole row tiles of its Triton GEMMs (BM = 128): an 832-row chunk
-# (the 256 MiB budget at V = 151936) ran 6.5 tiles, its last one half empty, in GEMMs 1 and 2.
+# The fused loop's chunks are whole row tiles of its Triton GEMMs (BM = 128): no half-empty
+# last row tile in GEMMs 1 and 2.
 _ROW_ALIGN_FUSED = 128
 
 
@@ -79,64 +75,6 @@ def _rows_within(per_row: int, budget_bytes: int | None, n_rows: int | None,
         share = -(-n_rows // MIN_CHUNKS)
         rows = min(rows, max(align, -(-share // align) * align))
     return int(rows)
-
-
-def compact_rows(
-    y: torch.Tensor, vocab: int, ignore_index: int | None, name: str
-) -> tuple[torch.Tensor | None, int]:
-    """Indices of the rows whose target is not `ignore_index`, and their number.
-
-    Returns (None, N) when every row is kept. The one host read of the call happens here: the
-    number of valid rows sizes every GEMM that follows, and the target range check rides on the
-    same read (so a bad target is an error, never an out-of-bounds gather in a kernel).
-    """
-    n = y.numel()
-    if n == 0:
-        return None, 0
-    out_of_range = (y < 0) | (y >= vocab)
-    if ignore_index is None:
-        if bool(out_of_range.any()):
-            check_target_range(y, vocab, ignore_index, name)
-        return None, n
-    keep = y != ignore_index
-    n_keep, n_bad = torch.stack([keep.sum(), (out_of_range & keep).sum()]).tolist()
-    if n_bad:
-        check_target_range(y, vocab, ignore_index, name)
-    if n_keep == n:
-        return None, n
-    # nonzero_static needs no second host read: the size is already known.
-    idx = torch.nonzero_static(keep, size=n_keep).squeeze(1)
-    return idx, n_keep
-
-
-def mm_f32(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """a @ b with fp32 accumulation AND fp32 output, whatever the input dtype.
-
-    On CUDA with bf16/fp16 inputs this is one cuBLAS call writing fp32 (no bf16 rounding of the
-    logits); elsewhere the inputs are upcast first (CPU has no mixed-dtype mm).
-    """
-    if a.dtype == torch.float32:
-        return torch.mm(a, b, out=out)
-    if a.is_cuda:
-        if out is None:
-            return torch.mm(a, b, out_dtype=torch.float32)
-        return torch.mm(a, b, out_dtype=torch.float32, out=out)
-    return torch.mm(a.float(), b.float(), out=out)
-
-
-def accumulate_mm(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, first: bool = False
-                  ) -> None:
-    """acc (fp32) += a @ b with fp32 accumulation, without an fp32 temporary of acc's size;
-    `first`: acc = a @ b (acc's old contents, e.g. torch.empty's, are not read)."""
-    if first:
-        mm_f32(a, b, out=acc)
-        return
-    if a.dtype == torch.float32:
-        acc.addmm_(a, b)
-    elif acc.is_cuda:
-        torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
-    else:
-        acc.addmm_(a.float(), b.float())
 
 
 def chunk_bounds(n: int, chunk: int):

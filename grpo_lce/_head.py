@@ -1,17 +1,21 @@
 """The chunk loop shared by linear_logprobs and linear_cross_entropy.
 
-h (N, H), W (V, H), b (V,), y (N,) (all rows valid: ignored rows are compacted away before),
-τ;  z = (h Wᵀ + b) / τ  in chunks of C rows (fp32, never (N, V)).
+h (N, H), W (V, H), b (V,), y (N,), τ;   z = (h Wᵀ + b) / τ  in chunks of C rows (fp32, never
+(N, V)). Ignored rows are compacted away before (grpo_lce._rows), or moved past a device count
+`n_valid` and zeroed.
 
-`head_forward` returns lse, z_y, entropy (and argmax) per row and, on request, GEMMs against the
-softmax-derived operands G, E of `kernels.row_softmax` while the chunk is still in memory:
+`head_forward` returns lse, z_y, entropy (and argmax) per row and, as a `HeadPass` asks, GEMMs
+against the softmax-derived operands G, E of `kernels.row_softmax` while the chunk is still in
+memory:
     basis   = G W   (N, H) fp32       with G = α(p − e_y) + β p∘(z − z̄)
     ebasis  = E W   (N, H) fp32       with E = p∘(z − z̄)
     dW     += Gᵀ h  (V, H) fp32       (and db += Σ_rows G)
-Extra memory: one chunk, C · V · 4 bytes (G is written over the chunk's own logits; E, when
-asked for, takes C · V · 2 more), plus the (N, H) outputs asked for. The fused path (Hopper,
-bf16) keeps the basis in 3 bytes a value (kernels/split_float), its bf16 half over h's own rows
-when the caller owns them (_head_fused).
+Which loop runs is the call's `Path` (grpo_lce._dispatch): on the fused path every pass whose
+operands the fused kernel computes goes to `_head_fused.head_forward_fused` (same outputs;
+entropy only when asked, the basis in 3 bytes a value); the loop below is the reference
+algorithm, the one for fp16/fp32, pre-Hopper GPUs and CPU.
+Extra memory of the loop below: one chunk, C · V · 4 bytes (G is written over the chunk's own
+logits; E, when asked for, takes C · V · 2 more), plus the (N, H) outputs asked for.
 """
 
 from __future__ import annotations
@@ -20,33 +24,63 @@ from dataclasses import dataclass
 
 import torch
 
-from grpo_lce._chunks import (
-    MIN_ROWS_GRAD_WEIGHT,
-    accumulate_mm,
-    chunk_bounds,
-    default_chunk_size,
-    mm_f32,
-)
-from grpo_lce._head_fused import head_forward_fused, use_fused
-from grpo_lce._rows import valid_mask
-from grpo_lce.kernels.row_softmax import row_softmax, select_backend
+from grpo_lce._chunks import MIN_ROWS_GRAD_WEIGHT, chunk_bounds, default_chunk_size
+from grpo_lce._dispatch import Path
+from grpo_lce._head_fused import head_forward_fused
+from grpo_lce._host_count import HostCount
+from grpo_lce._mm import accumulate_mm, mm_f32
+from grpo_lce._rows import RowPlan, valid_mask
+from grpo_lce.kernels.row_softmax import row_softmax
 
 
-def gemm_weight(weight: torch.Tensor) -> torch.Tensor:
-    """The weight as the GEMMs consume it. On CUDA the bf16/fp16 weight itself (cuBLAS writes
-    fp32); on CPU, which has no mixed-dtype GEMM, one fp32 copy per call instead of per chunk
-    (except under the Triton backend, i.e. the interpreter in tests, whose fused GEMM takes
-    bf16 tiles)."""
-    if weight.is_cuda or weight.dtype == torch.float32 or select_backend(weight) == "triton":
-        return weight
-    return weight.float()
+@dataclass(frozen=True)
+class HeadRows:
+    """The rows a pass runs over, in the call's row layout (grpo_lce._rows)."""
+
+    h: torch.Tensor  # (n, H) hidden states
+    y: torch.Tensor  # (n,) int64 targets in [0, V)
+    n_valid: torch.Tensor | None = None  # int32 (1,) on the device: rows at or past it are
+    # padding (zero h, α = β = 0) and get 0 in every output; None: all rows valid
+    count: HostCount | None = None  # n_valid on its way to the host (a trainable head)
+    scratch: bool = False  # h is the call's own copy: the fused path may write the basis on it
+
+    @classmethod
+    def of(cls, plan: RowPlan, h: torch.Tensor, y: torch.Tensor, *, scratch: bool = False
+           ) -> HeadRows:
+        return cls(h=h, y=y, n_valid=plan.n_valid, count=plan.count, scratch=scratch)
+
+
+@dataclass(frozen=True)
+class HeadPass:
+    """What one pass over the rows computes besides lse and z_y (module docstring)."""
+
+    inv_tau: float = 1.0
+    chunk_size: int | None = None  # None: from the memory budget (grpo_lce._chunks)
+    basis: bool = False  # G W
+    ebasis: bool = False  # E W
+    grad_weight: bool = False  # Gᵀ h
+    grad_bias: bool = False  # Σ_rows G
+    argmax: bool = False
+    entropy: bool = True  # (the unfused loop computes it anyway)
+    alpha: torch.Tensor | None = None  # (n,) fp32 coefficient of p − e_y in G; None: 1
+    beta: torch.Tensor | None = None  # (n,) fp32 coefficient of p∘(z − z̄) in G; None: 0
+
+    @property
+    def wants_g(self) -> bool:
+        return self.basis or self.grad_weight or self.grad_bias
+
+    @property
+    def fusable(self) -> bool:
+        """Whether the fused kernel computes what this pass needs: its G' gives α (p − e_y),
+        not E, β's term, nor the bias gradient (a sum over the (C, V) operand)."""
+        return not (self.ebasis or self.grad_bias or self.beta is not None)
 
 
 @dataclass
 class HeadOut:
     lse: torch.Tensor  # (N,) fp32
     z_y: torch.Tensor  # (N,) fp32
-    entropy: torch.Tensor | None  # (N,) fp32; None unless want_entropy (fused path)
+    entropy: torch.Tensor | None  # (N,) fp32; None unless asked for (fused path)
     argmax: torch.Tensor | None = None  # (N,) int64
     basis: torch.Tensor | None = None  # (N, H) fp32: G W (fused path: its bf16 half, ...
     basis_lo: torch.Tensor | None = None  # ... and this (N, H) uint8 one: kernels/split_float)
@@ -64,111 +98,97 @@ class HeadOut:
             self.argmax[start:].fill_(-1)
 
 
-def head_forward(
-    h: torch.Tensor,
-    w: torch.Tensor,
-    b: torch.Tensor | None,
-    y: torch.Tensor,
-    inv_tau: float,
-    chunk_size: int | None,
-    *,
-    want_basis: bool = False,
-    want_ebasis: bool = False,
-    want_grad_weight: bool = False,
-    want_grad_bias: bool = False,
-    want_argmax: bool = False,
-    want_entropy: bool = True,
-    alpha: torch.Tensor | None = None,
-    beta: torch.Tensor | None = None,
-    n_valid: torch.Tensor | None = None,
-    count=None,
-    rows_scratch: bool = False,
-) -> HeadOut:
-    """One pass over the rows of h in chunks. `w` is `gemm_weight(weight)`.
+def gemm_weight(weight: torch.Tensor, backend: str) -> torch.Tensor:
+    """The weight as the GEMMs consume it. On CUDA the bf16/fp16 weight itself (cuBLAS writes
+    fp32); on CPU, which has no mixed-dtype GEMM, one fp32 copy per call instead of per chunk
+    (except under the Triton backend, i.e. the interpreter in tests, whose fused GEMM takes
+    bf16 tiles)."""
+    if weight.is_cuda or weight.dtype == torch.float32 or backend == "triton":
+        return weight
+    return weight.float()
 
-    `n_valid` (int32 (1,) on the device): only the first n_valid rows are valid, the others
-    (zero hidden states, α = β = 0: _rows' device-counted layout) get 0 in every output. The
-    fused path skips their GEMM work; the unfused loop computes and then zeroes them, unless
-    `count` (_rows.HostCount, the same number on its way to the host) lets it stop at them.
 
-    want_basis/want_grad_weight/want_grad_bias all use the same operand G (α, β per row).
-    `rows_scratch`: h is a copy owned by the call (never the caller's tensor), which the fused
-    path may overwrite with the basis's bf16 half (see _head_fused).
-    On a Hopper GPU most calls take the fused path of `_head_fused` (same outputs; entropy only
-    when `want_entropy`); the loop below is the reference algorithm and the CPU one.
-    """
-    N, H = h.shape
+def head_forward(rows: HeadRows, w: torch.Tensor, b: torch.Tensor | None, spec: HeadPass,
+                 path: Path) -> HeadOut:
+    """One pass over rows.h in chunks, as `spec` asks; `w` is `gemm_weight(weight, ...)`.
+
+    Rows at or past rows.n_valid get 0 in every output: the fused path skips their GEMM work;
+    the loop below computes and then zeroes them, unless rows.count (the same number on its
+    way to the host) lets it stop at them."""
+    N, H = rows.h.shape
     V = w.shape[0]
-    dev = h.device
-    want_g = want_basis or want_grad_weight or want_grad_bias
-    h_gemm = h if h.dtype == w.dtype else h.to(w.dtype)
-    fused = N > 0 and use_fused(
-        h_gemm, w, want_ebasis=want_ebasis, want_grad_bias=want_grad_bias, beta=beta
-    )
-    basis, basis_lo = _basis_buffers(h_gemm, fused, rows_scratch and not want_grad_weight) \
-        if want_basis else (None, None)
+    dev = rows.h.device
+    h = rows.h if rows.h.dtype == w.dtype else rows.h.to(w.dtype)
+    fused = N > 0 and path.fused and spec.fusable
+    basis, basis_lo = (_basis_buffers(h, fused, rows.scratch and not spec.grad_weight)
+                       if spec.basis else (None, None))
+    if spec.basis and path.record is not None:
+        path.note("basis", (rows.scratch, basis.dtype, None if basis_lo is None else
+                            basis_lo.dtype, basis.data_ptr() == rows.h.data_ptr()))
     out = HeadOut(
         lse=torch.empty(N, device=dev, dtype=torch.float32),
         z_y=torch.empty(N, device=dev, dtype=torch.float32),
         entropy=torch.empty(N, device=dev, dtype=torch.float32)
-        if want_entropy or not fused else None,
-        argmax=torch.empty(N, device=dev, dtype=torch.int64) if want_argmax else None,
+        if spec.entropy or not fused else None,
+        argmax=torch.empty(N, device=dev, dtype=torch.int64) if spec.argmax else None,
         basis=basis,
         basis_lo=basis_lo,
-        ebasis=torch.empty(N, H, device=dev, dtype=torch.float32) if want_ebasis else None,
+        ebasis=torch.empty(N, H, device=dev, dtype=torch.float32) if spec.ebasis else None,
         # the fused loop's first chunk writes dW (no zero fill of V x H fp32 first)
         grad_weight=(torch.empty if fused else torch.zeros)(V, H, device=dev,
                                                              dtype=torch.float32)
-        if want_grad_weight else None,
-        grad_bias=torch.zeros(V, device=dev, dtype=torch.float32) if want_grad_bias else None,
+        if spec.grad_weight else None,
+        grad_bias=torch.zeros(V, device=dev, dtype=torch.float32) if spec.grad_bias else None,
     )
     if N == 0:
         return out
     if fused:
-        return head_forward_fused(
-            out, h_gemm, w, b, y, inv_tau, chunk_size, want_basis=want_basis,
-            want_grad_weight=want_grad_weight, want_entropy=want_entropy,
-            want_argmax=want_argmax, alpha=alpha, n_valid=n_valid, count=count,
-        )
+        assert h is rows.h  # the fused path: bf16 rows and weight, the weight as given
+        return head_forward_fused(out, rows, w, b, spec, path)
 
     # a trainable head's recompute with an entropy gradient lands here in the device-counted
     # layout: its count was copied to the host back in the forward, so stop at it
-    n_rows = N if count is None else count.get()
+    n_rows = N
+    if rows.count is not None:
+        n_rows = rows.count.get()
+        path.note("count read", n_rows)
     # G is written over Z (see g_over_z), so only the entropy operand E costs a buffer
-    C = chunk_size or default_chunk_size(V, int(want_ebasis), w.element_size(), n_rows=N)
-    if want_grad_weight and not chunk_size:
+    C = spec.chunk_size or default_chunk_size(V, int(spec.ebasis), w.element_size(), n_rows=N)
+    if spec.grad_weight and not spec.chunk_size:
         C = max(C, MIN_ROWS_GRAD_WEIGHT)
     C = max(1, min(C, n_rows))
     z_buf = torch.empty(C, V, device=dev, dtype=torch.float32)  # (C, V) fp32 <- the big one
-    e_buf = torch.empty(C, V, device=dev, dtype=w.dtype) if want_ebasis else None
+    e_buf = torch.empty(C, V, device=dev, dtype=w.dtype) if spec.ebasis else None
     wt = w.t()
+    y, alpha, beta = rows.y, spec.alpha, spec.beta
 
     for s, e in chunk_bounds(n_rows, C):
         n = e - s
-        z = mm_f32(h_gemm[s:e], wt, out=z_buf[:n])  # (n, V) fp32, no bias / τ yet
-        g = g_over_z(z_buf, n, w.dtype) if want_g else None
-        eo = e_buf[:n] if want_ebasis else None
+        z = mm_f32(h[s:e], wt, out=z_buf[:n])  # (n, V) fp32, no bias / τ yet
+        g = g_over_z(z_buf, n, w.dtype) if spec.wants_g else None
+        eo = e_buf[:n] if spec.ebasis else None
         row_softmax(
-            z, y[s:e], b, inv_tau,
+            z, y[s:e], b, spec.inv_tau,
+            backend=path.backend,
             g_out=g, e_out=eo,
             alpha=None if alpha is None else alpha[s:e],
             beta=None if beta is None else beta[s:e],
-            want_argmax=want_argmax,
+            want_argmax=spec.argmax,
             out=(out.lse[s:e], out.z_y[s:e], out.entropy[s:e],
-                 out.argmax[s:e] if want_argmax else None),
+                 out.argmax[s:e] if spec.argmax else None),
         )
-        if want_basis:
+        if spec.basis:
             mm_f32(g, w, out=out.basis[s:e])
-        if want_ebasis:
+        if spec.ebasis:
             mm_f32(eo, w, out=out.ebasis[s:e])
-        if want_grad_weight:
-            accumulate_mm(out.grad_weight, g.t(), h_gemm[s:e])
-        if want_grad_bias:
+        if spec.grad_weight:
+            accumulate_mm(out.grad_weight, g.t(), h[s:e])
+        if spec.grad_bias:
             out.grad_bias += g.float().sum(0)
-    if count is not None:
+    if rows.count is not None:
         out.zero_rows_from(n_rows)
-    elif n_valid is not None:
-        _zero_past(out, n_valid)
+    elif rows.n_valid is not None:
+        _zero_past(out, rows.n_valid)
     return out
 
 

@@ -21,8 +21,10 @@ from typing import Callable
 import torch
 
 from grpo_lce._checks import check_chunk_size, check_head
-from grpo_lce._chunks import chunk_bounds, default_chunk_size, mm_f32
+from grpo_lce._chunks import chunk_bounds, default_chunk_size
+from grpo_lce._dispatch import decide
 from grpo_lce._head import gemm_weight
+from grpo_lce._mm import mm_f32
 
 
 def _logits(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -34,9 +36,9 @@ def _logits(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 class _ChunkedLinear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, fn, chunk, x, w, *row_args):
+    def forward(ctx, fn, chunk, backend, x, w, *row_args):
         N = x.shape[0]
-        gw = gemm_weight(w)
+        gw = gemm_weight(w, backend)
         outs = []
         scalar = None
         for s, e in chunk_bounds(N, chunk):
@@ -62,7 +64,7 @@ class _ChunkedLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g_out):
         x, w, *row_args = ctx.saved_tensors
-        need_x, need_w = ctx.needs_input_grad[2], ctx.needs_input_grad[3]
+        need_x, need_w = ctx.needs_input_grad[3], ctx.needs_input_grad[4]
         dx = torch.empty_like(x) if need_x else None
         dw = torch.zeros(w.shape, device=w.device, dtype=torch.float32) if need_w else None
         w_leaf = w.detach().requires_grad_(need_w)
@@ -81,7 +83,8 @@ class _ChunkedLinear(torch.autograd.Function):
                 gw = grads.pop(0)
                 if gw is not None:
                     dw += gw
-        return (None, None, dx, None if dw is None else dw.to(w.dtype), *([None] * len(row_args)))
+        return (None, None, None, dx, None if dw is None else dw.to(w.dtype),
+                *([None] * len(row_args)))
 
 
 def chunked_linear(
@@ -124,5 +127,6 @@ def chunked_linear(
     if n == 0:
         probe = fn(torch.zeros(0, weight.shape[0], device=x.device), *rows)
         return probe.reshape(*lead, *probe.shape[1:]) if probe.dim() else probe
-    out = _ChunkedLinear.apply(fn, chunk, x, weight, *rows)
+    # (only the backend matters here: the weight's fp32 copy on CPU, see gemm_weight)
+    out = _ChunkedLinear.apply(fn, chunk, decide(x, weight).backend, x, weight, *rows)
     return out if out.dim() == 0 else out.reshape(*lead, *out.shape[1:])

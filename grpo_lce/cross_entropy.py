@@ -18,8 +18,11 @@ from __future__ import annotations
 import torch
 
 from grpo_lce._checks import check_chunk_size, check_head, check_targets
-from grpo_lce._head import gemm_weight, head_forward
-from grpo_lce._rows import RowPlan, count_on_device, head_trainable, plan_rows, raise_deferred
+from grpo_lce._deferred import defer, raise_deferred
+from grpo_lce._dispatch import Path, decide
+from grpo_lce._head import HeadPass, HeadRows, gemm_weight, head_forward
+from grpo_lce._row_results import Term, grad_to_caller
+from grpo_lce._rows import RowPlan, plan_rows
 from grpo_lce.kernels.scale_cast import scale_cast
 from grpo_lce.logprobs import linear_logprobs
 
@@ -28,9 +31,10 @@ _REDUCTIONS = ("mean", "sum", "none")
 
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, bias, y, divisor, chunk_size, want_metrics, plan):
+    def forward(ctx, hidden, weight, bias, y, divisor, chunk_size, want_metrics, plan, path):
         # hidden (N, H) the caller's rows; plan (_rows.RowPlan) the rows processed, y (n,) their
-        # labels: with plan.n_valid (the device-counted layout) the rows past it give 0
+        # labels: with plan.n_valid (the device-counted layout) the rows past it give 0; path
+        # (_dispatch.Path) how
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         # (n, H); a copy of ours takes the basis's bf16 half (_head_fused)
         h, owned = plan.own_rows(hidden)
@@ -39,16 +43,16 @@ class _LinearCrossEntropy(torch.autograd.Function):
         need_grad = need_h or need_w or need_b
         alpha = divisor.reciprocal().expand(n).contiguous() if need_grad else None
         out = head_forward(
-            h, gemm_weight(weight), bias, y, 1.0, chunk_size,
-            want_basis=need_h, want_grad_weight=need_w, want_grad_bias=need_b,
-            want_argmax=want_metrics, want_entropy=want_metrics, alpha=alpha,
-            n_valid=plan.n_valid, count=plan.count, rows_scratch=owned,
+            HeadRows.of(plan, h, y, scratch=owned), gemm_weight(weight, path.backend), bias,
+            HeadPass(chunk_size=chunk_size, basis=need_h, grad_weight=need_w, grad_bias=need_b,
+                     argmax=want_metrics, entropy=want_metrics, alpha=alpha),
+            path,
         )
         loss = (out.lse - out.z_y).sum() / divisor
         ctx.save_for_backward(out.basis, out.basis_lo, out.grad_weight, out.grad_bias,
                               *plan.saved())
         ctx.dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
-        ctx.n_rows, ctx.n_all = n, hidden.shape[0]
+        ctx.n_rows, ctx.n_all, ctx.backend = n, hidden.shape[0], path.backend
         if want_metrics:
             correct = (out.argmax == y).sum()
             entropy_sum = out.entropy.sum()
@@ -64,11 +68,11 @@ class _LinearCrossEntropy(torch.autograd.Function):
         h_dt, w_dt, b_dt = ctx.dtypes
         g = g_loss.float()
         # dh of the caller's rows (0 at the ignored ones), scaled and cast in one pass
-        dh = None if basis is None else plan.grad_to_all_rows(ctx.n_all, h_dt, basis, g,
-                                                              u_lo=basis_lo)
-        dw = None if gw is None else scale_cast(gw, g, w_dt)
-        db = None if gb is None else scale_cast(gb, g, b_dt)
-        return dh, dw, db, None, None, None, None, None
+        dh = None if basis is None else grad_to_caller(
+            plan, Term(basis, g, lo=basis_lo), n_all=ctx.n_all, dtype=h_dt, backend=ctx.backend)
+        dw = None if gw is None else scale_cast(gw, g, w_dt, backend=ctx.backend)
+        db = None if gb is None else scale_cast(gb, g, b_dt, backend=ctx.backend)
+        return dh, dw, db, None, None, None, None, None, None
 
 
 def linear_cross_entropy(
@@ -129,15 +133,15 @@ def linear_cross_entropy(
         }
         return loss, metrics
 
-    h, y, plan = _rows_and_labels(hidden, weight, bias, labels, ignore_index)
+    h, y, plan, path = _rows_and_labels(hidden, weight, bias, labels, ignore_index)
     n_valid = plan.n if plan.n_valid is None else plan.n_valid.reshape(())
     divisor = _divisor(reduction, num_items, n_valid, hidden.device)
     loss, correct, entropy_sum = _LinearCrossEntropy.apply(
-        h, weight, bias, y, divisor, chunk_size, bool(return_metrics), plan
+        h, weight, bias, y, divisor, chunk_size, bool(return_metrics), plan, path
     )
     if plan.n_bad is not None:  # a target out of range (reported by a later call): NaN
         loss = torch.where(plan.n_bad > 0, float("nan"), loss)
-    plan.report_bad()
+    defer(plan.n_bad, plan.bad_message)
     if not return_metrics:
         return loss
     # torch.full, not torch.tensor: a host value copied to the GPU makes the host wait
@@ -164,23 +168,24 @@ def _divisor(reduction, num_items, n_valid, device) -> torch.Tensor:
 
 
 def _rows_and_labels(hidden, weight, bias, labels, ignore_index
-                     ) -> tuple[torch.Tensor, torch.Tensor, RowPlan]:
-    """(h (N, H), y (n,) int64, plan): the caller's rows flattened, the labels of the rows the
-    chunk loop processes and which rows those are (grpo_lce._rows; `plan.rows(h)` gives them)."""
+                     ) -> tuple[torch.Tensor, torch.Tensor, RowPlan, Path]:
+    """(h (N, H), y (n,) int64, plan, path): the caller's rows flattened, the labels of the rows
+    the chunk loop processes, which rows those are (grpo_lce._rows; `plan.rows(h)` gives them),
+    and the call's path (grpo_lce._dispatch)."""
     h = hidden.reshape(-1, hidden.shape[-1])
-    plan, y = plan_rows(labels.reshape(-1), weight.shape[0], ignore_index, "labels",
-                        on_device=count_on_device(h, weight, bias),
-                        host_count=head_trainable(weight))
-    return h, y, plan
+    path = decide(h, weight, bias)
+    plan, y = plan_rows(labels.reshape(-1), weight.shape[0], ignore_index, "labels", path)
+    return h, y, plan, path
 
 
 def _argmax_correct(hidden, weight, bias, labels, ignore_index, chunk_size) -> torch.Tensor:
-    """argmax == label count for reduction='none' (a no-grad pass of the same chunk loop; rows
-    past the valid ones have argmax −1 against label 0, so they never count)."""
+    """argmax == label count for reduction='none': a second, no-grad pass of the chunk loop (its
+    own path and rows; rows past the valid ones have argmax −1 against label 0, so they never
+    count)."""
     weight, bias = weight.detach(), None if bias is None else bias.detach()
-    h, y, plan = _rows_and_labels(hidden.detach(), weight, bias, labels, ignore_index)
+    h, y, plan, path = _rows_and_labels(hidden.detach(), weight, bias, labels, ignore_index)
     out = head_forward(
-        plan.rows(h), gemm_weight(weight), bias,
-        y, 1.0, chunk_size, want_argmax=True, want_entropy=False, n_valid=plan.n_valid,
+        HeadRows.of(plan, plan.rows(h), y), gemm_weight(weight, path.backend), bias,
+        HeadPass(chunk_size=chunk_size, argmax=True, entropy=False), path,
     )
     return (out.argmax == y).sum()

@@ -27,28 +27,32 @@ from __future__ import annotations
 import torch
 
 from grpo_lce._checks import check_chunk_size, check_head, check_targets, check_temperature
-from grpo_lce._head import gemm_weight, head_forward
-from grpo_lce._rows import RowPlan, count_on_device, head_trainable, plan_rows, raise_deferred
+from grpo_lce._deferred import defer, raise_deferred
+from grpo_lce._dispatch import decide
+from grpo_lce._head import HeadPass, HeadRows, gemm_weight, head_forward
+from grpo_lce._row_results import Term, grad_to_caller, values_to_caller
+from grpo_lce._rows import RowPlan, plan_rows
 
 
 class _LinearLogprobs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, bias, y, plan, inv_tau, chunk_size, entropy_basis,
+    def forward(ctx, hidden, weight, bias, y, plan, path, inv_tau, chunk_size, entropy_basis,
                 want_entropy):
-        # hidden (N, H) all rows; plan (_rows.RowPlan) the rows processed; y (n,) their targets
+        # hidden (N, H) all rows; plan (_rows.RowPlan) the rows processed, y (n,) their targets;
+        # path (_dispatch.Path) how
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         recompute = need_w or need_b
         # rows of our own (a copy): the fused path writes the basis's bf16 half over them
         rows, owned = plan.own_rows(hidden)
         out = head_forward(
-            rows, gemm_weight(weight), bias, y, inv_tau, chunk_size,
-            want_basis=need_h and not recompute,
-            want_ebasis=need_h and not recompute and entropy_basis, want_entropy=want_entropy,
-            n_valid=plan.n_valid, rows_scratch=owned,
+            HeadRows.of(plan, rows, y, scratch=owned), gemm_weight(weight, path.backend), bias,
+            HeadPass(inv_tau=inv_tau, chunk_size=chunk_size, basis=need_h and not recompute,
+                     ebasis=need_h and not recompute and entropy_basis, entropy=want_entropy),
+            path,
         )
         del rows  # (held by out.basis when the basis went over it)
         ctx.inv_tau, ctx.chunk_size, ctx.recompute = inv_tau, chunk_size, recompute
-        ctx.n_rows, ctx.count = plan.n, plan.count
+        ctx.n_rows, ctx.count, ctx.path = plan.n, plan.count, path
         # The frozen path needs only the (n, H) bases. `hidden` is the caller's tensor (no copy),
         # kept for a recompute: a trainable head, or an entropy gradient without its basis.
         ctx.save_for_backward(hidden, weight, bias, y, out.basis, out.basis_lo, out.ebasis,
@@ -57,18 +61,20 @@ class _LinearLogprobs(torch.autograd.Function):
         N = hidden.shape[0]
         # without return_entropy the caller never sees the second output (its value is 0)
         ent = out.lse.new_zeros(out.lse.shape) if out.entropy is None else out.entropy
-        logp = plan.mark_bad(out.z_y - out.lse)
-        return plan.to_all_rows(logp, N), plan.to_all_rows(plan.mark_bad(ent), N)
+        return (values_to_caller(plan, out.z_y - out.lse, N),
+                values_to_caller(plan, ent, N))
 
     @staticmethod
     def backward(ctx, g_logp, g_ent):
         hidden, weight, bias, y, basis, basis_lo, ebasis, *saved_plan = ctx.saved_tensors
-        plan = RowPlan.from_saved(ctx.n_rows, *saved_plan)
+        plan = RowPlan.from_saved(ctx.n_rows, *saved_plan, count=ctx.count)
+        path = ctx.path
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
-        none = (None,) * 6
+        none = (None,) * 7
         if g_logp is None and g_ent is None:
             return (None, None, None) + none
         s = -ctx.inv_tau
+        to_caller = {"n_all": hidden.shape[0], "dtype": hidden.dtype, "backend": path.backend}
         if ctx.recompute:
             # per processed row: α = −g/τ, β = −g^H/τ (upstream gradients of logp and entropy);
             # 0 past the valid rows of the device-counted layout
@@ -76,14 +82,15 @@ class _LinearLogprobs(torch.autograd.Function):
             beta = None if g_ent is None else plan.rows(g_ent).float() * s
             # D = α (p − e_y) + β p∘(z − z̄) is the whole ∂loss/∂(h Wᵀ) of a chunk
             out = head_forward(
-                plan.rows(hidden), gemm_weight(weight), bias, y, ctx.inv_tau,
-                ctx.chunk_size, want_basis=need_h, want_grad_weight=need_w,
-                want_grad_bias=need_b,
-                alpha=torch.zeros_like(y, dtype=torch.float32) if alpha is None else alpha,
-                beta=beta, n_valid=plan.n_valid, count=ctx.count,
+                HeadRows.of(plan, plan.rows(hidden), y), gemm_weight(weight, path.backend), bias,
+                HeadPass(inv_tau=ctx.inv_tau, chunk_size=ctx.chunk_size, basis=need_h,
+                         grad_weight=need_w, grad_bias=need_b,
+                         alpha=torch.zeros_like(y, dtype=torch.float32) if alpha is None
+                         else alpha, beta=beta),
+                path,
             )
-            dh = plan.grad_to_all_rows(hidden.shape[0], hidden.dtype, out.basis, None,
-                                       u_lo=out.basis_lo) if need_h else None
+            dh = grad_to_caller(plan, Term(out.basis, lo=out.basis_lo),
+                                **to_caller) if need_h else None
             dw = out.grad_weight.to(weight.dtype) if need_w else None
             db = out.grad_bias.to(bias.dtype) if need_b else None
             return (dh, dw, db) + none
@@ -91,15 +98,14 @@ class _LinearLogprobs(torch.autograd.Function):
         # caller's row order in one pass)
         if g_ent is not None and ebasis is None:
             ebasis = head_forward(
-                plan.rows(hidden), gemm_weight(weight), bias, y, ctx.inv_tau,
-                ctx.chunk_size, want_ebasis=True, n_valid=plan.n_valid,
+                HeadRows.of(plan, plan.rows(hidden), y), gemm_weight(weight, path.backend), bias,
+                HeadPass(inv_tau=ctx.inv_tau, chunk_size=ctx.chunk_size, ebasis=True), path,
             ).ebasis
         if g_logp is None:
-            dh = plan.grad_to_all_rows(hidden.shape[0], hidden.dtype, ebasis, g_ent, s)
+            dh = grad_to_caller(plan, Term(ebasis, g_ent, s), **to_caller)
         else:
-            dh = plan.grad_to_all_rows(hidden.shape[0], hidden.dtype, basis, g_logp, s,
-                                       v=None if g_ent is None else ebasis, w_v=g_ent, s_v=s,
-                                       u_lo=basis_lo)
+            dh = grad_to_caller(plan, Term(basis, g_logp, s, lo=basis_lo),
+                                None if g_ent is None else Term(ebasis, g_ent, s), **to_caller)
         return (dh, None, None) + none
 
 
@@ -141,7 +147,7 @@ def linear_logprobs(
 
     No host synchronisation on the fused path (bf16 on Hopper or newer, frozen head): ignored
     rows are moved after the valid ones and the kernels read their number on the device; a
-    target out of range there gives NaN and a ValueError from a later call (see grpo_lce._rows).
+    target out of range there gives NaN and a ValueError from a later call (grpo_lce._deferred).
     A trainable weight takes the same layout, and its backward reads that number on the host
     (long copied by then) to size the cuBLAS GEMMs. Otherwise one host read per call in the
     forward (the number of valid rows sizes the GEMMs).
@@ -154,14 +160,12 @@ def linear_logprobs(
 
     lead = targets.shape
     h = hidden.reshape(-1, hidden.shape[-1])
-    y = targets.reshape(-1)
-    on_device = count_on_device(h, weight, bias, want_ebasis=bool(entropy_requires_grad))
-    plan, y = plan_rows(y, weight.shape[0], ignore_index, "targets", on_device=on_device,
-                        host_count=head_trainable(weight))
+    path = decide(h, weight, bias, entropy_basis=bool(entropy_requires_grad))
+    plan, y = plan_rows(targets.reshape(-1), weight.shape[0], ignore_index, "targets", path)
     logp, ent = _LinearLogprobs.apply(
-        h, weight, bias, y, plan, inv_tau, chunk_size, bool(entropy_requires_grad),
+        h, weight, bias, y, plan, path, inv_tau, chunk_size, bool(entropy_requires_grad),
         bool(return_entropy),
     )
-    plan.report_bad()
+    defer(plan.n_bad, plan.bad_message)
     logp, ent = logp.reshape(lead), ent.reshape(lead)
     return (logp, ent) if return_entropy else logp

@@ -23,8 +23,8 @@ _inputs = head_inputs
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 @pytest.mark.parametrize("train_head", [False, True], ids=["frozenW", "trainW"])
-def test_loss_grads_metrics(reduction, dtype, backend, train_head, monkeypatch):
-    monkeypatch.setenv("GRPO_LCE_BACKEND", backend)
+def test_loss_grads_metrics(reduction, dtype, backend, train_head, dispatch_override):
+    dispatch_override(backend=backend)
     N, H, V = 41, 24, 1031
     h, w, b, y = _inputs(N, H, V, dtype, True, 7)
     h.requires_grad_()

@@ -1,7 +1,7 @@
 """The device-counted row layout (grpo_lce/_rows.py): ignored rows moved after the valid ones, their
 number read by the kernels on the device (kernels/gemm_rows.py), no host sync. On CPU the Triton
-kernels run in the interpreter; the GPU-only checks (no sync at all, the deferred error) are
-marked `gpu`.
+kernels run in the interpreter; the GPU-only checks (no sync at all, the deferred error) are in
+tests/test_gpu_core.py, marked `gpu`.
 
 Run: python -m pytest tests/test_device_rows.py -q
 """
@@ -11,9 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
-import grpo_lce._head_fused as head_fused
-import grpo_lce._rows as rows_mod
 from grpo_lce import linear_cross_entropy, linear_logprobs
+from grpo_lce._dispatch import recording
 from grpo_lce.kernels import gemm_rows as gr
 from grpo_lce.kernels import gemm_softmax as gs
 from grpo_lce.kernels.split_float import join as join_split
@@ -31,19 +30,9 @@ pytestmark = pytest.mark.usefixtures("fused_triton_env")
 GEMM_RTOL = 1e-5
 
 
-def _spy_plans(monkeypatch):
-    """Record whether each call's rows were counted on the device."""
-    seen = []
-    real = rows_mod.plan_rows
-
-    def spy(*args, **kw):
-        plan, y = real(*args, **kw)
-        seen.append(plan.n_valid is not None)
-        return plan, y
-
-    for mod in ("grpo_lce.logprobs", "grpo_lce.cross_entropy"):
-        monkeypatch.setattr(f"{mod}.plan_rows", spy)
-    return seen
+def _on_device(rec):
+    """Whether each call recorded in `rec` counted its rows on the device."""
+    return [path.rows_on_device for path in rec.paths]
 
 
 def _g_operand(M, V, gen):
@@ -107,7 +96,7 @@ def test_split_count_fills_the_waves():
 # chunk 32 over 150 rows with 100 ignored: two chunks are entirely past the valid rows
 @pytest.mark.parametrize("N, n_ignored, chunk", [(150, 100, 32), (37, 5, None), (1, 0, None),
                                                  (40, 40, 16)])
-def test_logprobs_with_ignored_rows_match_fp64(N, n_ignored, chunk, monkeypatch):
+def test_logprobs_with_ignored_rows_match_fp64(N, n_ignored, chunk):
     H, V = 32, 300
     h, w, b, y = head_inputs(N, H, V, torch.bfloat16, True, n_ignored, seed=1)
     ignored = y == -100
@@ -115,12 +104,13 @@ def test_logprobs_with_ignored_rows_match_fp64(N, n_ignored, chunk, monkeypatch)
     gen = torch.Generator().manual_seed(2)
     g, g_ent = torch.randn(N, generator=gen), torch.randn(N, generator=gen)
     h, w, b, y, g, g_ent = (t.to(DEV) for t in (h, w, b, y, g, g_ent))
-    seen = _spy_plans(monkeypatch)
     hh = h.clone().requires_grad_()
-    lp, ent = linear_logprobs(hh, w, y, bias=b, temperature=0.7, return_entropy=True,
-                              chunk_size=chunk)
-    # upstream gradients on both outputs: the entropy's is recomputed over the padded layout
-    (lp * g + ent * g_ent).sum().backward()
+    with recording() as rec:
+        lp, ent = linear_logprobs(hh, w, y, bias=b, temperature=0.7, return_entropy=True,
+                                  chunk_size=chunk)
+        # upstream gradients on both outputs: the entropy's is recomputed over the padded layout
+        (lp * g + ent * g_ent).sum().backward()
+    seen = _on_device(rec)
     assert seen == [True]
     h_ref = torch.where(ignored.to(DEV)[:, None], 0.0, h.double()).requires_grad_()
     rl, re = logprobs_ref(h_ref, w.double(), y, bias=b.double(), temperature=0.7)
@@ -134,30 +124,23 @@ def test_logprobs_with_ignored_rows_match_fp64(N, n_ignored, chunk, monkeypatch)
 
 
 @pytest.mark.parametrize("n_ignored", [0, 9])
-def test_frozen_basis_goes_over_the_gathered_rows(n_ignored, monkeypatch):
+def test_frozen_basis_goes_over_the_gathered_rows(n_ignored):
     """Frozen head, fused path: the basis's bf16 half is written over the call's own gathered
     copy of the rows (kernels/split_float), never over the caller's hidden states, which stay
     bit-identical; log-probs and CE, with and without ignored rows, several chunks."""
-    import grpo_lce.cross_entropy as ce_mod
-    import grpo_lce.logprobs as lp_mod
-
     N, H, V = 40, 32, 300
     h, w, _, y = head_inputs(N, H, V, torch.bfloat16, False, n_ignored, seed=6)
     g = torch.randn(N, generator=torch.Generator().manual_seed(7))
     h, w, y, g = (t.to(DEV) for t in (h, w, y, g))
-    seen = []
-    for mod in (lp_mod, ce_mod):
-        def spy(rows, *args, real=mod.head_forward, **kw):
-            out = real(rows, *args, **kw)
-            seen.append((kw["rows_scratch"], out.basis.dtype, out.basis_lo.dtype,
-                         out.basis.data_ptr() == rows.data_ptr()))
-            return out
-        monkeypatch.setattr(mod, "head_forward", spy)
     hh = h.clone().requires_grad_()
-    (linear_logprobs(hh, w, y, chunk_size=16) * g).sum().backward()
-    dh_lp = hh.grad.clone()
-    hh.grad = None
-    linear_cross_entropy(hh, w, y, chunk_size=16).backward()
+    with recording() as rec:
+        (linear_logprobs(hh, w, y, chunk_size=16) * g).sum().backward()
+        dh_lp = hh.grad.clone()
+        hh.grad = None
+        linear_cross_entropy(hh, w, y, chunk_size=16).backward()
+    # per pass that builds a basis: (rows are the call's copy, basis dtype, its low half's
+    # dtype, whether the basis is stored over those rows)
+    seen = rec.of("basis")
     assert seen == [(True, torch.bfloat16, torch.uint8, True)] * 2
     assert torch.equal(hh.detach(), h)
     h64 = h.double().requires_grad_()
@@ -170,21 +153,22 @@ def test_frozen_basis_goes_over_the_gathered_rows(n_ignored, monkeypatch):
 
 
 @pytest.mark.parametrize("reduction, num_items", [("mean", None), ("sum", None), ("sum", 7)])
-def test_cross_entropy_device_rows_match_host_rows(reduction, num_items, monkeypatch):
-    """Frozen head: device-counted rows; GRPO_LCE_SYNC_CHECKS=1: host-counted. Same loss,
-    gradient and metrics (argmax of the padding rows is −1, so never `correct`)."""
+def test_cross_entropy_device_rows_match_host_rows(reduction, num_items, dispatch_override):
+    """Frozen head: device-counted rows; sync checks on (GRPO_LCE_SYNC_CHECKS=1): host-counted.
+    Same loss, gradient and metrics (argmax of the padding rows is −1, so never `correct`)."""
     N, H, V = 150, 32, 520
     h, w, _, y = head_inputs(N, H, V, torch.bfloat16, False, 60, seed=4)
     y[y != -100] = 0  # many targets equal to the padding rows' placeholder label
     h, w, y = (t.to(DEV) for t in (h, w, y))
     results = {}
     for sync in ("0", "1"):
-        monkeypatch.setenv("GRPO_LCE_SYNC_CHECKS", sync)
-        seen = _spy_plans(monkeypatch)
+        dispatch_override(sync_checks=sync == "1")
         hh = h.clone().requires_grad_()
-        loss, m = linear_cross_entropy(hh, w, y, reduction=reduction, num_items=num_items,
-                                       return_metrics=True, chunk_size=32)
-        loss.backward()
+        with recording() as rec:
+            loss, m = linear_cross_entropy(hh, w, y, reduction=reduction, num_items=num_items,
+                                           return_metrics=True, chunk_size=32)
+            loss.backward()
+        seen = _on_device(rec)
         assert seen == [sync == "0"]
         results[sync] = (loss, hh.grad, m)
     h64 = h.double().requires_grad_()
@@ -207,23 +191,11 @@ def test_cross_entropy_device_rows_match_host_rows(reduction, num_items, monkeyp
     torch.testing.assert_close(m0["entropy_sum"], m1["entropy_sum"], rtol=1e-6, atol=1e-5)
 
 
-def _spy_host_reads(monkeypatch):
-    """Record, in order, the fused GEMM 1 launches ("gemm1") and the host reads of the row count
-    ("read"): the read must come after chunk 0's GEMM 1 is queued."""
-    events = []
-    real_gemm, real_get = head_fused.gs.gemm_softmax, rows_mod.HostCount.get
-
-    def gemm(*args, **kw):
-        events.append("gemm1")
-        return real_gemm(*args, **kw)
-
-    def get(self):
-        events.append("read")
-        return real_get(self)
-
-    monkeypatch.setattr(head_fused.gs, "gemm_softmax", gemm)
-    monkeypatch.setattr(rows_mod.HostCount, "get", get)
-    return events
+def _host_reads(rec):
+    """In order, the fused GEMM 1 launches ("gemm1") and the host reads of the row count
+    ("read") recorded in `rec`: the read must come after chunk 0's GEMM 1 is queued."""
+    names = {"gemm1": "gemm1", "count read": "read"}
+    return [names[kind] for kind, _ in rec.events if kind in names]
 
 
 # 150 rows, 100 ignored, chunks of 32: the count is read after chunk 0, then chunk 1 (18 valid
@@ -232,10 +204,10 @@ def _spy_host_reads(monkeypatch):
 @pytest.mark.parametrize("N, n_ignored, chunk, gemm1", [
     (150, 100, 32, 2), (37, 5, None, 1), (40, 40, 16, 1), (1, 0, None, 1)])
 def test_trainable_head_device_rows_match_fp64_and_host_rows(N, n_ignored, chunk, gemm1,
-                                                             monkeypatch):
+                                                             dispatch_override):
     """Trainable W in the device-counted layout, its count read on the host after chunk 0's
     GEMM 1 (cuBLAS GEMMs 2 and 3 sized by it, the chunks past it skipped): CE loss, metrics,
-    dh and dW against fp64 and against the host-counted layout (GRPO_LCE_SYNC_CHECKS=1)."""
+    dh and dW against fp64 and against the host-counted layout (sync checks on)."""
     H, V = 32, 300
     h, w, _, y = head_inputs(N, H, V, torch.bfloat16, False, n_ignored, seed=5)
     ignored = y == -100
@@ -243,12 +215,12 @@ def test_trainable_head_device_rows_match_fp64_and_host_rows(N, n_ignored, chunk
     h, w, y = (t.to(DEV) for t in (h, w, y))
     results = {}
     for sync in ("0", "1"):
-        monkeypatch.setenv("GRPO_LCE_SYNC_CHECKS", sync)
-        seen = _spy_plans(monkeypatch)
-        events = _spy_host_reads(monkeypatch)
+        dispatch_override(sync_checks=sync == "1")
         hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
-        loss, m = linear_cross_entropy(hh, ww, y, return_metrics=True, chunk_size=chunk)
-        loss.backward()
+        with recording() as rec:
+            loss, m = linear_cross_entropy(hh, ww, y, return_metrics=True, chunk_size=chunk)
+            loss.backward()
+        seen, events = _on_device(rec), _host_reads(rec)
         assert seen == [sync == "0"]
         if sync == "0":
             assert events == ["gemm1", "read"] + ["gemm1"] * (gemm1 - 1), events
@@ -279,7 +251,7 @@ def test_trainable_head_device_rows_match_fp64_and_host_rows(N, n_ignored, chunk
 
 
 @pytest.mark.parametrize("entropy_grad", [False, True], ids=["logp_grad", "with_entropy_grad"])
-def test_trainable_head_logprobs_device_rows_match_fp64(entropy_grad, monkeypatch):
+def test_trainable_head_logprobs_device_rows_match_fp64(entropy_grad):
     """linear_logprobs with trainable W in the device-counted layout: the forward reads no count
     on the host, the backward's recompute reads it once (fused path; with an entropy gradient
     the unfused loop, which stops at the count instead of computing the padding rows)."""
@@ -289,14 +261,15 @@ def test_trainable_head_logprobs_device_rows_match_fp64(entropy_grad, monkeypatc
     gen = torch.Generator().manual_seed(7)
     g, g_ent = torch.randn(N, generator=gen), torch.randn(N, generator=gen)
     h, w, b, y, g, g_ent = (t.to(DEV) for t in (h, w, b, y, g, g_ent))
-    seen = _spy_plans(monkeypatch)
-    events = _spy_host_reads(monkeypatch)
     hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
-    lp, ent = linear_logprobs(hh, ww, y, bias=b, temperature=0.7, return_entropy=True,
-                              chunk_size=32)
+    with recording() as rec:
+        lp, ent = linear_logprobs(hh, ww, y, bias=b, temperature=0.7, return_entropy=True,
+                                  chunk_size=32)
+    seen, events = _on_device(rec), _host_reads(rec)
     assert seen == [True] and "read" not in events
     loss = (lp * g).sum() + ((ent * g_ent).sum() if entropy_grad else 0.0)
-    loss.backward()
+    loss.backward()  # (the forward's path still records: the backward runs on it)
+    events = _host_reads(rec)
     assert events.count("read") == 1
     h_ref = torch.where(ignored.to(DEV)[:, None], 0.0, h.double()).requires_grad_()
     w_ref = w.double().requires_grad_()
@@ -309,7 +282,7 @@ def test_trainable_head_logprobs_device_rows_match_fp64(entropy_grad, monkeypatc
     assert_close_scaled(ww.grad, w_ref.grad, rtol=GRAD_RTOL, what="d weight")
 
 
-def test_all_ignored_gives_zeros(monkeypatch):
+def test_all_ignored_gives_zeros():
     h, w, _, y = head_inputs(20, 16, 200, torch.bfloat16, False, 20)
     h, w, y = (t.to(DEV) for t in (h, w, y))
     hh = h.clone().requires_grad_()
@@ -319,9 +292,8 @@ def test_all_ignored_gives_zeros(monkeypatch):
     assert (hh.grad == 0).all()
 
 
+@pytest.mark.skipif(DEV != "cpu", reason="on CUDA the error is deferred: test_gpu_core covers it")
 def test_out_of_range_target_raises_on_cpu_at_once():
-    if DEV != "cpu":
-        pytest.skip("on CUDA the error is deferred: test_gpu_core covers it")
     h, w, _, y = head_inputs(10, 16, 200, torch.bfloat16, False, 2)
     y[y != -100] = torch.where(y[y != -100] > 100, 200, y[y != -100])
     with pytest.raises(ValueError, match="targets contains 200"):

@@ -9,9 +9,8 @@ import torch
 import triton
 import triton.language as tl
 
-import grpo_lce._head_fused as head_fused
 from grpo_lce import linear_cross_entropy, linear_logprobs
-from grpo_lce._head_fused import use_fused
+from grpo_lce._dispatch import recording
 from grpo_lce.kernels._tma_common import tile_coords
 from grpo_lce.kernels.split_float import join as join_split
 from grpo_lce.reference import cross_entropy_ref, logits_ref, logprobs_ref
@@ -24,31 +23,10 @@ DEV = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = pytest.mark.usefixtures("fused_triton_env")
 
 
-def _spy_fused(monkeypatch):
-    """Record the flagged-row count of every chunk of a fused call with a gradient (one
-    rewrite_flagged launch per chunk: proves which path ran)."""
-    flagged = []
-    real = head_fused.gs.rewrite_flagged
-
-    def spy(*args, **kw):
-        flagged.append(int(args[7].item()))  # n_flag of the chunk
-        return real(*args, **kw)
-
-    monkeypatch.setattr(head_fused.gs, "rewrite_flagged", spy)
-    return flagged
-
-
-def _spy_chunks(monkeypatch):
-    """Count the fused GEMM 1 launches (one per chunk)."""
-    launches = []
-    real = head_fused.gs.gemm_softmax
-
-    def spy(*args, **kw):
-        launches.append(args[0].shape[0])
-        return real(*args, **kw)
-
-    monkeypatch.setattr(head_fused.gs, "gemm_softmax", spy)
-    return launches
+def _flagged(rec):
+    """The flagged-row count of every chunk of the fused calls with a gradient recorded in
+    `rec` (one per chunk: proves which path ran)."""
+    return [int(n_flag.item()) for n_flag in rec.of("flagged")]
 
 
 def _truncated(x: torch.Tensor) -> torch.Tensor:
@@ -60,38 +38,24 @@ def _to(dev, *ts):
     return [None if t is None else t.to(dev) for t in ts]
 
 
-def test_path_selection(monkeypatch):
-    h, w, _, _ = head_inputs(8, 32, 300, torch.bfloat16, False, 0)
-    h, w = _to(DEV, h, w)
-    kw = dict(want_ebasis=False, want_grad_bias=False, beta=None)
-    assert use_fused(h, w, **kw)
-    assert not use_fused(h.float(), w.float(), **kw)  # fp32: the unfused loop
-    assert not use_fused(h.half(), w.half(), **kw)  # fp16's exponent range (module docstring)
-    h12, w12, _, _ = head_inputs(8, 12, 300, torch.bfloat16, False, 0)  # 24-byte rows: no TMA
-    assert not use_fused(*_to(DEV, h12, w12), **kw)
-    assert not use_fused(h, w, want_ebasis=True, want_grad_bias=False, beta=None)
-    assert not use_fused(h, w, want_ebasis=False, want_grad_bias=True, beta=None)
-    monkeypatch.setenv("GRPO_LCE_FUSED", "0")
-    assert not use_fused(h, w, **kw)
-
-
 # N not a multiple of the 128-row tile, V not a multiple of the 256-column tile, N = 1
 @pytest.mark.parametrize("N, H, V, chunk", [(1, 16, 101, None), (150, 24, 700, 64),
                                             (37, 32, 257, None)])
 @pytest.mark.parametrize("train_head", [False, True], ids=["frozenW", "trainW"])
-def test_fused_matches_fp64_and_unfused(N, H, V, chunk, train_head, monkeypatch):
+def test_fused_matches_fp64_and_unfused(N, H, V, chunk, train_head, dispatch_override):
     h, w, b, y = head_inputs(N, H, V, torch.bfloat16, True, N // 6)
     h, w, b, y = _to(DEV, h, w, b, y)
     g = torch.randn(N, generator=torch.Generator().manual_seed(3)).to(DEV)
     results = {}
     for fused in ("1", "0"):
-        monkeypatch.setenv("GRPO_LCE_FUSED", fused)
-        flagged = _spy_fused(monkeypatch)
+        dispatch_override(fused=fused == "1")
         hh = h.clone().requires_grad_()
         ww = w.clone().requires_grad_(train_head)
-        lp = linear_logprobs(hh, ww, y, bias=b, temperature=0.8, chunk_size=chunk)
-        (lp * g).sum().backward()
+        with recording() as rec:
+            lp = linear_logprobs(hh, ww, y, bias=b, temperature=0.8, chunk_size=chunk)
+            (lp * g).sum().backward()
         results[fused] = (lp, hh.grad, ww.grad)
+        flagged = _flagged(rec)
         assert bool(flagged) == (fused == "1") and not any(flagged)
     h64, w64 = h.double().requires_grad_(), w.double().requires_grad_(train_head)
     rl, _ = logprobs_ref(h64, w64, y, bias=b.double(), temperature=0.8)
@@ -104,16 +68,16 @@ def test_fused_matches_fp64_and_unfused(N, H, V, chunk, train_head, monkeypatch)
     torch.testing.assert_close(results["1"][0], results["0"][0], rtol=0, atol=2e-5)
 
 
-def test_cross_entropy_metrics_and_trainable_head(monkeypatch):
+def test_cross_entropy_metrics_and_trainable_head():
     N, H, V = 90, 32, 520
     h, w, _, y = head_inputs(N, H, V, torch.bfloat16, False, 9)
     h, w, y = _to(DEV, h, w, y)
-    flagged = _spy_fused(monkeypatch)
-    chunks = _spy_chunks(monkeypatch)
     hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
-    loss, m = linear_cross_entropy(hh, ww, y, return_metrics=True, chunk_size=32)
-    loss.backward()
+    with recording() as rec:
+        loss, m = linear_cross_entropy(hh, ww, y, return_metrics=True, chunk_size=32)
+        loss.backward()
     # 81 valid rows of 90 in the device-counted layout: the last chunk holds 17 valid rows
+    chunks, flagged = rec.of("gemm1"), _flagged(rec)  # one fused GEMM 1 launch per chunk
     assert chunks == [32, 32, 26] and flagged == [0, 0, 0]
     h64, w64 = h.double().requires_grad_(), w.double().requires_grad_()
     ref = cross_entropy_ref(h64, w64, y)
@@ -130,7 +94,7 @@ def test_cross_entropy_metrics_and_trainable_head(monkeypatch):
 
 
 @pytest.mark.parametrize("train_head", [False, True], ids=["frozenW", "trainW"])
-def test_far_targets_take_the_exact_fallback(train_head, monkeypatch):
+def test_far_targets_take_the_exact_fallback(train_head):
     """Targets 100+ nats below the row max overflow no shift: those rows are flagged, G' drops
     them and the fixup kernel adds their exact gradient (module docstring of gemm_softmax)."""
     N, H, V = 40, 32, 600
@@ -140,11 +104,12 @@ def test_far_targets_take_the_exact_fallback(train_head, monkeypatch):
     y = torch.randint(0, V, (N,), generator=torch.Generator().manual_seed(5))
     y[::2] = z[::2].argmin(1)  # half the rows: the least likely token
     h, w, y = _to(DEV, h, w, y)
-    flagged = _spy_fused(monkeypatch)
     hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_(train_head)
     g = torch.randn(N, generator=torch.Generator().manual_seed(6)).to(DEV)
-    lp = linear_logprobs(hh, ww, y, chunk_size=16)
-    (lp * g).sum().backward()
+    with recording() as rec:
+        lp = linear_logprobs(hh, ww, y, chunk_size=16)
+        (lp * g).sum().backward()
+    flagged = _flagged(rec)
     h64, w64 = h.double().requires_grad_(), w.double().requires_grad_(train_head)
     rl, _ = logprobs_ref(h64, w64, y)
     (rl * g.double()).sum().backward()
@@ -156,7 +121,7 @@ def test_far_targets_take_the_exact_fallback(train_head, monkeypatch):
         assert_close_scaled(ww.grad, w64.grad, rtol=GRAD_RTOL, what="d weight")
 
 
-def test_minus_inf_bias_tiles_are_exact(monkeypatch):
+def test_minus_inf_bias_tiles_are_exact():
     """A bias of -inf masking a whole 256-column tile and scattered columns: no nan, exact."""
     N, H, V = 20, 16, 700
     h, w, b, y = head_inputs(N, H, V, torch.bfloat16, True, 2)
@@ -165,10 +130,11 @@ def test_minus_inf_bias_tiles_are_exact(monkeypatch):
     y[(y >= 256) & (y < 512)] = 3
     y[y % 7 == 0] = 1
     h, w, b, y = _to(DEV, h, w, b, y)
-    flagged = _spy_fused(monkeypatch)
     hh = h.clone().requires_grad_()
-    lp, ent = linear_logprobs(hh, w, y, bias=b, return_entropy=True)
-    lp.sum().backward()
+    with recording() as rec:
+        lp, ent = linear_logprobs(hh, w, y, bias=b, return_entropy=True)
+        lp.sum().backward()
+    flagged = _flagged(rec)
     h64 = h.double().requires_grad_()
     rl, _ = logprobs_ref(h64, w.double(), y, bias=b.double())
     rl.sum().backward()
@@ -253,18 +219,20 @@ def test_target_terms_match_fp64(k, with_alpha):
     a64 = a.double() if with_alpha else torch.ones(k, dtype=torch.float64, device=DEV)
 
     basis = gw.clone()
-    xf = finish_basis_and_scale_rows(basis, basis, None, x, f, alpha, y, w, True)
+    xf = finish_basis_and_scale_rows(x, f, y, w, alpha=alpha, gw=basis, basis=basis,
+                                     want_xf=True)
     ref = f.double()[:, None] * gw.double() - a64[:, None] * w.double()[y]
     # two fp32 roundings (product, difference) of O(1) terms
     assert (basis.double() - ref).abs().max() <= 4 * 2.0**-24 * (ref.abs().max() + 1)
     # one product rounded to fp32, then to bf16 (nearest even): within 2^-8 relative
     xf_ref = f.double()[:, None] * x.double()
     assert ((xf.double() - xf_ref).abs() <= 2.0**-8 * xf_ref.abs() + 1e-30).all()
-    assert finish_basis_and_scale_rows(None, None, None, x, f, alpha, y, w, False) is None
+    assert finish_basis_and_scale_rows(x, f, y, w, alpha=alpha) is None
     # the fused loop's basis split in 3 bytes, its bf16 half over the rows of x (no xf then):
     # exactly the fp32 result above with its low 8 bits dropped
     x_over, lo = x.clone(), torch.empty(k, H, dtype=torch.uint8, device=DEV)
-    assert finish_basis_and_scale_rows(gw, x_over, lo, x_over, f, alpha, y, w, False) is None
+    assert finish_basis_and_scale_rows(x_over, f, y, w, alpha=alpha, gw=gw, basis=x_over,
+                                       basis_lo=lo) is None
     torch.testing.assert_close(join_split(x_over, lo), _truncated(basis), rtol=0, atol=0)
 
     dw = dw0.clone()

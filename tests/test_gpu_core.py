@@ -10,6 +10,7 @@ import torch
 
 from grpo_lce import chunked_linear, linear_cross_entropy, linear_logprobs
 from grpo_lce._chunks import DEFAULT_CHUNK_BUDGET_BYTES
+from grpo_lce._dispatch import recording
 from grpo_lce.reference import cross_entropy_ref, logprobs_ref
 from _tolerance import assert_3way, assert_close_scaled
 
@@ -111,9 +112,10 @@ def test_chunked_linear_on_gpu():
 
 
 def test_bad_target_on_gpu_is_a_deferred_error_not_a_crash(monkeypatch):
-    """The fused path checks targets without a host sync (grpo_lce/_rows.py): the bad row is
-    NaN, the others exact, and a later call raises; GRPO_LCE_SYNC_CHECKS=1 and the unfused
-    (fp16) path raise in the call itself."""
+    """The fused path checks targets without a host sync (grpo_lce/_deferred.py): the bad row
+    is NaN, the others exact, and a later call raises; GRPO_LCE_SYNC_CHECKS=1 (the environment
+    switch itself, read by grpo_lce/_dispatch.py) and the unfused (fp16) path raise in the call
+    itself."""
     monkeypatch.delenv("GRPO_LCE_SYNC_CHECKS", raising=False)
     h, w, y = _inputs(n_ignored=100)
     y = y.clone()
@@ -158,16 +160,11 @@ def test_no_host_sync_on_the_fused_path():
     assert lp.isfinite().all() and loss.isfinite() and int(m["num_tokens"]) == N - N // 3
 
 
-def test_trainable_head_waits_only_on_an_event(monkeypatch):
+def test_trainable_head_waits_only_on_an_event():
     """Trainable W, ignored rows: CE and log-probs forward and backward under CUDA's sync debug
-    mode set to raise. The one host read of the row count (_rows.HostCount) is an event wait,
-    which that mode does not count, issued after chunk 0's GEMM 1 (test_device_rows checks
+    mode set to raise. The one host read of the row count (_host_count.HostCount) is an event
+    wait, which that mode does not count, issued after chunk 0's GEMM 1 (test_device_rows checks
     the order); anything else that synchronised (.item(), .tolist(), nonzero) would raise."""
-    import grpo_lce._rows as rows_mod
-
-    reads = []
-    real_get = rows_mod.HostCount.get
-    monkeypatch.setattr(rows_mod.HostCount, "get", lambda self: reads.append(1) or real_get(self))
     h, w, y = _inputs(n_ignored=N // 3)
     h.requires_grad_()
     w = w.clone().requires_grad_()
@@ -182,23 +179,24 @@ def test_trainable_head_waits_only_on_an_event(monkeypatch):
 
     step()
     torch.cuda.synchronize()
-    reads.clear()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        lp, loss, m = step()
+        with recording() as rec:
+            lp, loss, m = step()
     finally:
         torch.cuda.set_sync_debug_mode("default")
+    reads = [1 for _ in rec.of("count read")]
     assert reads == [1, 1]  # the log-probs' backward, the CE's forward
     assert lp.isfinite().all() and loss.isfinite() and int(m["num_tokens"]) == N - N // 3
     assert w.grad.isfinite().all()
 
 
 @pytest.mark.parametrize("fused", ["1", "0"], ids=["fused", "unfused"])
-def test_far_targets_and_both_paths_at_scale(fused, monkeypatch):
+def test_far_targets_and_both_paths_at_scale(fused, dispatch_override):
     """Rows whose target has log p < -66 take the fused path's exact fallback (kernels/
     gemm_softmax.py); both paths agree with fp64 on them and on ordinary rows, frozen and
     trainable head."""
-    monkeypatch.setenv("GRPO_LCE_FUSED", fused)
+    dispatch_override(fused=fused == "1")
     n = 512
     h, w, y = _inputs()
     h, y = h[:n].clone(), y[:n].clone()

@@ -36,6 +36,25 @@ CASES = [
 BACKENDS = ["torch", "triton"]
 
 
+def _grid():
+    """case × dtype × backend × train_head (ids as the stacked parametrize would give them).
+
+    bf16 under the Triton backend runs the fused GEMM in Triton's interpreter on CPU, tile by
+    tile: at the real vocabularies that takes minutes, so those cases are marked `slow` (CI runs
+    them in a second, time-boxed pytest call; on a GPU they take milliseconds)."""
+    for train_head in (False, True):
+        for case in CASES:
+            for dtype, dname in ((torch.float32, "fp32"), (torch.bfloat16, "bf16")):
+                for backend in BACKENDS:
+                    slow = backend == "triton" and dtype == torch.bfloat16 and case[2] > 10_000
+                    yield pytest.param(
+                        case, dtype, backend, train_head,
+                        marks=[pytest.mark.slow] if slow else [],
+                        id=f"{'trainW' if train_head else 'frozenW'}-N{case[0]}-H{case[1]}-"
+                           f"V{case[2]}-{dname}-{backend}",
+                    )
+
+
 _inputs = head_inputs
 
 
@@ -51,12 +70,9 @@ def _torch_same_dtype(h, w, b, y, tau):
     return torch.where(valid, lp, 0.0), torch.where(valid, ent, 0.0)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("case", CASES, ids=lambda c: f"N{c[0]}-H{c[1]}-V{c[2]}")
-@pytest.mark.parametrize("train_head", [False, True], ids=["frozenW", "trainW"])
-def test_values_and_grads(case, dtype, backend, train_head, monkeypatch):
-    monkeypatch.setenv("GRPO_LCE_BACKEND", backend)
+@pytest.mark.parametrize("case, dtype, backend, train_head", list(_grid()))
+def test_values_and_grads(case, dtype, backend, train_head, dispatch_override):
+    dispatch_override(backend=backend)
     N, H, V, tau, with_bias, n_ign = case
     if backend == "triton" and V > 60000 and train_head:
         pytest.skip("interpreter: the trainable-head recompute at V=151936 is covered by torch")
@@ -101,9 +117,9 @@ def test_values_and_grads(case, dtype, backend, train_head, monkeypatch):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_entropy_basis_hint_gives_same_gradient(backend, monkeypatch):
+def test_entropy_basis_hint_gives_same_gradient(backend, dispatch_override):
     """entropy_requires_grad only moves the entropy basis GEMM into the forward."""
-    monkeypatch.setenv("GRPO_LCE_BACKEND", backend)
+    dispatch_override(backend=backend)
     h, w, b, y = _inputs(29, 24, 300, torch.float32, True, 4)
     g = torch.randn(29)
     grads = []
@@ -168,8 +184,8 @@ def test_properties_uniform_and_shift_invariance():
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_all_ignored_and_empty(backend, monkeypatch):
-    monkeypatch.setenv("GRPO_LCE_BACKEND", backend)
+def test_all_ignored_and_empty(backend, dispatch_override):
+    dispatch_override(backend=backend)
     h = torch.randn(3, 5, 8, requires_grad=True)
     w = torch.randn(50, 8)
     y = torch.full((3, 5), -100)
@@ -214,10 +230,10 @@ def test_bad_input_names_the_argument(kwargs, exc, match):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_peaked_rows_keep_entropy_digits(backend, monkeypatch):
+def test_peaked_rows_keep_entropy_digits(backend, dispatch_override):
     """A near one-hot softmax has entropy ~1e-2: it must not be a difference of two ~lse
     numbers (which loses ~1e-3 of it). Tied-embedding models produce exactly such rows."""
-    monkeypatch.setenv("GRPO_LCE_BACKEND", backend)
+    dispatch_override(backend=backend)
     g = torch.Generator().manual_seed(0)
     h = torch.randn(64, 64, generator=g)
     w = torch.randn(1000, 64, generator=g) * 0.2

@@ -39,7 +39,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 import test_ddp as cpu  # the CPU test: its checks are applied to the GPU results
 
 pytestmark = [
-    pytest.mark.gpu,
+    pytest.mark.gpu,  # skipped without CUDA (conftest); and below, with fewer than two GPUs
     pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs"),
 ]
 

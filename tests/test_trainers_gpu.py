@@ -31,10 +31,7 @@ from trl.trainer.utils import use_adapter
 from trainers import GRPOTrainer, SFTTrainer
 from trainers.tiny import build_tokenizer
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
-]
+pytestmark = pytest.mark.gpu  # skipped without CUDA (conftest)
 
 B, P, C = 8, 128, 768  # sequences, max prompt length, max completion length
 VOCAB = 128256

@@ -1,23 +1,17 @@
 """Pieces shared by the TMA GEMM kernels (gemm_softmax, gemm_rows): tile order, SM count, the
 multiply-accumulate of a K step, and the device-side row count of a chunk; and the bf16 rounding
-that keeps the interpreter's arithmetic the GPU's (also used by kernels/row_gather)."""
+that keeps the interpreter's arithmetic the GPU's (also used by row_gather, scale_cast and
+target_terms). None of them needs tensor descriptors: only HAS_TRITON guards them."""
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-try:
+from grpo_lce._dispatch import HAS_TRITON
+
+if HAS_TRITON:
     import triton
     import triton.language as tl
-
-    HAS_TMA = True
-except ImportError:  # pragma: no cover - old triton or none: the fused path is off
-    HAS_TMA = False
-
-
-if HAS_TMA:
 
     @triton.jit
     def tile_coords(tile, num_m, num_n, GROUP_M: tl.constexpr):
@@ -55,11 +49,6 @@ if HAS_TMA:
 
 
 _NUM_SMS: dict[int, int] = {}
-
-
-def interpreting() -> bool:
-    """Whether Triton kernels run in its interpreter (TRITON_INTERPRET=1: CPU tests)."""
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def num_programs(device: torch.device) -> int:

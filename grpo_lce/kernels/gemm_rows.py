@@ -9,7 +9,8 @@ rows still cost no GEMM work. For a chunk starting at row `row0` with M rows, th
 GEMM 2, the basis (M, H) = factor ∘ (G' W) − α ∘ W[y], rows ≥ m zero:
     `_basis_partial_kernel` computes S split-K partials Σ_{v ∈ split s} G'[r, v] W[v, :] for the
     row blocks below m (an (M, H) output is small next to its K = V: at M = 1024, H = 896 there
-    are 49 output tiles for 132 SMs, so the V range is split to fill the GPU); then
+    are 28 output tiles of (256, 128) for an H100's or H200's 132 SMs, so the V range is split
+    to fill the GPU, `n_splits`); then
     `_basis_finish_kernel` sums them and applies the per-row factor and the target term (one
     fp32 pass over S · M · H, in a fixed order: deterministic, no atomics), stored in fp32 or
     split in 3 bytes (kernels/split_float: the fused loop's basis, _head_fused).
@@ -24,11 +25,14 @@ import functools
 
 import torch
 
+from grpo_lce._dispatch import HAS_TMA, HAS_TRITON
 from grpo_lce.kernels import _tuning
-from grpo_lce.kernels._tma_common import HAS_TMA, num_programs
+from grpo_lce.kernels._tma_common import num_programs
+
+if HAS_TRITON:
+    import triton
 
 if HAS_TMA:
-    import triton
     import triton.language as tl
     from triton.tools.tensor_descriptor import TensorDescriptor
 

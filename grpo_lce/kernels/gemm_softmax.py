@@ -49,8 +49,9 @@ import math
 
 import torch
 
+from grpo_lce._dispatch import HAS_TMA
 from grpo_lce.kernels import _tuning
-from grpo_lce.kernels._tma_common import HAS_TMA, interpreting, num_programs
+from grpo_lce.kernels._tma_common import num_programs
 
 if HAS_TMA:
     import triton
@@ -124,7 +125,7 @@ if HAS_TMA:
             g = e
             if ROUND_BF16:
                 g = round_to_bf16(g)
-            # (TMA: plain stores from the MMA's register layout measured 1.13-1.3x slower)
+            # (a TMA store: plain stores from the MMA's register layout are slower)
             g_desc.store([off_m, off_n], g.to(g_desc.dtype))
 
     @triton.jit(do_not_specialize=["row0"])
@@ -146,8 +147,8 @@ if HAS_TMA:
         num_n = tl.cdiv(V, BN)
         k_tiles = tl.cdiv(K, BK)
         # persistent: one program per SM walks the tiles, so tile i+1's loads overlap tile i's
-        # epilogue (whose exp2 and reductions cost ~5 % of a tile's tensor-core time at
-        # H = 2048, ~20 % at H = 896: the same work per logit over fewer multiply-adds)
+        # epilogue (whose exp2 and reductions are the same work per logit at any H: the smaller
+        # H, the more they weigh against the tile's multiply-adds)
         for tile in tl.range(tl.program_id(0), num_m * num_n, num_progs, flatten=FLATTEN):
             pid_m, pid_n = tile_coords(tile, num_m, num_n, GROUP_M)
             off_m = pid_m * BM
@@ -297,33 +298,6 @@ if HAS_TMA:
             if ROUND_BF16:
                 p = round_to_bf16(p)
             tl.store(g_ptr + r * stride_g + v, p.to(g_ptr.dtype.element_ty), mask=vmask)
-
-
-def fused_supported(h: torch.Tensor, w: torch.Tensor, *, gathered: bool = False) -> bool:
-    """Whether the fused GEMM can run on these operands: Triton with tensor descriptors, a
-    Hopper-or-newer GPU (or the interpreter), bf16, and the TMA's 16-byte alignment of base
-    addresses and row strides. `gathered`: for a fresh contiguous copy of h's rows (only its
-    row length matters)."""
-    # bf16 only: G' relies on bf16 having fp32's exponent range (fp16's 2^-24..2^16 would need
-    # the shift within a few units of the row max, which no tile knows)
-    if not HAS_TMA or h.dtype != torch.bfloat16 or w.dtype != h.dtype:
-        return False
-    if h.is_cuda:
-        if torch.cuda.get_device_capability(h.device)[0] < 9:
-            return False
-    elif not interpreting():
-        return False
-    K = h.shape[-1]
-    if gathered:
-        return (K * h.element_size()) % 16 == 0 and w.stride(1) == 1 and (
-            w.stride(0) * w.element_size()) % 16 == 0 and w.data_ptr() % 16 == 0
-    return (
-        h.stride(1) == 1 and w.stride(1) == 1
-        and (K * h.element_size()) % 16 == 0
-        and (h.stride(0) * h.element_size()) % 16 == 0
-        and (w.stride(0) * w.element_size()) % 16 == 0
-        and h.data_ptr() % 16 == 0 and w.data_ptr() % 16 == 0
-    )
 
 
 def g_row_stride(V: int) -> int:

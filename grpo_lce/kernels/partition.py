@@ -6,26 +6,21 @@ position, its target (0 for an ignored row or a target out of [0, V)), whether t
 out of range, and whether the position holds a processed row; and the two counts (processed
 rows, bad targets). Nothing is read back to the host.
 
-The torch version (_rows) takes about fifteen small ops (compares, a stable argsort, gathers,
-wheres), each a launch the host must issue before the first GEMM of the call can start: on an
-H200 host about 0.3 ms of idle GPU at the start of every call. This is one launch; the GPU time
-is two passes over N integers in one program (a few microseconds at N = 16k).
+The torch version (_rows, used on CPU) takes about fifteen small ops (compares, a stable
+argsort, gathers, wheres), each a launch the host must issue before the first GEMM of the call
+can start, while the GPU idles. This is one launch; its GPU time is two passes over N integers
+in one program.
 """
 
 from __future__ import annotations
 
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-
-    HAS_TRITON = True
-except ImportError:  # pragma: no cover - torch-only installs take the torch version
-    HAS_TRITON = False
-
+from grpo_lce._dispatch import HAS_TRITON
 
 if HAS_TRITON:
+    import triton
+    import triton.language as tl
 
     @triton.jit
     def _classify(y_ptr, i, N, V, ignore, HAS_IGNORE: tl.constexpr):

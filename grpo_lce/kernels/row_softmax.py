@@ -19,30 +19,23 @@ and, when a gradient is needed, a second pass over the row (p needs the final ls
     E[c] = p ∘ (z − z̄)
 
 ∂(−log p_y)/∂z = p − e_y and ∂entropy/∂z = −p ∘ (z − z̄), so with α = 1, β = 0, G @ W is the
-gradient basis of DESIGN.md; with per-row α, β (the upstream gradients of the log-prob and the
-entropy, times −1/τ) G is the whole ∂loss/∂(X Wᵀ) of the chunk, ready for dX = G W, dW = Gᵀ X.
+gradient basis of docs/DESIGN.md; with per-row α, β (the upstream gradients of the log-prob and
+the entropy, times −1/τ) G is the whole ∂loss/∂(X Wᵀ) of the chunk, ready for dX = G W,
+dW = Gᵀ X.
 
 Memory traffic per chunk: read C·V·4 (pass 1), read C·V·4 + write C·V·2 per operand (pass 2).
 """
 
 from __future__ import annotations
 
-import os
-
 import torch
 
+from grpo_lce._dispatch import HAS_TRITON
 from grpo_lce.kernels import _tuning
 
-try:  # triton is optional: CPU-only installs and platforms without it use the torch path
+if HAS_TRITON:
     import triton
     import triton.language as tl
-
-    HAS_TRITON = True
-except ImportError:  # pragma: no cover - exercised only where triton is absent
-    HAS_TRITON = False
-
-
-if HAS_TRITON:
 
     @triton.jit
     def _row_softmax_kernel(
@@ -144,27 +137,13 @@ if HAS_TRITON:
                     tl.store(e_row + cols, pc.to(e_ptr.dtype.element_ty), mask=mask)
 
 
-def select_backend(z: torch.Tensor) -> str:
-    """'triton' on CUDA (or anywhere when GRPO_LCE_BACKEND=triton, e.g. TRITON_INTERPRET=1 on
-    CPU in tests), 'torch' otherwise or when GRPO_LCE_BACKEND=torch. Read per call."""
-    choice = os.environ.get("GRPO_LCE_BACKEND", "auto").lower()
-    if choice not in ("auto", "triton", "torch"):
-        raise ValueError(f"GRPO_LCE_BACKEND must be auto, triton or torch, got {choice!r}")
-    if choice == "torch" or not HAS_TRITON:
-        if choice == "triton":
-            raise RuntimeError("GRPO_LCE_BACKEND=triton but triton is not installed")
-        return "torch"
-    if choice == "triton":
-        return "triton"
-    return "triton" if z.is_cuda else "torch"
-
-
 def row_softmax(
     z: torch.Tensor,
     y: torch.Tensor,
     bias: torch.Tensor | None,
     inv_tau: float,
     *,
+    backend: str,
     g_out: torch.Tensor | None = None,
     e_out: torch.Tensor | None = None,
     alpha: torch.Tensor | None = None,
@@ -173,6 +152,7 @@ def row_softmax(
     out: tuple | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Statistics of the rows of z (C, V) fp32; writes the operands g_out / e_out (C, V) if given.
+    `backend` (the call's Path, grpo_lce._dispatch): "triton", the kernel above, or "torch".
 
     Returns (lse, z_y, entropy, argmax), each (C,); fp32 but argmax (int64, or None); written
     into `out`'s four contiguous (C,) tensors when given (the chunk's slices of the caller's
@@ -197,7 +177,7 @@ def row_softmax(
         assert (amax is not None) == want_argmax
     if C == 0:
         return lse, z_y, ent, amax
-    if select_backend(z) == "torch":
+    if backend == "torch":
         res = _row_softmax_torch(z, y, bias, inv_tau, g_out, e_out, alpha, beta, want_argmax)
         if out is None:
             return res

@@ -2,15 +2,15 @@
 
 The cross-entropy backward scales the gradients built in the forward by grad_output and returns
 them in the parameters' dtype. torch's mixed-dtype `mul(t, g, out=bf16)` runs a non-vectorised
-kernel (1.1 ms for a 128k x 2048 dW on an H200, 3x its traffic); this reads t once and writes
-the result once, with g read on the device (no host sync) and one rounding.
+kernel, far from the bandwidth its traffic allows; this reads t once and writes the result
+once, with g read on the device (no host sync) and one rounding.
 """
 
 from __future__ import annotations
 
 import torch
 
-from grpo_lce.kernels.row_softmax import HAS_TRITON, select_backend
+from grpo_lce._dispatch import HAS_TRITON
 
 if HAS_TRITON:
     import triton
@@ -30,9 +30,12 @@ if HAS_TRITON:
         tl.store(out_ptr + offs, t.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def scale_cast(t: torch.Tensor, g: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """(t * g) in `dtype`; t fp32 contiguous, g a 0-dim fp32 tensor on t's device."""
-    if select_backend(t) == "torch" or not t.is_contiguous() or t.numel() == 0:
+def scale_cast(t: torch.Tensor, g: torch.Tensor, dtype: torch.dtype, *, backend: str
+               ) -> torch.Tensor:
+    """(t * g) in `dtype`; t fp32, g a 0-dim fp32 tensor on t's device. `backend` (the call's
+    Path): "triton" runs the kernel above on a contiguous t, "torch" (or any other t) one
+    mixed-dtype torch.mul."""
+    if backend == "torch" or not t.is_contiguous() or t.numel() == 0:
         return torch.mul(t, g, out=torch.empty_like(t, dtype=dtype))
     out = torch.empty_like(t, dtype=dtype)
     BLOCK = 4096

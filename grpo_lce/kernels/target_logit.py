@@ -3,34 +3,25 @@
     zy₂_r = (x_r · W[y_r]) · log₂e / τ + b₂[y_r]          (the same formula as GEMM 1's epilogue)
 
 One dot product of length H per row, fp32 accumulation of the bf16 products: N · H · 2 reads of
-x and of the gathered W rows (17 us for a whole call at N = 8192, H = 896 on an H200). It serves
-twice:
+x and of the gathered W rows, one launch per call. It serves twice:
   - the log-prob's z_y (and the cross-entropy's), exact in fp32 like every other statistic; the
     sum runs in another order than the GEMM's, a difference of a few fp32 ulps of |z|;
   - the per-row shift c_r = zy₂_r + SHIFT2 of the G' operand (see gemm_softmax), needed before
     GEMM 1 starts.
-Taking z_y here instead of in GEMM 1's epilogue (a compare, a select and a sum per logit, to keep
-one column of each row) frees the epilogue of three operations per logit. On an H200 at
-H = 896 (scripts/tune_gemm.py, 768-row chunks, one epilogue part): statistics-only launch
-3.43 against 3.62 ms, launch with G' 3.95 against 4.46 ms
-(bench/results/tune_gemm_H200_qwen0.5b_chunk768_{target_logit,quick}.json). One launch per
-call, where the per-chunk estimate of c it replaces took five torch ops per chunk.
+Picking z_y out of GEMM 1's epilogue instead would cost it a compare, a select and a sum per
+logit (to keep one column of each row), and the epilogue is where the fused GEMM's time beyond
+the bare GEMM goes.
 """
 
 from __future__ import annotations
 
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-
-    HAS_TRITON = True
-except ImportError:  # pragma: no cover - the fused path (the only user) needs Triton
-    HAS_TRITON = False
-
+from grpo_lce._dispatch import HAS_TRITON
 
 if HAS_TRITON:
+    import triton
+    import triton.language as tl
 
     @triton.jit
     def _target_logit_kernel(

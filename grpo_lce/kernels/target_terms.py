@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from grpo_lce.kernels.row_softmax import HAS_TRITON
+from grpo_lce._dispatch import HAS_TRITON
 
 if HAS_TRITON:
     import triton
@@ -83,15 +83,18 @@ _BR, _BH = 16, 256
 
 
 def finish_basis_and_scale_rows(
-    gw: torch.Tensor | None, basis: torch.Tensor | None, basis_lo: torch.Tensor | None,
-    x: torch.Tensor, factor: torch.Tensor, alpha: torch.Tensor | None, y: torch.Tensor,
-    w: torch.Tensor, want_xf: bool,
+    x: torch.Tensor, factor: torch.Tensor, y: torch.Tensor, w: torch.Tensor, *,
+    alpha: torch.Tensor | None = None, gw: torch.Tensor | None = None,
+    basis: torch.Tensor | None = None, basis_lo: torch.Tensor | None = None,
+    want_xf: bool = False,
 ) -> torch.Tensor | None:
-    """basis (k, H) = f ∘ gw − α ∘ W[y] from GEMM 2's fp32 output gw (k, H) (when given): fp32
-    (basis may be gw itself), or with `basis_lo` (k, H) uint8 split over a bf16 basis and
-    basis_lo (kernels/split_float; the bf16 half may be rows of x when want_xf is False).
-    Returns xf = f ∘ x in x's dtype when `want_xf` (module docstring). x (k, H), w (V, H):
-    unit column stride."""
+    """For the k rows x (k, H) with factors f (k,), targets y (k,), α (k,) (None: 1), and w
+    (V, H) (unit column stride):
+
+    with `gw` (k, H), GEMM 2's fp32 output: basis (k, H) = f ∘ gw − α ∘ W[y], written fp32 into
+    `basis` (which may be gw itself), or with `basis_lo` (k, H) uint8 split over a bf16 `basis`
+    and basis_lo (kernels/split_float; the bf16 half may be rows of x when want_xf is False);
+    with `want_xf`: returns xf = f ∘ x in x's dtype (module docstring), else None."""
     k, H = x.shape
     xf = torch.empty_like(x) if want_xf else None
     if k == 0 or (gw is None and not want_xf):
