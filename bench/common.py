@@ -102,11 +102,14 @@ def short_gpu_name(name: str) -> str:
 
 
 def git_commit() -> str:
-    """The measured code's commit: `git rev-parse HEAD` (with "+dirty" if the tree has changes),
-    or $BENCH_COMMIT where the tree travelled without its .git (the GPU machine)."""
+    """The measured code's commit: $BENCH_COMMIT where the caller states it (the GPU machine
+    receives a copy of the working tree whose .git need not match it), else `git rev-parse HEAD`
+    with "+dirty" if tracked files have changes."""
     import os
     import subprocess
 
+    if os.environ.get("BENCH_COMMIT"):
+        return os.environ["BENCH_COMMIT"]
     root = Path(__file__).resolve().parent.parent
     try:
         head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True,
@@ -115,7 +118,7 @@ def git_commit() -> str:
                                cwd=root, capture_output=True, text=True).stdout.strip()
         return head + ("+dirty" if dirty else "")
     except (OSError, subprocess.CalledProcessError):
-        return os.environ.get("BENCH_COMMIT", "unknown")
+        return "unknown"
 
 
 def gpu_tag(device: str) -> str:

@@ -209,7 +209,9 @@ def agreeing(a_seq, b_seq, P):
     return torch.cat([torch.ones_like(prefix[:, :1]), prefix[:, :-1]], 1).bool()
 
 
-def checks_part(name: str, a) -> dict:
+def checks_part(name: str, a, save=lambda out: None) -> dict:
+    """The three checks (module docstring); `save(out)` after each, so a run cut short keeps
+    what it measured."""
     model = load_policy(name, a.model_cache)
     V = model.config.vocab_size
     with torch.no_grad():
@@ -253,6 +255,7 @@ def checks_part(name: str, a) -> dict:
         "median_max_p": float(lp_e.exp().median()),
     }
     print(json.dumps(out["greedy"]), flush=True)
+    save(out)
 
     # sampling: mean log p per token of samples, under the same (eager, unprocessed) model
     def sample_logp(gen, cfg, rounds, seed):
@@ -280,6 +283,7 @@ def checks_part(name: str, a) -> dict:
                "mean_logp_ours": statistics.mean(m_o), "stderr": se, "z": z}
         out["sampling"].append(rec)
         print(json.dumps(rec), flush=True)
+        save(out)
 
     # weights: an in-place optimizer step must reach the compiled decode step
     before_o = ours(ids, mask, greedy)
@@ -321,7 +325,9 @@ def markdown(res: dict) -> str:
                 f"| {r['model']} | {r['variant']} | | | | | {r['status']} |")
         lines.append("")
     for c in res["checks"]:
-        gr = c["greedy"]
+        gr = c.get("greedy")
+        if gr is None:
+            continue
         lines += [f"## checks, {c['model']} (final norm x{c['peak_scale']}, median p of the "
                   f"greedy token {gr['median_max_p']:.2f})", "",
                   f"- greedy: {gr['identical_rows']}/{gr['rows']} rows token-identical over "
@@ -333,14 +339,18 @@ def markdown(res: dict) -> str:
                   f"{gr['mean_abs_dlogp_ours_vs_eager']:.2e}; eager batch vs eager alone: max "
                   f"{gr['max_abs_dlogp_eager_batch_vs_single']:.2e}, mean "
                   f"{gr['mean_abs_dlogp_eager_batch_vs_single']:.2e}"]
-        for s in c["sampling"]:
+        for s in c.get("sampling", []):
             lines.append(f"- sampling ({s['settings']}, {s['sequences']} sequences each): mean "
                          f"log p / token eager {s['mean_logp_eager']:.4f}, ours "
                          f"{s['mean_logp_ours']:.4f}, z = {s['z']:+.2f}")
-        w = c["weights"]
-        lines += [f"- weights: the SGD step changed {w['rows_changed_by_step_eager']}/{w['rows']}"
-                  f" greedy rows; after it ours equals eager in "
-                  f"{w['rows_ours_equal_eager_after_step']}/{w['rows']}", ""]
+        w = c.get("weights")
+        if w is not None:
+            lines.append(f"- weights: the SGD step changed {w['rows_changed_by_step_eager']}/"
+                         f"{w['rows']} greedy rows; after it ours equals eager in "
+                         f"{w['rows_ours_equal_eager_after_step']}/{w['rows']}")
+        if c.get("note"):
+            lines.append(f"- {c['note']}")
+        lines.append("")
     return "\n".join(lines) + "\n"
 
 
@@ -381,8 +391,12 @@ def main(argv=None) -> int:
             res["decode"] += decode_part(name, a)
             bc.write_json(stem.with_suffix(".json"), res)
         if "checks" in parts:
-            res["checks"].append(checks_part(name, a))
-            bc.write_json(stem.with_suffix(".json"), res)
+            res["checks"].append({})
+
+            def save(out):
+                res["checks"][-1] = out
+                bc.write_json(stem.with_suffix(".json"), res)
+            save(checks_part(name, a, save))
     md = markdown(res)
     stem.with_suffix(".md").write_text(md)
     print(md)

@@ -25,8 +25,10 @@ cache persists, as it does between a user's runs).
   `grpo` part does it (direct calls of the reference pass and compute_loss + backward), so the
   two methods are compared on one trainer.
 
-Parts and how they are timed (torch.cuda.synchronize at each boundary; the peak is
-max_memory_allocated during the part minus the memory the loaded model takes):
+Parts and how they are timed (torch.cuda.synchronize at each boundary; a part's peak is
+max_memory_allocated during the part minus the memory the loaded base model takes, so it counts
+the LoRA adapter, its optimizer state and, for grpo_lce, the static KV cache that stays
+allocated between generations; "training peak" is the largest of ref, loss and optimizer):
 
     generation   trainer._generate_single_turn (sampling only)
     score_ref    the rest of _generate_and_score_completions: rewards, reference pass, advantages
@@ -170,9 +172,6 @@ def attach(tr, timer: PartTimer):
 
         def on_step_end(self, args, state, control, **kw):
             timer.stop("step", peak=False)
-            if timer.cuda:
-                timer.step["step"]["peak_bytes"] = (torch.cuda.max_memory_allocated()
-                                                    - timer.base)
             timer.steps.append(timer.step)
     tr.add_callback(Steps())
 
@@ -314,9 +313,21 @@ def worker(a) -> int:
 # =========================================================================== driver
 
 
+TRAINING_PARTS = ("ref", "loss", "optimizer")
+
+
+def part_value(step: dict, part: str, key: str):
+    """One step's `key` ("s" or "peak_bytes") of `part`; "training" peak = the largest of the
+    reference pass, loss and optimizer peaks (peaks are reset at each part's start)."""
+    if part == "training":
+        vals = [step[p][key] for p in TRAINING_PARTS if step.get(p, {}).get(key) is not None]
+        return max(vals) if vals else None
+    return step.get(part, {}).get(key)
+
+
 def median_part(rec: dict, part: str, key: str = "s"):
-    vals = [s[part][key] for s in rec["steps"][rec["warmup"]:]
-            if part in s and s[part].get(key) is not None]
+    vals = [v for s in rec["steps"][rec["warmup"]:]
+            if (v := part_value(s, part, key)) is not None]
     return statistics.median(vals) if vals else None
 
 
@@ -344,7 +355,7 @@ def gib(b):
 def table(recs: list[dict]) -> str:
     pts = [r for r in recs if r.get("kind") == "point"]
     lines = ["| model | L | system | step s | vs TRL | generation s | score+ref s | loss fwd+bwd s"
-             " | optimizer s | generation peak GiB | step peak GiB | compiles (s) |",
+             " | optimizer s | generation peak GiB | training peak GiB | compiles (s) |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     ref = {(r["model"], r["L"]): median_part(r, "step") for r in pts
            if r["system"] == "trl" and r.get("status") == "ok"}
@@ -364,7 +375,7 @@ def table(recs: list[dict]) -> str:
                  f"{step / base:.2f}x" if base else "",
                  *("" if v is None else f"{v:.2f}" for v in parts),
                  gib(median_part(r, "generation", "peak_bytes")),
-                 gib(median_part(r, "step", "peak_bytes")), comp]
+                 gib(median_part(r, "training", "peak_bytes")), comp]
         lines.append("| " + " | ".join(map(str, cells)) + " |")
     direct = [r for r in pts if r.get("direct")]
     if direct:
@@ -435,6 +446,8 @@ def main(argv=None) -> int:
     p.add_argument("--model-cache", default="/tmp/grpo_lce_e2e_models")
     p.add_argument("--out-dir", default=str(bc.RESULTS_DIR))
     p.add_argument("--tag", default="")
+    p.add_argument("--report", metavar="JSONL", default=None,
+                   help="write the .md, .json and .png of an existing records file; run nothing")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--system", help=argparse.SUPPRESS)
     p.add_argument("--model", help=argparse.SUPPRESS)
@@ -444,6 +457,9 @@ def main(argv=None) -> int:
     a.lengths = [int(x) for x in str(a.lengths).split(",")]
     if a.worker:
         return worker(a)
+    if a.report:
+        write_report(Path(a.report), a)
+        return 0
     if a.tiny:
         a.models, a.lengths, a.generations = "tiny", [8, 16], 4
         a.tag = a.tag or "_tiny"
@@ -470,17 +486,28 @@ def main(argv=None) -> int:
                    "--steps", str(a.steps), "--device", a.device, "--model-cache", a.model_cache]
             print(f"[{model} {system}]", flush=True)
             subprocess.run(cmd, env=env, cwd=ROOT)
+    write_report(jsonl, a)
+    return 0
+
+
+def write_report(jsonl: Path, a) -> None:
+    """The .md table, .json records and .png plot of `jsonl`, beside it."""
     recs = read(jsonl)
-    md = (f"# bench.grpo_step on {gpu}: {a.completions} completions, G = {a.generations}\n\n"
-          f"Medians over the timed steps ({a.steps} per point) after {a.warmup} uncounted "
-          f"step(s) for grpo_lce (its compile) and {a.warmup_eager} for the others; raw records "
-          f"in {jsonl.name}.\n\n" + table(recs))
+    stem = jsonl.with_suffix("")
+    gpus = sorted({r["env"].get("gpu") or "cpu" for r in recs if r.get("kind") == "env"})
+    commits = sorted({r["env"].get("commit") for r in recs if r.get("kind") == "env"})
+    completions = sorted({r["completions"] for r in recs if "completions" in r})
+    md = (f"# bench.grpo_step on {', '.join(gpus)}: {', '.join(completions)} completions, "
+          f"G = {a.generations}\n\n"
+          f"Medians over the timed steps of each point after the uncounted ones (grpo_lce: its "
+          f"compile step; the others: none, after a 1-step run at L = 8); raw records in "
+          f"{jsonl.name}, measured at commit(s) {', '.join(map(str, commits))}.\n\n"
+          + table(recs))
     stem.with_suffix(".md").write_text(md)
     bc.write_json(stem.with_suffix(".json"), recs)
     if plot(recs, stem.with_suffix(".png")):
         print(f"wrote {stem.with_suffix('.png')}")
     print(md)
-    return 0
 
 
 if __name__ == "__main__":

@@ -34,6 +34,15 @@ def tok():
     return build_tokenizer()
 
 
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    """Each test compiles as a new process would: dynamo's caches are per code object and
+    process-wide, and every tiny Llama here shares one forward."""
+    torch.compiler.reset()
+    yield
+    torch.compiler.reset()
+
+
 def cpu_sampler() -> FastSampler:
     config = CompileConfig(fullgraph=False, dynamic=False, backend="aot_eager", mode=None)
     config._compile_all_devices = True  # transformers compiles on CUDA only unless told
@@ -68,13 +77,43 @@ def test_compiled_equals_eager_and_cache_is_reused_then_grown(tok):
         out = s.generate(model, ids, mask, greedy(tok))
         assert s.disabled_reason is None
         assert torch.equal(out, eager(model, ids, mask, greedy(tok)))
-    # SHORT and the 3-token prompts share the 64-token bucket; LONG (121 tokens) grows the cache
-    # to 128 + NEW; SHORT then reuses the grown cache: two warm-ups, no other compile.
+    # SHORT (11 tokens) makes a cache of 16 prompt tokens, which the 3-token prompts reuse; LONG
+    # (121 tokens) grows it to 128 (max(121, 1.5 * 16), rounded to 16); SHORT then reuses the
+    # grown cache: two warm-ups, no other compile.
     assert s.stats.compiles == 2
     assert s.stats.recompiling_calls == 0
     assert s.stats.calls == 4
-    (cache, length), = s._caches.values()
-    assert length == 128 + NEW
+    (entry,) = s._caches.values()
+    assert (entry.capacity, entry.new_tokens, entry.growths) == (128, NEW, 1)
+
+
+def test_prompt_capacity_rule():
+    from trainers.generation import prompt_capacity
+
+    assert [prompt_capacity(n) for n in (1, 16, 17, 65)] == [16, 16, 32, 80]
+    assert prompt_capacity(17, previous=16) == 32  # max(17, 24) -> 32
+    assert prompt_capacity(40, previous=32) == 48  # max(40, 48)
+    assert prompt_capacity(300, previous=80) == 304  # the prompt itself is larger
+
+
+def test_growth_is_bounded_then_trls_path_takes_over(tok, caplog):
+    """Ever longer prompts grow the cache MAX_GROWTHS times (one compile each); a prompt beyond
+    the last growth is left to TRL's path for that call, without turning the sampler off."""
+    from trainers.generation import MAX_GROWTHS
+
+    model = lora_tiny_llama(tok)
+    s = cpu_sampler()
+    lengths = [10, 20, 40, 80, 160]  # capacities 16, 32, 48, 80, then 160 would be a 4th growth
+    assert len(lengths) == MAX_GROWTHS + 2
+    outs = []
+    with caplog.at_level(logging.WARNING):
+        for n in lengths + [12]:
+            ids, mask = batch(tok, ["x" * n, "y"])
+            outs.append(s.generate(model, ids, mask, greedy(tok)))
+    assert [o is None for o in outs] == [False, False, False, False, True, False]
+    assert s.disabled_reason is None
+    assert s.stats.compiles == 1 + MAX_GROWTHS
+    assert sum("does not fit" in r.getMessage() for r in caplog.records) == 1
 
 
 def test_in_place_optimizer_step_reaches_the_compiled_step(tok):
@@ -177,6 +216,19 @@ def test_unsupported_configs_fall_back(tok, reason_cfg, expect):
     ids, mask = batch(tok, SHORT)
     assert s.generate(model, ids, mask, greedy(tok, **reason_cfg)) is None
     assert expect in s.disabled_reason
+
+
+def test_a_warmup_that_compiles_nothing_turns_the_sampler_off(tok, monkeypatch):
+    """Once a function reaches dynamo's recompile limit, dynamo runs it eagerly without a word;
+    the warm-up sees that no graph was compiled and falls back instead of claiming speed."""
+    import torch._dynamo
+
+    model = lora_tiny_llama(tok)
+    s = cpu_sampler()
+    ids, mask = batch(tok, SHORT)
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 0)
+    assert s.generate(model, ids, mask, greedy(tok)) is None
+    assert "not compiled" in s.disabled_reason
 
 
 def test_default_sampler_is_cuda_only(tok):

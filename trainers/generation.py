@@ -14,10 +14,14 @@ and the EOS / padding handling are transformers' own, as in stock TRL. Two thing
 - the decode step runs transformers' compiled forward (`CompileConfig`: torch.compile, inductor,
   CUDA graphs through mode "reduce-overhead"); the prefill stays eager.
 
-Cache length: M = bucket(P) + N for a left-padded prompt of P tokens and N = max_new_tokens,
-bucket(P) the smallest power of two >= max(P, 64). A batch with a shorter prompt reuses the
-cache; a longer one grows it (never shrinks). So a run compiles once per batch size, train/eval
-mode and prompt bucket: a handful of times, each counted and timed.
+Cache length: M = C + N for N = max_new_tokens and a prompt capacity C, first the batch's
+left-padded prompt length P rounded up to a multiple of 16. A batch with a shorter prompt reuses
+the cache (its attention mask hides the unused positions); a longer one grows C to
+max(P, 1.5 C), rounded up again, at most `MAX_GROWTHS` times, after which a prompt that does not
+fit is sampled by TRL's path. So a run compiles at most 1 + MAX_GROWTHS times per batch size and
+train/eval mode, each compile counted and timed, and the cache holds at most 15 positions more
+than the longest prompt plus N until it first grows. The cache stays allocated between calls
+(a captured decode step reads it at fixed addresses): B (C + N) tokens of keys and values.
 
 Current weights: the compiled graph reads every parameter from its storage (parameters are graph
 inputs, never constants: inductor's `freezing` is off) and optimizers update parameters in place,
@@ -42,6 +46,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import math
 import time
 
 import torch
@@ -49,7 +54,9 @@ from transformers.utils import logging
 
 logger = logging.get_logger(__name__)
 
-MIN_PROMPT_BUCKET = 64
+PROMPT_ROUND = 16  # prompt capacities are multiples of this
+GROWTH = 1.5  # a cache that must grow makes room for at least this many times more prompt
+MAX_GROWTHS = 3  # per batch size and mode; later prompts that do not fit go to TRL's path
 WARMUP_NEW_TOKENS = 3  # prefill + 2 compiled decode steps: compile, CUDA-graph warm-up, capture
 # Tolerance of the warm-up check, mean |compiled - eager| <= TOL * mean |eager| over the logits of
 # the rows whose tokens so far agree: fused bf16 kernels round differently from eager ones, which
@@ -70,11 +77,11 @@ class SamplerStats:
     recompiling_calls: int = 0
 
 
-def _bucket(n: int) -> int:
-    b = MIN_PROMPT_BUCKET
-    while b < n:
-        b *= 2
-    return b
+def prompt_capacity(prompt_len: int, previous: int = 0) -> int:
+    """The prompt room of a new cache: `prompt_len`, or 1.5x the `previous` room if that is more,
+    rounded up to a multiple of PROMPT_ROUND."""
+    want = max(prompt_len, math.ceil(GROWTH * previous))
+    return -(-want // PROMPT_ROUND) * PROMPT_ROUND
 
 
 def _dynamo_graphs() -> int:
@@ -206,6 +213,14 @@ def unsupported_reason(model, generation_config, devices=("cuda",)) -> str | Non
     return None
 
 
+@dataclasses.dataclass
+class _CacheEntry:
+    cache: object  # transformers.StaticCache of capacity + new_tokens positions
+    capacity: int  # prompt tokens it holds
+    new_tokens: int
+    growths: int
+
+
 class FastSampler:
     """Samples with `model.generate` over a reused static cache and a compiled decode step.
 
@@ -222,7 +237,8 @@ class FastSampler:
         self.devices = tuple(devices)
         self.disabled_reason: str | None = None
         self.stats = SamplerStats()
-        self._caches: dict[tuple, tuple] = {}  # (batch, training) -> (StaticCache, length)
+        self._caches: dict[tuple, _CacheEntry] = {}  # (batch, training) -> its static cache
+        self._full_logged: set[tuple] = set()
         self._warm: set[tuple] = set()  # (batch, training, cache length) compiled and checked
 
     def _config(self):
@@ -242,19 +258,29 @@ class FastSampler:
                            "eager generate for the rest of the run.")
         self._caches.clear()
 
-    def _cache_for(self, model, batch: int, need: int, prompt_len: int):
-        """(cache, its length): the static cache of this batch size and mode, grown when
-        `need` tokens do not fit."""
+    def _cache_for(self, model, batch: int, prompt_len: int, new_tokens: int):
+        """(cache, its length) for this batch size and mode, allocated or grown as the module
+        docstring says; None when the prompt does not fit and the cache may not grow again."""
         from transformers import StaticCache
 
         key = (batch, model.training)
-        cache, length = self._caches.pop(key, (None, 0))
-        if length < need:
-            # Drop the old cache before allocating the larger one.
-            length = max(length, _bucket(prompt_len) + (need - prompt_len))
-            cache = StaticCache(config=_base_model(model).config, max_cache_len=length)
-        self._caches[key] = (cache, length)
-        return cache, length
+        entry = self._caches.get(key)
+        if entry is not None and prompt_len <= entry.capacity and new_tokens == entry.new_tokens:
+            return entry.cache, entry.capacity + new_tokens
+        growths = 0 if entry is None else entry.growths + 1
+        if growths > MAX_GROWTHS:
+            if key not in self._full_logged:
+                self._full_logged.add(key)
+                logger.warning(
+                    f"grpo_lce fast generation: a {prompt_len}-token prompt does not fit the "
+                    f"compiled cache ({entry.capacity} prompt tokens, grown {MAX_GROWTHS} times); "
+                    "such batches sample with TRL's generate.")
+            return None
+        capacity = prompt_capacity(prompt_len, 0 if entry is None else entry.capacity)
+        self._caches.pop(key, None)  # the old cache goes before the new one is allocated
+        cache = StaticCache(config=_base_model(model).config, max_cache_len=capacity + new_tokens)
+        self._caches[key] = _CacheEntry(cache, capacity, new_tokens, growths)
+        return cache, capacity + new_tokens
 
     def _generate(self, model, input_ids, attention_mask, config, cache):
         cache.reset()
@@ -311,7 +337,10 @@ class FastSampler:
         config.cache_implementation = None  # the cache is passed in
         config.disable_compile, config.compile_config = False, self._config()
         try:
-            cache, length = self._cache_for(model, batch, prompt_len + new_tokens, prompt_len)
+            found = self._cache_for(model, batch, prompt_len, new_tokens)
+            if found is None:
+                return None
+            cache, length = found
             shape = (batch, model.training, length)
             graphs = _dynamo_graphs()
             if shape not in self._warm:
@@ -321,7 +350,14 @@ class FastSampler:
                     torch.cuda.synchronize()
                 self.stats.compile_s += time.perf_counter() - t0
                 self.stats.compiles += 1
-                self.stats.graphs += _dynamo_graphs() - graphs
+                compiled = _dynamo_graphs() - graphs
+                self.stats.graphs += compiled
+                if compiled == 0 and mismatch is None:
+                    # A new cache always makes a new graph (dynamo guards the cache tensors by
+                    # identity); none means dynamo ran the step eagerly, as it does once a
+                    # function has reached torch._dynamo.config.recompile_limit.
+                    mismatch = ("the decode step was not compiled (dynamo's recompile limit "
+                                "for the model's forward is reached in this process)")
                 if mismatch is not None:
                     self.disable(mismatch)
                     return None
