@@ -14,6 +14,9 @@ import statistics
 import tempfile
 import time
 
+from bench.common import free_memory as free  # noqa: F401 - the workers' name for it
+from trainers.config import checkpointing_kwargs as checkpointing_kw  # noqa: F401
+
 GIB = 2**30
 PROMPT_LEN = 64  # GRPO prompt tokens per sequence (all valid, no left padding)
 
@@ -81,11 +84,9 @@ def load_model(path: str, *, device: str, quantize: bool, dtype=None, attn: str 
 
     kw: dict = {"attn_implementation": attn}
     if quantize:
-        from transformers import BitsAndBytesConfig
+        from trainers.config import nf4_config
 
-        kw["quantization_config"] = BitsAndBytesConfig(
-            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-            bnb_4bit_compute_dtype=torch.bfloat16)
+        kw["quantization_config"] = nf4_config()
         kw["dtype"] = torch.bfloat16
         kw["device_map"] = {"": 0}
     else:
@@ -98,18 +99,6 @@ def lora_config():
     from peft import LoraConfig
 
     return LoraConfig(r=16, lora_alpha=32, target_modules="all-linear", task_type="CAUSAL_LM")
-
-
-def checkpointing_kw(enabled: bool) -> dict:
-    """`activation_checkpointing` on newer transformers, `gradient_checkpointing` before."""
-    import dataclasses
-
-    from transformers import TrainingArguments
-
-    names = {f.name for f in dataclasses.fields(TrainingArguments)}
-    key = "activation_checkpointing" if "activation_checkpointing" in names else (
-        "gradient_checkpointing")
-    return {key: enabled}
 
 
 def prepare_for_direct_calls(tr, checkpointing: bool) -> None:
@@ -179,15 +168,6 @@ def ids_hash(rows) -> str:
 
 
 # --------------------------------------------------------------------------- measuring
-
-
-def free() -> None:
-    import torch
-
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
 
 
 def is_oom(exc: BaseException) -> bool:

@@ -1,7 +1,9 @@
-"""`GRPOConfig`: TRL 1.16's `GRPOConfig` plus the options of `trainers.GRPOTrainer`.
+"""Configs: `GRPOConfig` (TRL 1.16's plus the options of `trainers.GRPOTrainer`), and the two
+transformers settings the scripts and benchmarks build the same way: the QLoRA base
+(`nf4_config`) and the activation-checkpointing switch (`checkpointing_kwargs`).
 
-The fields are plain dataclass fields, so YAML files and `TrlParser` / `HfArgumentParser`
-command lines set them like any TRL option:
+`GRPOConfig`'s extra fields are plain dataclass fields, so YAML files and `TrlParser` /
+`HfArgumentParser` command lines set them like any TRL option:
 
     --packing auto|true|false   --max_packed_tokens 16384   --fast_generation true|false
 
@@ -59,3 +61,26 @@ class GRPOConfig(trl.GRPOConfig):
         super().__post_init__()
         self.packing = normalize_packing(self.packing)
         check_max_packed_tokens(self.max_packed_tokens)
+
+
+def nf4_config():
+    """The QLoRA base: bitsandbytes 4-bit NF4 with double quantization and bf16 compute."""
+    import torch
+    from transformers import BitsAndBytesConfig
+
+    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                              bnb_4bit_use_double_quant=True,
+                              bnb_4bit_compute_dtype=torch.bfloat16)
+
+
+def checkpointing_kwargs(enabled: bool) -> dict:
+    """The TrainingArguments keyword that turns activation checkpointing on or off: its name is
+    `activation_checkpointing` in newer transformers, `gradient_checkpointing` before."""
+    import dataclasses
+
+    from transformers import TrainingArguments
+
+    names = {f.name for f in dataclasses.fields(TrainingArguments)}
+    key = "activation_checkpointing" if "activation_checkpointing" in names else (
+        "gradient_checkpointing")
+    return {key: enabled}
