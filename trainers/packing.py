@@ -90,8 +90,8 @@ from transformers.masking_utils import (
     sdpa_mask,
 )
 
-from trainers import varlen
-from trainers.head import PeftModel, unwrap_causal_lm, unwrap_model
+from . import varlen
+from .head import PeftModel, unwrap_causal_lm, unwrap_model
 
 # Layer kinds that only attend: packing relies on attention being the one place where tokens
 # of different rows meet. Recurrent or convolutional layers (Mamba, linear attention) carry
