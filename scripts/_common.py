@@ -27,7 +27,7 @@ SMOLLM2 = "smollm2"  # --model value for SmolLM2-135M-Instruct from PyPI (traine
 TINY_KW = {"hidden_size": 64, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2}
 # The built-in arithmetic task's user turn per model: the character-level tiny model learns a
 # bare "7+5=" from scratch; SmolLM2 is a chat model, asked in words.
-TASK_PROMPTS = {TINY: "{a}+{b}=", SMOLLM2: "What is {a} + {b}? Reply with just the number."}
+TASK_PROMPTS = {TINY: "{a}+{b}=", SMOLLM2: "What is {a} + {b}?"}
 
 
 class UserError(Exception):

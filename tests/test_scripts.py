@@ -256,6 +256,28 @@ def test_smollm2_fetch_errors_name_the_fix(tmp_path, monkeypatch, capsys):
     assert not (tmp_path / ".cache" / "grpo_lce" / "smollm2-135m-instruct-q4_1").exists()
 
 
+def test_seed_sweep_collects_ranges(tmp_path):
+    sweep = importlib.import_module("seed_sweep")
+    assert sweep.parse_seeds("0-2,5,1") == [0, 1, 2, 5]
+    with pytest.raises(SystemExit, match="--seeds"):
+        sweep.parse_seeds("a-b")
+    out = tmp_path / "sweep.json"
+    argv = ["--seeds", "0,1", "--work-dir", str(tmp_path / "runs"), "--out", str(out), "--",
+            *GRPO_FAST, "--steps", "2", "--save-steps", "2"]
+    assert sweep.main(argv) == 0
+    result = json.loads(out.read_text())
+    runs = result["runs"]
+    assert [r["seed"] for r in runs] == [0, 1] and all("error" not in r for r in runs)
+    for key in ("reward_first", "reward_last", "eval_before_arithmetic",
+                "eval_after_arithmetic"):
+        values = [r[key] for r in runs]
+        assert result["ranges"][key] == [min(values), max(values)], key
+    change = [r["reward_last"] - r["reward_first"] for r in runs]
+    assert result["ranges"]["change_reward"] == [min(change), max(change)]
+    assert "change_eval_arithmetic" in result["ranges"]
+    assert result["machine"]["cores"] and result["machine"]["torch"]
+
+
 def test_bad_input_subprocess():
     proc = subprocess.run(
         [sys.executable, os.path.join(SCRIPTS, "train_grpo.py"), "--num-generations", "3"],
