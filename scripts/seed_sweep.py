@@ -142,12 +142,13 @@ def main(argv=None) -> int:
     seeds = parse_seeds(args.seeds)
     model = extra[extra.index("--model") + 1] if "--model" in extra[:-1] else "tiny"
     info = machine()
+    measured = commit()  # before the runs: the code they run
     print(f"{len(seeds)} runs of train_grpo.py {' '.join(extra)} on {info['cpu']} "
           f"({info['cores']} cores), {args.jobs} at a time", flush=True)
     os.makedirs(args.work_dir, exist_ok=True)
     with ThreadPoolExecutor(args.jobs) as pool:
         rows = list(pool.map(lambda s: run_seed(s, args.work_dir, extra), seeds))
-    result = {"command": ["scripts/seed_sweep.py", *argv], "commit": commit(), "train_args": extra,
+    result = {"command": ["scripts/seed_sweep.py", *argv], "commit": measured, "train_args": extra,
               "seeds": seeds, "jobs": args.jobs, "machine": info, "runs": rows,
               "ranges": ranges(rows)}
     slug = re.sub(r"[^A-Za-z0-9]+", "_", info["cpu"]).strip("_")[:40]
