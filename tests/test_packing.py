@@ -278,6 +278,8 @@ def test_packed_train_logs_match_padded(tok, tmp_path):
     s, o = logs[False][0], logs[True][0]
     assert o.keys() == s.keys()
     for k in s.keys() - {"step_time"}:
+        if k.startswith("timing/"):  # wall-clock seconds, not a result of the math
+            continue
         assert o[k] == pytest.approx(s[k], rel=1e-4, abs=2e-5), (k, o[k], s[k])
 
 
