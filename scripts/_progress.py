@@ -1,10 +1,12 @@
 """Progress bar, one metrics line per step, metrics JSON and PNG plot for the train scripts.
 
-`ProgressCallback` replaces the Trainer's own tqdm/printer callbacks: it drives one tqdm bar,
-writes a compact line per logged step (`step 12/200 | reward 0.41 | kl 0.002 | ...`), adds
-tokens/s and peak GPU memory to the log, and at every checkpoint and at the end dumps
-`metrics.json` (the whole `state.log_history`, which a resumed run carries on) and
-`metrics.png` (reward and loss per step) into the output directory.
+`ProgressCallback` replaces the Trainer's own tqdm/printer callbacks: it drives one tqdm bar
+(only when stdout is a terminal: in a log file a bar's carriage-return redraws would interleave
+with the step lines), writes a compact line per logged step
+(`step 12/200 | reward 0.41 | kl 0.002 | ...`), adds tokens/s and peak GPU memory to the log,
+and at every checkpoint and at the end dumps `metrics.json` (the whole `state.log_history`,
+which a resumed run carries on) and `metrics.png` (reward and loss per step) into the output
+directory.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 import time
 
 import torch
@@ -81,7 +84,7 @@ class ProgressCallback(TrainerCallback):
         trainer.add_callback(cb)
 
     def on_train_begin(self, args, state, control, **kw):
-        if state.is_world_process_zero:
+        if state.is_world_process_zero and sys.stdout.isatty():
             from tqdm.auto import tqdm
 
             self.bar = tqdm(total=state.max_steps, initial=state.global_step,
@@ -106,7 +109,10 @@ class ProgressCallback(TrainerCallback):
         parts += [f"{name} {entry[k]:{fmt}}" for k, name, fmt in COLUMNS
                   if isinstance(entry.get(k), (int, float))]
         line = " | ".join(parts)
-        (self.bar.write if self.bar is not None else print)(line)
+        if self.bar is not None:
+            self.bar.write(line)
+        else:
+            print(line, flush=True)
 
     def on_save(self, args, state, control, **kw):
         if state.is_world_process_zero:

@@ -4,6 +4,7 @@ With no arguments: a tiny Llama built offline learns the built-in arithmetic tas
 "12", as chat turns) on CPU in under a minute; greedy accuracy is printed before and after.
 
     python scripts/train_sft.py
+    python scripts/train_sft.py --model smollm2 --steps 40 --batch-size 8 --lr 2e-4
     python scripts/train_sft.py --steps 50 --output-dir outputs/sft && \\
         python scripts/train_sft.py --steps 100 --output-dir outputs/sft --resume
     # a real model on one GPU: bf16, 4-bit NF4 base + LoRA on all linear layers
@@ -26,7 +27,6 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # sibling _commo
 sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # trainers
 
 import _common as C
-from _progress import ProgressCallback
 
 SFT_FORMATS = (("messages",), ("prompt", "completion"), ("text",))
 
@@ -38,10 +38,12 @@ def sft_dataset(args):
     if args.dataset is None:
         train, held, _ = C.arithmetic_split(args.eval_size, seed=args.seed,
                                             max_operand=args.max_operand)
-        rows = C.arithmetic_rows(train, with_completion=True)
+        prompt = C.task_prompt(args.model)
+        rows = C.arithmetic_rows(train, with_completion=True, prompt=prompt)
         for r in rows:
             del r["answer"]  # SFT trains on prompt + completion only
-        return datasets.Dataset.from_list(rows), C.arithmetic_rows(held, with_completion=False)
+        return (datasets.Dataset.from_list(rows),
+                C.arithmetic_rows(held, with_completion=False, prompt=prompt))
     ds = C.load_dataset_arg(args.dataset, args.dataset_split)
     for cols in SFT_FORMATS:
         if all(c in ds.column_names for c in cols):
@@ -58,6 +60,8 @@ def sft_trainer(model, tokenizer, train, args, *, output_dir: str, steps: int, l
     """A `trainers.SFTTrainer` logging every step through `ProgressCallback`."""
     import torch
     from trl import SFTConfig
+
+    from _progress import ProgressCallback
 
     _, SFTTrainer = C.trainer_classes()
     cuda = torch.cuda.is_available()
@@ -86,16 +90,21 @@ def build_parser() -> argparse.ArgumentParser:
                                 epilog=__doc__.split("\n\n", 1)[1])
     C.add_common_args(p, steps=300, lr=3e-3, batch_size=32)
     p.add_argument("--max-length", type=int, default=1024, help="truncate sequences to this")
-    p.add_argument("--max-operand", type=int, default=9,
-                   help="built-in task: operands are 0..N (default 9)")
+    p.add_argument("--max-operand", type=int, default=None,
+                   help="built-in task: operands are 0..N (default 9; 20 for smollm2)")
     return p
 
 
 def run(args) -> dict:
+    if args.max_operand is None:
+        args.max_operand = 20 if args.model == C.SMOLLM2 else 9
+    if args.max_operand < 0:
+        raise C.UserError(f"--max-operand must be >= 0, got {args.max_operand}")
     C.check_common_args(args)
     C.setup_process(args)
     args.output_dir = args.output_dir or os.path.join("outputs", "sft")
     ckpt = C.latest_checkpoint(args.output_dir) if args.resume else None
+    C.resume_save_steps(args, ckpt)
     train, eval_rows = sft_dataset(args)
     model, tokenizer = C.load_model(args)
     model = C.wrap_lora(model, args)
@@ -103,16 +112,21 @@ def run(args) -> dict:
                           steps=args.steps, lr=args.lr,
                           save_steps=args.save_steps or max(1, args.steps // 4))
     result = {}
+    # the answer plus EOS fits in 8 tokens for the tiny model; a chat model may say more
+    max_new = 8 if args.model == C.TINY else 24
+
+    def accuracy(when):
+        acc = C.greedy_eval(trainer.model, tokenizer, eval_rows, ["arithmetic"],
+                            max_new_tokens=max_new)["arithmetic"]
+        C.say(f"greedy accuracy {when} SFT: {acc:.3f}", flush=True)
+        return acc
+
     if eval_rows:
-        result["eval_before"] = C.greedy_eval(trainer.model, tokenizer, eval_rows, "arithmetic",
-                                              max_new_tokens=8)
-        C.say(f"greedy accuracy before SFT: {result['eval_before']:.3f}")
+        result["eval_before"] = accuracy("before")
     trainer.train(resume_from_checkpoint=ckpt)
     trainer.save_model(args.output_dir)
     if eval_rows:
-        result["eval_after"] = C.greedy_eval(trainer.model, tokenizer, eval_rows, "arithmetic",
-                                             max_new_tokens=8)
-        C.say(f"greedy accuracy after SFT:  {result['eval_after']:.3f}")
+        result["eval_after"] = accuracy("after")
     C.say(f"adapter, metrics.json, metrics.png in {args.output_dir}")
     return result
 

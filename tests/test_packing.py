@@ -278,6 +278,8 @@ def test_packed_train_logs_match_padded(tok, tmp_path):
     s, o = logs[False][0], logs[True][0]
     assert o.keys() == s.keys()
     for k in s.keys() - {"step_time"}:
+        if k.startswith("timing/"):  # wall-clock seconds, not a result of the math
+            continue
         assert o[k] == pytest.approx(s[k], rel=1e-4, abs=2e-5), (k, o[k], s[k])
 
 
@@ -348,8 +350,11 @@ def test_dense_mask_attention_falls_back_to_padded_once(tok, tmp_path, caplog):
         lp_off, _, _ = tr._get_per_token_logps_and_entropies(tr.model, ids, mask, C)
     assert calls.shapes == [(B, P + C)] * 2  # padded, twice
     assert torch.equal(lp_auto, lp_off)
-    msgs = [r.getMessage() for r in caplog.records if "packing" in r.getMessage()]
-    assert len(msgs) == 1 and "sdpa" in msgs[0] and "dense" in msgs[0], msgs
+    msgs = [r.getMessage() for r in caplog.records if "padded" in r.getMessage()]
+    # one short line: what happens and why, and on CPU no suggestion (flex_attention, the one
+    # alternative, fails in backward there)
+    assert len(msgs) == 1 and "sdpa" in msgs[0] and "CPU" in msgs[0], msgs
+    assert "\n" not in msgs[0] and len(msgs[0]) <= 100 and "flex" not in msgs[0], msgs
 
 
 def test_unpackable_batch_and_options(tok, tmp_path, caplog):

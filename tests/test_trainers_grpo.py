@@ -96,22 +96,24 @@ def _ids_and_mask(tok):
     return ids, mask
 
 
-def _inputs(tok, stock, *, old_noise=0.3, with_ref=False):
+def _inputs(tok, stock, *, old_noise=0.3, with_ref=False, batch=None):
     """The dict `_generate_and_score_completions` hands to `_compute_loss`. Old log-probs are
-    the current ones plus noise (as after an optimizer step), so ratios leave the clip range."""
-    ids, mask = _ids_and_mask(tok)
+    the current ones plus noise (as after an optimizer step), so ratios leave the clip range.
+    `batch`: (ids, mask, completion length) in that layout; default `_ids_and_mask(tok)`."""
+    ids, mask, c = batch if batch is not None else (*_ids_and_mask(tok), C)
+    b, p = ids.shape[0], ids.shape[1] - c
     g = torch.Generator().manual_seed(7)
     inputs = {
-        "prompt_ids": ids[:, :P], "prompt_mask": mask[:, :P],
-        "completion_ids": ids[:, P:], "completion_mask": mask[:, P:],
-        "advantages": torch.randn(B, generator=g),
-        "num_items_in_batch": mask[:, P:].sum(),
+        "prompt_ids": ids[:, :p], "prompt_mask": mask[:, :p],
+        "completion_ids": ids[:, p:], "completion_mask": mask[:, p:],
+        "advantages": torch.randn(b, generator=g),
+        "num_items_in_batch": mask[:, p:].sum(),
     }
     with torch.no_grad():
-        logps, _, _ = stock._get_per_token_logps_and_entropies(stock.model, ids, mask, C)
-        inputs["old_per_token_logps"] = logps + old_noise * torch.randn(B, C, generator=g)
+        logps, _, _ = stock._get_per_token_logps_and_entropies(stock.model, ids, mask, c)
+        inputs["old_per_token_logps"] = logps + old_noise * torch.randn(b, c, generator=g)
         if with_ref:
-            inputs["ref_per_token_logps"] = logps + 0.5 * torch.randn(B, C, generator=g)
+            inputs["ref_per_token_logps"] = logps + 0.5 * torch.randn(b, c, generator=g)
     return inputs
 
 
@@ -131,14 +133,14 @@ def _max_err(a, b):
     return (a.double() - b.double()).abs().max().item()
 
 
-def _fp64_reference(model, ids, mask, temperature):
-    """log p, entropy of the completion tokens from logits built in fp64, and max |logit|."""
+def _fp64_reference(model, ids, mask, temperature, c=C):
+    """log p, entropy of the c completion tokens from logits built in fp64, and max |logit|."""
     hidden, _ = forward_hidden_states(model, input_ids=ids, attention_mask=mask)
     weight, _ = lm_head_params(model)
-    z = hidden[:, -C - 1:-1].double() @ weight.double().T / temperature  # (B, C, V) fp64
+    z = hidden[:, -c - 1:-1].double() @ weight.double().T / temperature  # (B, c, V) fp64
     logp_all = torch.log_softmax(z, -1)
-    keep = mask[:, -C:].bool()
-    logp = logp_all.gather(-1, ids[:, -C:, None]).squeeze(-1) * keep
+    keep = mask[:, -c:].bool()
+    logp = logp_all.gather(-1, ids[:, -c:, None]).squeeze(-1) * keep
     ent = -(logp_all.exp() * logp_all).sum(-1) * keep
     return logp, ent, z.abs().max().item()
 

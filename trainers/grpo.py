@@ -55,10 +55,10 @@ from transformers.utils import logging
 from trl.models import unwrap_model_for_generation
 from trl.trainer.utils import pad
 
-from trainers._version import check_trl_version
-from trainers.config import check_max_packed_tokens, normalize_packing
-from trainers.generation import FastSampler, trim_after_eos
-from trainers.head import (
+from ._version import check_trl_version
+from .config import check_max_packed_tokens, normalize_packing
+from .generation import FastSampler, trim_after_eos
+from .head import (
     check_fused_head,
     check_parallelism,
     forward_hidden_states,
@@ -66,8 +66,8 @@ from trainers.head import (
     head_logprobs,
     lm_head_params,
 )
-from trainers.packing import PackPlan, choose_packing, plan_packs, unpack
-from trainers.varlen import packed_forward
+from .packing import PackPlan, choose_packing, plan_packs, unpack
+from .varlen import packed_forward
 
 logger = logging.get_logger(__name__)
 

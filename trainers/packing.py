@@ -90,8 +90,8 @@ from transformers.masking_utils import (
     sdpa_mask,
 )
 
-from trainers import varlen
-from trainers.head import PeftModel, unwrap_causal_lm, unwrap_model
+from . import varlen
+from .head import PeftModel, unwrap_causal_lm, unwrap_model
 
 # Layer kinds that only attend: packing relies on attention being the one place where tokens
 # of different rows meet. Recurrent or convolutional layers (Mamba, linear attention) carry
@@ -260,12 +260,7 @@ def choose_packing(model: torch.nn.Module, packing: bool | str) -> tuple[str | N
         varlen.use_sdpa_varlen(lm)  # sdpa for every unpacked call, varlen for packed ones
         kind = "sdpa_varlen"
     if kind == "dense" and packing == "auto":
-        reason = (
-            f"attn_implementation={impl!r} keeps packed rows apart only with a dense (T, T) "
-            f"mask here ({no_varlen}); load the model "
-            "with attn_implementation='flash_attention_2' or 'flex_attention', or pass "
-            "packing=True to pack anyway"
-        )
+        return None, _padded_note(lm, impl, no_varlen)
     if reason is not None:
         return None, f"grpo_lce packing off ({reason}); using padded forwards."
     if kind == "dense":
@@ -274,6 +269,20 @@ def choose_packing(model: torch.nn.Module, packing: bool | str) -> tuple[str | N
             "dense (T, T) mask for the packed sequence (exact, but not leaner than padding)."
         )
     return kind, None
+
+
+def _padded_note(lm: torch.nn.Module, impl: str, why: str) -> str:
+    """One line for `packing="auto"` under a dense-mask implementation: log-probs stay padded,
+    and what would pack on this device. On CPU nothing would: flex_attention fails in backward
+    there (in stock TRL too) and a dense mask is no leaner than padding."""
+    param = next((p for p in lm.parameters() if p.is_floating_point()), None)
+    if param is None or not param.is_cuda:
+        return f"grpo_lce: log-prob passes stay padded ({impl} on CPU has no packed kernel)."
+    if param.dtype not in (torch.float16, torch.bfloat16):
+        hint = "train in bf16 or fp16 to pack"
+    else:
+        hint = "attn_implementation='flash_attention_2' or 'flex_attention' would pack"
+    return f"grpo_lce: log-prob passes stay padded ({why}; {hint})."
 
 
 def synthetic_ragged_batch(

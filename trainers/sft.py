@@ -35,8 +35,8 @@ import trl
 from packaging.version import Version
 from transformers.utils import logging
 
-from trainers._version import check_trl_version
-from trainers.head import (
+from ._version import check_trl_version
+from .head import (
     check_fused_head,
     check_parallelism,
     forward_hidden_states,
