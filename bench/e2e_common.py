@@ -7,7 +7,6 @@ not touch CUDA) can import the constants.
 
 from __future__ import annotations
 
-import gc
 import hashlib
 import os
 import statistics
