@@ -916,7 +916,8 @@ def report(a, tag: str, jsonl: Path, out_dir: Path) -> str:
     env = {f"{r['system']}": r["env"] for r in recs.values() if r.get("part") == "env"}
     any_env = next(iter(env.values()), {})
     md = [f"# End-to-end benchmark ({tag})\n",
-          f"GPU: {any_env.get('gpu') or any_env.get('cpu')}; torch {any_env.get('torch')}, "
+          f"GPU: {any_env.get('gpu') or any_env.get('cpu')}; commit {any_env.get('commit')}; "
+          f"torch {any_env.get('torch')}, "
           f"transformers {any_env.get('transformers')}, peft {any_env.get('peft')}, "
           f"bitsandbytes {any_env.get('bitsandbytes')}, liger-kernel "
           f"{any_env.get('liger-kernel')}; TRL per system: "

@@ -631,7 +631,8 @@ def markdown(meta, floors, rows, summary, accuracy=()):
     lines = [
         f"# bench_head on {hw}",
         "",
-        f"torch {e['torch']}, triton {e['triton']}, CUDA {e['cuda']}, {e['date']}; "
+        f"commit {e.get('commit')}; torch {e['torch']}, triton {e['triton']}, CUDA {e['cuda']}, "
+        f"{e['date']}; "
         f"competitors: {', '.join(f'{k} {v}' for k, v in meta['packages'].items())}.",
         f"bf16 inputs, logits std {meta['args']['logit_std']}, targets sampled from the softmax; "
         f"errors vs fp64 on the first {meta['args']['ref_rows']} rows (dh: max error / max |dh|); "

@@ -153,19 +153,6 @@ def setup_process(args: argparse.Namespace) -> None:
         torch.set_num_threads(1)
 
 
-def checkpointing_kw(enabled: bool) -> dict:
-    """The config keyword for activation checkpointing: `activation_checkpointing` on
-    transformers >= 5.2x, its older name `gradient_checkpointing` before."""
-    import dataclasses
-
-    from transformers import TrainingArguments
-
-    names = {f.name for f in dataclasses.fields(TrainingArguments)}
-    key = "activation_checkpointing" if "activation_checkpointing" in names else (
-        "gradient_checkpointing")
-    return {key: enabled}
-
-
 def checkpoint_state(path: str) -> dict | None:
     """The parsed trainer_state.json of checkpoint directory `path`, or None when it is missing
     or unreadable. The Trainer writes that file last (after the weights, optimizer, scheduler and
@@ -249,11 +236,9 @@ def load_model(args: argparse.Namespace):
         except ImportError:
             raise UserError("--load-in-4bit needs bitsandbytes: pip install bitsandbytes "
                             "(or pass --no-load-in-4bit)") from None
-        from transformers import BitsAndBytesConfig
+        from trainers.config import nf4_config
 
-        kw["quantization_config"] = BitsAndBytesConfig(
-            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-            bnb_4bit_compute_dtype=torch.bfloat16)
+        kw["quantization_config"] = nf4_config()
         # under `accelerate launch` every rank loads its own copy onto its own GPU
         kw["device_map"] = {"": local_device()}
     try:
@@ -276,6 +261,8 @@ def task_prompt(model: str) -> str:
 def trainer_common_kw(args, cuda: bool) -> dict:
     """The TrainingArguments both scripts share: per-step logging, seeding, precision, no tqdm
     (the ProgressCallback prints instead), two checkpoints kept."""
+    from trainers.config import checkpointing_kwargs
+
     return dict(
         logging_steps=1,
         save_total_limit=2,
@@ -284,7 +271,7 @@ def trainer_common_kw(args, cuda: bool) -> dict:
         data_seed=args.seed,
         bf16=cuda,
         use_cpu=not cuda,
-        **checkpointing_kw(args.gradient_checkpointing),
+        **checkpointing_kwargs(args.gradient_checkpointing),
         dataloader_num_workers=0,
         disable_tqdm=True,
     )

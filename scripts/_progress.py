@@ -30,6 +30,8 @@ COLUMNS = [
     ("loss", "loss", ".4f"),
     ("mean_token_accuracy", "acc", ".3f"),
     ("completions/mean_length", "len", ".1f"),
+    ("timing/generation_s", "gen s", ".2f"),
+    ("train_s", "train s", ".2f"),
     ("tokens_per_s", "tok/s", ".0f"),
     ("peak_mem_gib", "mem GiB", ".2f"),
 ]
@@ -103,6 +105,9 @@ class ProgressCallback(TrainerCallback):
         if tokens is not None and self._tokens is not None and now > self._t:
             entry["tokens_per_s"] = (tokens - self._tokens) / (now - self._t)
         self._t, self._tokens = now, tokens
+        if isinstance(entry.get("step_time"), (int, float)):
+            # TRL's step_time covers the step's training_step calls, generation included
+            entry["train_s"] = entry["step_time"] - entry.get("timing/generation_s", 0.0)
         if torch.cuda.is_available():
             entry["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
         parts = [f"{self.prefix}step {state.global_step}/{state.max_steps}"]

@@ -23,9 +23,6 @@ import argparse
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # sibling _common, _progress
-sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # trainers
-
 import _common as C
 
 SFT_FORMATS = (("messages",), ("prompt", "completion"), ("text",))
@@ -59,9 +56,8 @@ def sft_trainer(model, tokenizer, train, args, *, output_dir: str, steps: int, l
                 save_steps: int | None, batch_size: int | None = None, prefix: str = ""):
     """A `trainers.SFTTrainer` logging every step through `ProgressCallback`."""
     import torch
-    from trl import SFTConfig
-
     from _progress import ProgressCallback
+    from trl import SFTConfig
 
     _, SFTTrainer = C.trainer_classes()
     cuda = torch.cuda.is_available()
