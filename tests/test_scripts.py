@@ -257,7 +257,7 @@ def test_smollm2_fetch_errors_name_the_fix(tmp_path, monkeypatch, capsys):
 
 
 def test_seed_sweep_collects_ranges(tmp_path):
-    sweep = importlib.import_module("seed_sweep")
+    sweep = importlib.import_module("bench.seed_sweep")
     assert sweep.parse_seeds("0-2,5,1") == [0, 1, 2, 5]
     with pytest.raises(SystemExit, match="--seeds"):
         sweep.parse_seeds("a-b")

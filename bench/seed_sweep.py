@@ -6,9 +6,9 @@ number over the seeds, and the machine (CPU model, cores, torch / transformers /
 a run is deterministic per seed on one machine, but another CPU or library build can round
 differently and sample other completions, so a claim about the outcome needs a range.
 
-    python scripts/seed_sweep.py                          # seeds 0-3, the default main job
-    python scripts/seed_sweep.py --seeds 0-7 --jobs 2     # two runs at a time (tiny: 1 thread each)
-    python scripts/seed_sweep.py --seeds 0,1 -- --model smollm2   # arguments after -- go to
+    python -m bench.seed_sweep                          # seeds 0-3, the default main job
+    python -m bench.seed_sweep --seeds 0-7 --jobs 2     # two runs at a time (tiny: 1 thread each)
+    python -m bench.seed_sweep --seeds 0,1 -- --model smollm2   # arguments after -- go to
                                                                   # train_grpo.py
 
 Writes bench/results/seed_sweep_<model>_<cpu>.json (and each run's output under --work-dir).
@@ -148,7 +148,7 @@ def main(argv=None) -> int:
     os.makedirs(args.work_dir, exist_ok=True)
     with ThreadPoolExecutor(args.jobs) as pool:
         rows = list(pool.map(lambda s: run_seed(s, args.work_dir, extra), seeds))
-    result = {"command": ["scripts/seed_sweep.py", *argv], "commit": measured, "train_args": extra,
+    result = {"command": ["python -m bench.seed_sweep", *argv], "commit": measured, "train_args": extra,
               "seeds": seeds, "jobs": args.jobs, "machine": info, "runs": rows,
               "ranges": ranges(rows)}
     slug = re.sub(r"[^A-Za-z0-9]+", "_", info["cpu"]).strip("_")[:40]
