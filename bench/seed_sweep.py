@@ -148,8 +148,8 @@ def main(argv=None) -> int:
     os.makedirs(args.work_dir, exist_ok=True)
     with ThreadPoolExecutor(args.jobs) as pool:
         rows = list(pool.map(lambda s: run_seed(s, args.work_dir, extra), seeds))
-    result = {"command": ["python -m bench.seed_sweep", *argv], "commit": measured, "train_args": extra,
-              "seeds": seeds, "jobs": args.jobs, "machine": info, "runs": rows,
+    result = {"command": ["python", "-m", "bench.seed_sweep", *argv], "commit": measured,
+              "train_args": extra, "seeds": seeds, "jobs": args.jobs, "machine": info, "runs": rows,
               "ranges": ranges(rows)}
     slug = re.sub(r"[^A-Za-z0-9]+", "_", info["cpu"]).strip("_")[:40]
     out = args.out or os.path.join(ROOT, "bench", "results",
