@@ -239,6 +239,40 @@ def test_default_sampler_is_cuda_only(tok):
     assert s.disabled_reason == "it needs a CUDA device"
 
 
+def test_bnb_4bit_compile_check_is_lifted_for_one_call_only():
+    """transformers refuses to compile a bitsandbytes 4-bit model; the sampler lifts that check
+    for its own call (the quantizer read through a view), and restores the quantizer after,
+    also when the call raises."""
+    from transformers import BitsAndBytesConfig
+
+    from trainers.generation import _compile_allowed
+
+    class Bnb4BitHfQuantizer:  # the name transformers gives it; not compileable, as there
+        is_compileable = False
+        quantization_config = BitsAndBytesConfig(load_in_4bit=True)
+
+    class Model:
+        hf_quantizer = None
+
+    model, quantizer = Model(), Bnb4BitHfQuantizer()
+    model.hf_quantizer = quantizer
+    with _compile_allowed(model):
+        assert model.hf_quantizer.is_compileable
+        assert model.hf_quantizer.quantization_config is quantizer.quantization_config
+    assert model.hf_quantizer is quantizer
+    with pytest.raises(RuntimeError), _compile_allowed(model):
+        raise RuntimeError
+    assert model.hf_quantizer is quantizer
+
+    class OtherQuantizer:
+        is_compileable = False
+        quantization_config = None
+
+    model.hf_quantizer = other = OtherQuantizer()
+    with _compile_allowed(model):  # other quantizers keep their own answer
+        assert model.hf_quantizer is other
+
+
 def test_trim_after_eos_matches_trls_rule():
     """TRL keeps each completion up to and including its first EOS (any of several ids)."""
     g = torch.Generator().manual_seed(0)

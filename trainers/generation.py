@@ -8,9 +8,9 @@ model spends most of a step launching small kernels, and a GRPO step is almost a
 (temperature, top-k, top-p, min-p, repetition penalty, `generation_kwargs`), the stopping criteria
 and the EOS / padding handling are transformers' own, as in stock TRL. Two things differ:
 
-- the KV cache is a `StaticCache` owned by the sampler: allocated once per batch size and length
-  bucket, reset in place between calls, so the decode step always sees the same shapes and the
-  same cache addresses;
+- the KV cache is a `StaticCache` owned by the sampler: allocated once per batch size and mode
+  (grown for a longer prompt, below), reset in place between calls, so the decode step always
+  sees the same shapes and the same cache addresses;
 - the decode step runs transformers' compiled forward (`CompileConfig`: torch.compile, inductor,
   CUDA graphs through mode "reduce-overhead"); the prefill stays eager.
 
@@ -111,9 +111,10 @@ class _CompileableQuantizer:
 
 def _is_bnb_4bit(quantizer) -> bool:
     config = getattr(quantizer, "quantization_config", None)
+    method = getattr(config, "quant_method", "")
     return (type(quantizer).__name__ == "Bnb4BitHfQuantizer"
             or bool(getattr(config, "load_in_4bit", False)
-                    and str(getattr(config, "quant_method", "")).endswith("bitsandbytes")))
+                    and getattr(method, "value", method) == "bitsandbytes"))
 
 
 @contextlib.contextmanager
