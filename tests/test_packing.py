@@ -8,7 +8,8 @@ loss and LoRA gradients (grpo and dapo, β > 0), packed vs padded in the same tr
 function; flex_attention packing under "auto" (no-grad only: FlexAttention has no CPU
 backward in torch 2.13); sdpa models switched to `trainers.varlen` (the CUDA varlen kernel
 replaced by its contract in plain sdpa; unpacked calls bit-identical to sdpa; the dense
-fallback; refusals); and the padded fallback, logged once, under sdpa on CPU.
+fallback; refusals; its attention function registered on first use, not at import); and the
+padded fallback, logged once, under sdpa on CPU.
 
     python -m pytest tests/test_packing.py -q
 
@@ -27,6 +28,9 @@ from __future__ import annotations
 
 import copy
 import logging
+import os
+import subprocess
+import sys
 from contextlib import nullcontext
 
 import pytest
@@ -397,6 +401,42 @@ def test_packing_blockers(tok):
 
 
 # ---------------------------------------------------------------- sdpa through varlen_attn
+
+# In a fresh interpreter: importing every trainers module registers no attention function;
+# the first switch to varlen.IMPL does, whether asked for directly or made by "auto" packing
+# (through GRPOTrainer._lce_packing_kind, which fast generation calls before its first compile).
+_REGISTRATION = r"""
+from types import SimpleNamespace
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from trainers import GRPOTrainer, SFTTrainer, generation, packing, varlen
+from trainers.tiny import build_tiny_llama, build_tokenizer
+
+def registered():
+    return varlen.IMPL in ALL_ATTENTION_FUNCTIONS, varlen.IMPL in ALL_MASK_ATTENTION_FUNCTIONS
+
+assert registered() == (False, False), "importing trainers registered an attention function"
+tok = build_tokenizer()
+model = build_tiny_llama(tok, hidden_size=32, num_layers=1)
+trainer = SimpleNamespace(packing="auto", _lce_packing_warning=lambda message: None)
+assert GRPOTrainer._lce_packing_kind(trainer, model, False) is None  # CPU fp32: padded
+assert registered() == (False, False), "a padded choice registered an attention function"
+varlen.varlen_blocker = lambda lm: None  # what it says on CUDA in bf16
+assert GRPOTrainer._lce_packing_kind(trainer, model, False) == "sdpa_varlen"
+assert registered() == (True, True) and model.config._attn_implementation == varlen.IMPL
+other = build_tiny_llama(tok, hidden_size=32, num_layers=1)
+varlen.use_sdpa_varlen(other)  # registering again is harmless
+assert other.config._attn_implementation == varlen.IMPL
+print("ok")
+"""
+
+
+def test_sdpa_varlen_registers_on_first_use():
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run([sys.executable, "-c", _REGISTRATION], cwd=root, capture_output=True,
+                          text=True, timeout=300, check=False)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
+
 
 
 def _varlen_attn_reference(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=None,
