@@ -46,7 +46,6 @@ parameters are sharded outside the module's forward).
 
 from __future__ import annotations
 
-import contextlib
 import time
 
 import torch
@@ -66,8 +65,7 @@ from .head import (
     head_logprobs,
     lm_head_params,
 )
-from .packing import PackPlan, choose_packing, plan_packs, unpack
-from .varlen import packed_forward
+from .packing import choose_packing, packed_logprobs
 
 logger = logging.get_logger(__name__)
 
@@ -182,15 +180,15 @@ class GRPOTrainer(trl.GRPOTrainer):
 
         kind = self._lce_packing_kind(model, compute_aux_loss)
         if kind is not None:
-            max_tokens = self.max_packed_tokens or batch_size * input_ids.size(1)
-            plan = plan_packs(input_ids, attention_mask, K, max_tokens=max_tokens)
-            if plan is None:
-                self._lce_packing_warning(
-                    "grpo_lce packing skipped for a batch whose attention_mask is not one "
-                    "contiguous run per row after a non-empty prompt; using padded forwards.")
-            elif plan.packs:  # else no row has a completion token: padded gives the zeros
-                return (*self._packed_logps_and_entropies(model, plan, kind, weight, bias,
-                                                          head_kwargs), None)
+            packed, note = packed_logprobs(
+                model, input_ids, attention_mask, K, kind=kind, weight=weight, bias=bias,
+                max_tokens=self.max_packed_tokens or batch_size * input_ids.size(1),
+                autocast=self.accelerator.autocast, **head_kwargs,
+            )
+            if note is not None:
+                self._lce_packing_warning(note)
+            if packed is not None:  # else the padded forwards below
+                return (*packed, None)
         all_logps, all_entropies, all_aux = [], [], []
         for start in range(0, input_ids.size(0), batch_size):
             ids = input_ids[start:start + batch_size]
@@ -216,20 +214,6 @@ class GRPOTrainer(trl.GRPOTrainer):
         entropies = torch.cat(all_entropies, dim=0) if compute_entropy else None
         aux_loss = torch.stack(all_aux).mean() if compute_aux_loss else None
         return logps, entropies, aux_loss
-
-    def _packed_logps_and_entropies(self, model, plan: PackPlan, kind, weight, bias, head_kwargs):
-        """(logps (B, K), entropies (B, K) or None) from one forward per pack: the hidden
-        states before the scored tokens, (N, H) over all packs, go through the head at once."""
-        hidden = []
-        maybe_packed = packed_forward if kind == "sdpa_varlen" else contextlib.nullcontext
-        for pack in plan.packs:
-            with self.accelerator.autocast(), maybe_packed():
-                h, _ = forward_hidden_states(model, **pack.model_inputs(kind))  # (1, T, H)
-            hidden.append(h[0, pack.hidden_index])  # (N_p, H)
-        out = head_logprobs(torch.cat(hidden), weight, bias, plan.targets, **head_kwargs)
-        if head_kwargs["return_entropy"]:
-            return unpack(out[0], plan), unpack(out[1], plan)
-        return unpack(out, plan), None
 
     # ------------------------------------------------------------------ generation
 
