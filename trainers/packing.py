@@ -245,8 +245,8 @@ def packed_logprobs(
     """((logps (B, K) fp32, entropies (B, K) or None) or None, a note to log once or None) for
     the last K columns of `input_ids` (B, L), from packed forwards of `model` (module docstring).
 
-    The per-row results equal the padded pass's (0 wherever `attention_mask` is 0) up to the
-    rounding of RoPE angles; the head is `linear_logprobs(h, weight, targets, bias=bias,
+    The per-row results are the padded pass's (0 wherever `attention_mask` is 0), up to
+    rounding (other positions and row counts: module docstring, "Positions"); the head is `linear_logprobs(h, weight, targets, bias=bias,
     temperature=..., return_entropy=..., entropy_requires_grad=...)` on the N scored rows.
     `kind` is `choose_packing`'s; each model call runs inside `autocast()` (the trainer's
     `accelerator.autocast`). None means padded forwards instead: with a note when the mask is
