@@ -4,8 +4,8 @@ This project's drop-in TRL trainers live in the top-level package `trainers`, a 
 user's own `trainers/` package earlier on `sys.path` (the script's directory, the working
 directory) wins, and `from trainers import GRPOTrainer` then fails with an ImportError. This
 module loads the project's `trainers/` directory, found beside this file, as the package
-`grpo_lce_trainers` (its modules import each other relatively, so the whole package resolves
-under the new name and never looks up `trainers`):
+`grpo_lce_trainers` (its modules import each other relatively, and its `__init__` loads them by
+relative name, so the whole package resolves under the new name and never looks up `trainers`):
 
     from grpo_lce_trainers import GRPOTrainer, SFTTrainer
     from grpo_lce_trainers.tiny import tiny_model_dir

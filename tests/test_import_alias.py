@@ -4,7 +4,10 @@ Covers: in a fresh interpreter whose working directory holds a `trainers/` packa
 (first on sys.path, as a user's project would be), `import trainers` gets the user's package
 while `grpo_lce_trainers` gives this project's GRPOTrainer, SFTTrainer and submodules, from the
 repository and from an installed wheel (built from this checkout, unpacked into a directory);
-nothing inside the package looks up the name `trainers`.
+nothing inside the package looks up the name `trainers`. And, under both names, the lazy package
+`__init__`: importing it or its light modules (`config`, `tiny`) loads neither the trainers nor
+TRL's trainer modules; the exported names load their module on first access; `__all__`, `dir()`
+and `from ... import *` agree.
 
     python -m pytest tests/test_import_alias.py -q
 """
@@ -94,3 +97,48 @@ def test_trainers_package_never_imports_itself_by_name():
             if any(m == "trainers" or m.startswith("trainers.") for m in mods):
                 offenders.append(f"trainers/{name}:{node.lineno}")
     assert not offenders, offenders
+
+
+# Run as `python -c LAZY <package name>`: the package under either of its names.
+LAZY = r"""
+import importlib
+import sys
+
+name = sys.argv[1]
+heavy = [f"{name}.{m}" for m in ("grpo", "sft", "base", "packing", "varlen", "head", "generation")]
+heavy += ["trl.trainer.grpo_trainer", "trl.trainer.sft_trainer"]
+
+def loaded():
+    return [m for m in heavy if m in sys.modules]
+
+pkg = importlib.import_module(name)
+assert loaded() == [] and not any(m.startswith(name + ".") for m in sys.modules), loaded()
+config = importlib.import_module(f"{name}.config")
+importlib.import_module(f"{name}.tiny")
+assert loaded() == [], loaded()
+assert pkg.GRPOConfig is config.GRPOConfig and pkg.SUPPORTED_TRL == ">=1.16,<1.17"
+assert loaded() == [], loaded()
+assert set(pkg.__all__) == {"GRPOConfig", "GRPOTrainer", "SFTTrainer", "SUPPORTED_TRL"}
+assert set(pkg.__all__) <= set(dir(pkg)), dir(pkg)
+try:
+    pkg.NotAName
+except AttributeError as e:
+    assert "NotAName" in str(e)
+else:
+    raise AssertionError("NotAName resolved")
+assert pkg.GRPOTrainer.__module__ == f"{name}.grpo"
+names = {}
+exec(f"from {name} import *", names)
+assert set(pkg.__all__) <= set(names) and names["SFTTrainer"].__module__ == f"{name}.sft"
+assert pkg.GRPOTrainer is sys.modules[f"{name}.grpo"].GRPOTrainer
+assert name == "trainers" or "trainers" not in sys.modules  # the alias never loads `trainers`
+print("ok")
+"""
+
+
+@pytest.mark.parametrize("name", ["trainers", "grpo_lce_trainers"])
+def test_lazy_package_init(name):
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    proc = subprocess.run([sys.executable, "-c", LAZY, name], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]

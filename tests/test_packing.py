@@ -2,13 +2,15 @@
 
 Covers: the index maps of `plan_packs` / `unpack` (ragged rows, a 1-token completion, a row with
 no completion, token budgets that split the batch, a row longer than the budget, masks that
-cannot be packed); log-probs and entropies of the policy and the adapter-disabled reference,
+cannot be packed); `packed_logprobs`, the one packed pass, against the same pass composed from
+its parts and against padded; log-probs and entropies of the policy and the adapter-disabled reference,
 loss and LoRA gradients (grpo and dapo, β > 0), packed vs padded in the same trainer; a short
 `train()` whose logs match padded step by step; the varlen kwargs reaching the attention
 function; flex_attention packing under "auto" (no-grad only: FlexAttention has no CPU
 backward in torch 2.13); sdpa models switched to `trainers.varlen` (the CUDA varlen kernel
 replaced by its contract in plain sdpa; unpacked calls bit-identical to sdpa; the dense
-fallback; refusals); and the padded fallback, logged once, under sdpa on CPU.
+fallback; refusals; its attention function registered on first use, not at import); and the
+padded fallback, logged once, under sdpa on CPU.
 
     python -m pytest tests/test_packing.py -q
 
@@ -27,6 +29,9 @@ from __future__ import annotations
 
 import copy
 import logging
+import os
+import subprocess
+import sys
 from contextlib import nullcontext
 
 import pytest
@@ -47,8 +52,20 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from trl.trainer.utils import use_adapter
 
 from trainers import GRPOTrainer, varlen
-from trainers.head import backbone, unwrap_causal_lm
-from trainers.packing import choose_packing, plan_packs, synthetic_ragged_batch, unpack
+from trainers.head import (
+    backbone,
+    forward_hidden_states,
+    head_logprobs,
+    lm_head_params,
+    unwrap_causal_lm,
+)
+from trainers.packing import (
+    choose_packing,
+    packed_logprobs,
+    plan_packs,
+    synthetic_ragged_batch,
+    unpack,
+)
 from trainers.tiny import build_tiny_llama, build_tokenizer
 
 LOGP_ATOL = 2e-5
@@ -165,6 +182,79 @@ def test_synthetic_ragged_batch_is_packable():
     assert fill == pytest.approx(9 / 16, abs=0.01)  # (B + 1) / 2B at B = 8
     plan = plan_packs(ids, mask, 64, max_tokens=8 * 80)
     assert len(plan.packs) == 1 and plan.targets.numel() == mask[:, 16:].sum()
+
+
+# ---------------------------------------------------------------- the packed pass
+
+
+def _packed_by_hand(model, ids, mask, kind, max_tokens, **head_kwargs):
+    """The packed pass from its parts: the plan, one forward per pack (in `packed_forward` for
+    "sdpa_varlen"), one head call on the scored rows, unpack. What packed_logprobs must give."""
+    weight, bias = lm_head_params(model)
+    plan = plan_packs(ids, mask, C, max_tokens=max_tokens)
+    hidden = []
+    for pack in plan.packs:
+        with varlen.packed_forward() if kind == "sdpa_varlen" else nullcontext():
+            h, _ = forward_hidden_states(model, **pack.model_inputs(kind))
+        hidden.append(h[0, pack.hidden_index])
+    out = head_logprobs(torch.cat(hidden), weight, bias, plan.targets, **head_kwargs)
+    if head_kwargs.get("return_entropy"):
+        return unpack(out[0], plan), unpack(out[1], plan)
+    return unpack(out, plan), None
+
+
+def test_packed_logprobs_is_the_packed_pass(tok, tmp_path):
+    # The one entry point the trainer calls: the same (B, K) results as the pass composed by
+    # hand (bit for bit: the same operations), within LOGP_ATOL of the padded pass, each model
+    # call inside the given autocast; None for batches that stay padded.
+    tr = _trainer(tok, tmp_path, temperature=0.7)
+    lm = unwrap_causal_lm(tr.model)
+    ids, mask = _ragged(tok)
+    weight, bias = lm_head_params(tr.model)
+    seen = []  # per backbone call: inside the autocast given? inside packed_forward?
+    entered = []
+
+    def autocast():
+        entered.append(True)
+        return nullcontext()
+
+    handle = backbone(tr.model).register_forward_pre_hook(
+        lambda *_: seen.append((len(entered), varlen._packed.get())))
+    cases = [("dense", B * (P + C), True), ("dense", 16, False), ("sdpa_varlen", 16, True)]
+    with torch.no_grad():
+        tr.packing = False
+        lp_pad, ent_pad, _ = tr._get_per_token_logps_and_entropies(
+            tr.model, ids, mask, C, compute_entropy=True)
+        for kind, max_tokens, entropy in cases:
+            if kind == "sdpa_varlen":
+                varlen.use_sdpa_varlen(lm)  # on CPU: the dense block-diagonal fallback
+            kw = {"temperature": 0.7, "return_entropy": entropy}
+            seen.clear()
+            entered.clear()
+            (lp, ent), note = packed_logprobs(
+                tr.model, ids, mask, C, kind=kind, max_tokens=max_tokens, weight=weight,
+                bias=bias, autocast=autocast, **kw)
+            n_packs = 1 if max_tokens == B * (P + C) else len(PACKS_AT_16)
+            assert note is None and seen == [(i + 1, kind == "sdpa_varlen")
+                                             for i in range(n_packs)], (kind, seen)
+            lp_hand, ent_hand = _packed_by_hand(tr.model, ids, mask, kind, max_tokens, **kw)
+            assert torch.equal(lp, lp_hand), kind
+            _assert_close(lp, lp_pad, atol=LOGP_ATOL, what=f"logp {kind} {max_tokens}")
+            if entropy:
+                assert torch.equal(ent, ent_hand), kind
+                _assert_close(ent, ent_pad, atol=LOGP_ATOL, what=f"entropy {kind} {max_tokens}")
+            else:
+                assert ent is None and ent_hand is None
+        holes, nothing = mask.clone(), mask.clone()
+        holes[0, P + 3] = 0
+        nothing[:, P:] = 0
+        seen.clear()
+        common = {"kind": "dense", "max_tokens": 10**6, "weight": weight, "bias": bias}
+        packed, note = packed_logprobs(tr.model, ids, holes, C, **common)
+        assert packed is None and "contiguous" in note
+        assert packed_logprobs(tr.model, ids, nothing, C, **common) == (None, None)
+        assert seen == []  # neither ran a forward: the caller's padded pass does
+    handle.remove()
 
 
 # ---------------------------------------------------------------- trainer parity
@@ -397,6 +487,42 @@ def test_packing_blockers(tok):
 
 
 # ---------------------------------------------------------------- sdpa through varlen_attn
+
+# In a fresh interpreter: importing every trainers module registers no attention function;
+# the first switch to varlen.IMPL does, whether asked for directly or made by "auto" packing
+# (through GRPOTrainer._lce_packing_kind, which fast generation calls before its first compile).
+_REGISTRATION = r"""
+from types import SimpleNamespace
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from trainers import GRPOTrainer, SFTTrainer, generation, packing, varlen
+from trainers.tiny import build_tiny_llama, build_tokenizer
+
+def registered():
+    return varlen.IMPL in ALL_ATTENTION_FUNCTIONS, varlen.IMPL in ALL_MASK_ATTENTION_FUNCTIONS
+
+assert registered() == (False, False), "importing trainers registered an attention function"
+tok = build_tokenizer()
+model = build_tiny_llama(tok, hidden_size=32, num_layers=1)
+trainer = SimpleNamespace(packing="auto", _lce_packing_warning=lambda message: None)
+assert GRPOTrainer._lce_packing_kind(trainer, model, False) is None  # CPU fp32: padded
+assert registered() == (False, False), "a padded choice registered an attention function"
+varlen.varlen_blocker = lambda lm: None  # what it says on CUDA in bf16
+assert GRPOTrainer._lce_packing_kind(trainer, model, False) == "sdpa_varlen"
+assert registered() == (True, True) and model.config._attn_implementation == varlen.IMPL
+other = build_tiny_llama(tok, hidden_size=32, num_layers=1)
+varlen.use_sdpa_varlen(other)  # registering again is harmless
+assert other.config._attn_implementation == varlen.IMPL
+print("ok")
+"""
+
+
+def test_sdpa_varlen_registers_on_first_use():
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run([sys.executable, "-c", _REGISTRATION], cwd=root, capture_output=True,
+                          text=True, timeout=300, check=False)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
+
 
 
 def _varlen_attn_reference(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=None,

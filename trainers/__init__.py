@@ -9,11 +9,42 @@ configs as TRL 1.16.x (checked at construction). `trainers.grpo` and `trainers.s
 overridden, what falls back to TRL's own head and what is refused. `trainers.GRPOConfig` is
 `trl.GRPOConfig` plus the GRPO trainer's own options (packing, fast generation), for YAML and
 `TrlParser` workflows; a stock `trl.GRPOConfig` works too.
+
+Importing the package imports none of its modules: each name below loads its own module on
+first access (PEP 562), so `import trainers.config` or `import trainers.tiny` stays as cheap as
+that module, without the trainers, TRL's trainer classes or PEFT.
 """
 
-from ._version import SUPPORTED_TRL
-from .config import GRPOConfig
-from .grpo import GRPOTrainer
-from .sft import SFTTrainer
+from __future__ import annotations
 
-__all__ = ["GRPOConfig", "GRPOTrainer", "SFTTrainer", "SUPPORTED_TRL"]
+import importlib
+from typing import TYPE_CHECKING
+
+# exported name -> the module (relative: the package may be loaded as `grpo_lce_trainers`)
+_EXPORTS = {
+    "GRPOConfig": "config",
+    "GRPOTrainer": "grpo",
+    "SFTTrainer": "sft",
+    "SUPPORTED_TRL": "_version",
+}
+
+__all__ = ["SUPPORTED_TRL", "GRPOConfig", "GRPOTrainer", "SFTTrainer"]
+
+if TYPE_CHECKING:
+    from ._version import SUPPORTED_TRL
+    from .config import GRPOConfig
+    from .grpo import GRPOTrainer
+    from .sft import SFTTrainer
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -46,7 +46,6 @@ parameters are sharded outside the module's forward).
 
 from __future__ import annotations
 
-import contextlib
 import time
 
 import torch
@@ -55,24 +54,21 @@ from transformers.utils import logging
 from trl.models import unwrap_model_for_generation
 from trl.trainer.utils import pad
 
-from ._version import check_trl_version
+from .base import FusedHeadMixin
 from .config import check_max_packed_tokens, normalize_packing
 from .generation import FastSampler, trim_after_eos
 from .head import (
-    check_fused_head,
-    check_parallelism,
     forward_hidden_states,
     fused_head_unsupported_reason,
     head_logprobs,
     lm_head_params,
 )
-from .packing import PackPlan, choose_packing, plan_packs, unpack
-from .varlen import packed_forward
+from .packing import choose_packing, packed_logprobs
 
 logger = logging.get_logger(__name__)
 
 
-class GRPOTrainer(trl.GRPOTrainer):
+class GRPOTrainer(FusedHeadMixin, trl.GRPOTrainer):
     """`trl.GRPOTrainer` (1.16.x) whose log-probs and entropies come from `grpo_lce`, and whose
     on-policy samples come from a compiled decode step on CUDA.
 
@@ -89,23 +85,22 @@ class GRPOTrainer(trl.GRPOTrainer):
             sampling. Where the compiled path cannot run it falls back with one logged line.
 
     See the module docstring for what is overridden, what falls back to TRL's head and what is
-    refused.
+    refused (`trainers.base`: the checks and fallback notices shared with SFTTrainer).
     """
+
+    _trl_name = "GRPOTrainer"
+    _trl_fallback = "TRL's own fused head"
+    _lce_logger = logger
 
     def __init__(self, *args, packing: bool | str | None = None,
                  max_packed_tokens: int | None = None, fast_generation: bool | None = None,
                  **kwargs):
-        check_trl_version("GRPOTrainer")
         if packing is not None:
             packing = normalize_packing(packing)
         check_max_packed_tokens(max_packed_tokens)
         if fast_generation is not None and not isinstance(fast_generation, bool):
             raise ValueError(f"fast_generation must be True or False, got {fast_generation!r}")
-        super().__init__(*args, **kwargs)
-        check_fused_head(self.model)
-        if self.ref_model is not None:
-            check_fused_head(self.ref_model)
-        check_parallelism(self)
+        super().__init__(*args, **kwargs)  # FusedHeadMixin: TRL version, TRL, fused-head checks
         self.packing = packing if packing is not None else getattr(self.args, "packing", "auto")
         self.max_packed_tokens = (max_packed_tokens if max_packed_tokens is not None
                                   else getattr(self.args, "max_packed_tokens", None))
@@ -117,13 +112,10 @@ class GRPOTrainer(trl.GRPOTrainer):
             # Sharded parameters are gathered into new storage for every generate call, which
             # a captured decode step cannot follow.
             self._lce_sampler.disable("FSDP / DeepSpeed shard the parameters")
-        self._lce_fallbacks_logged: set[str] = set()
         self._lce_packing_logged: set[str] = set()
 
     def _lce_packing_warning(self, message: str) -> None:
-        if message not in self._lce_packing_logged:
-            self._lce_packing_logged.add(message)
-            logger.warning(message)
+        self._lce_warn_once(self._lce_packing_logged, message, message)
 
     def _lce_fallback_reason(self, model, multimodal_inputs: dict) -> str | None:
         present = sorted(k for k, v in multimodal_inputs.items() if v is not None)
@@ -157,11 +149,7 @@ class GRPOTrainer(trl.GRPOTrainer):
     ):
         """(logps (B, K) fp32, entropies (B, K) or None, aux_loss or None), as TRL's method
         returns them: 0 at positions whose attention_mask is 0."""
-        reason = self._lce_fallback_reason(model, multimodal_inputs)
-        if reason is not None:
-            if reason not in self._lce_fallbacks_logged:
-                self._lce_fallbacks_logged.add(reason)
-                logger.warning(f"grpo_lce head not used ({reason}); using TRL's own fused head.")
+        if self._lce_falls_back(self._lce_fallback_reason(model, multimodal_inputs)):
             return super()._get_per_token_logps_and_entropies(
                 model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size,
                 compute_entropy=compute_entropy, compute_aux_loss=compute_aux_loss,
@@ -182,15 +170,15 @@ class GRPOTrainer(trl.GRPOTrainer):
 
         kind = self._lce_packing_kind(model, compute_aux_loss)
         if kind is not None:
-            max_tokens = self.max_packed_tokens or batch_size * input_ids.size(1)
-            plan = plan_packs(input_ids, attention_mask, K, max_tokens=max_tokens)
-            if plan is None:
-                self._lce_packing_warning(
-                    "grpo_lce packing skipped for a batch whose attention_mask is not one "
-                    "contiguous run per row after a non-empty prompt; using padded forwards.")
-            elif plan.packs:  # else no row has a completion token: padded gives the zeros
-                return (*self._packed_logps_and_entropies(model, plan, kind, weight, bias,
-                                                          head_kwargs), None)
+            packed, note = packed_logprobs(
+                model, input_ids, attention_mask, K, kind=kind, weight=weight, bias=bias,
+                max_tokens=self.max_packed_tokens or batch_size * input_ids.size(1),
+                autocast=self.accelerator.autocast, **head_kwargs,
+            )
+            if note is not None:
+                self._lce_packing_warning(note)
+            if packed is not None:  # else the padded forwards below
+                return (*packed, None)
         all_logps, all_entropies, all_aux = [], [], []
         for start in range(0, input_ids.size(0), batch_size):
             ids = input_ids[start:start + batch_size]
@@ -216,20 +204,6 @@ class GRPOTrainer(trl.GRPOTrainer):
         entropies = torch.cat(all_entropies, dim=0) if compute_entropy else None
         aux_loss = torch.stack(all_aux).mean() if compute_aux_loss else None
         return logps, entropies, aux_loss
-
-    def _packed_logps_and_entropies(self, model, plan: PackPlan, kind, weight, bias, head_kwargs):
-        """(logps (B, K), entropies (B, K) or None) from one forward per pack: the hidden
-        states before the scored tokens, (N, H) over all packs, go through the head at once."""
-        hidden = []
-        maybe_packed = packed_forward if kind == "sdpa_varlen" else contextlib.nullcontext
-        for pack in plan.packs:
-            with self.accelerator.autocast(), maybe_packed():
-                h, _ = forward_hidden_states(model, **pack.model_inputs(kind))  # (1, T, H)
-            hidden.append(h[0, pack.hidden_index])  # (N_p, H)
-        out = head_logprobs(torch.cat(hidden), weight, bias, plan.targets, **head_kwargs)
-        if head_kwargs["return_entropy"]:
-            return unpack(out[0], plan), unpack(out[1], plan)
-        return unpack(out, plan), None
 
     # ------------------------------------------------------------------ generation
 

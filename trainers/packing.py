@@ -26,6 +26,13 @@ so the head sees only (N, H) rows, N = Σ_b (completion tokens of b), and `unpac
 Rows with no completion token (e.g. truncated ones under `mask_truncated_completions`) are left
 out of the packs: padded, they only ever produce zeros.
 
+One call runs it all: `packed_logprobs(model, ids, mask, K, kind=..., max_tokens=..., weight=W,
+bias=b, ...)` plans the packs (`plan_packs`), runs one forward per pack through the wrapped model
+(`trainers.head.forward_hidden_states`, inside `trainers.varlen.packed_forward` for
+"sdpa_varlen"), gathers the (N, H) hidden states that score a token, runs the head once on them
+and returns TRL's (B, K) log-probs (and entropies), or None when the batch stays padded. The
+trainer only chooses the kind (`choose_packing`, below) and calls it.
+
 How rows stay apart. With `position_ids` given and no `attention_mask` and no cache,
 transformers 5.x finds the restarts (`masking_utils.find_packed_sequence_indices`) and
 restricts attention to each row. What that costs depends on the attention implementation
@@ -79,6 +86,8 @@ the head (which already skips padding).
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -91,7 +100,13 @@ from transformers.masking_utils import (
 )
 
 from . import varlen
-from .head import PeftModel, unwrap_causal_lm, unwrap_model
+from .head import (
+    PeftModel,
+    forward_hidden_states,
+    head_logprobs,
+    unwrap_causal_lm,
+    unwrap_model,
+)
 
 # Layer kinds that only attend: packing relies on attention being the one place where tokens
 # of different rows meet. Recurrent or convolutional layers (Mamba, linear attention) carry
@@ -202,6 +217,59 @@ def unpack(values: torch.Tensor, plan: PackPlan) -> torch.Tensor:
     """(N,) per scored token -> (B, K), 0 at every other position; differentiable in `values`."""
     out = values.new_zeros(plan.B * plan.K)  # (B·K,)
     return out.index_copy(0, plan.out_index, values).view(plan.B, plan.K)
+
+
+# --------------------------------------------------------------------------- the packed pass
+
+_UNPACKABLE = (
+    "grpo_lce packing skipped for a batch whose attention_mask is not one contiguous run per row "
+    "after a non-empty prompt; using padded forwards."
+)
+
+
+def packed_logprobs(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    K: int,
+    *,
+    kind: str,
+    max_tokens: int,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    temperature: float = 1.0,
+    return_entropy: bool = False,
+    entropy_requires_grad: bool = False,
+    autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+) -> tuple[tuple[torch.Tensor, torch.Tensor | None] | None, str | None]:
+    """((logps (B, K) fp32, entropies (B, K) or None) or None, a note to log once or None) for
+    the last K columns of `input_ids` (B, L), from packed forwards of `model` (module docstring).
+
+    The per-row results are the padded pass's (0 wherever `attention_mask` is 0), up to
+    rounding (other positions and row counts: module docstring, "Positions"); the head is `linear_logprobs(h, weight, targets, bias=bias,
+    temperature=..., return_entropy=..., entropy_requires_grad=...)` on the N scored rows.
+    `kind` is `choose_packing`'s; each model call runs inside `autocast()` (the trainer's
+    `accelerator.autocast`). None means padded forwards instead: with a note when the mask is
+    not packable (`plan_packs`), without one when no row has a completion token (the padded
+    pass computes those zeros, and the autograd graph a loss on them needs).
+    """
+    plan = plan_packs(input_ids, attention_mask, K, max_tokens=max_tokens)
+    if plan is None:
+        return None, _UNPACKABLE
+    if not plan.packs:
+        return None, None
+    in_pack = varlen.packed_forward if kind == "sdpa_varlen" else contextlib.nullcontext
+    hidden = []
+    for pack in plan.packs:
+        with autocast(), in_pack():
+            h, _ = forward_hidden_states(model, **pack.model_inputs(kind))  # (1, T, H)
+        hidden.append(h[0, pack.hidden_index])  # (N_p, H): the states before scored tokens
+    out = head_logprobs(torch.cat(hidden), weight, bias, plan.targets,  # (N, H) -> (N,)
+                        temperature=temperature, return_entropy=return_entropy,
+                        entropy_requires_grad=entropy_requires_grad)
+    if return_entropy:
+        return (unpack(out[0], plan), unpack(out[1], plan)), None
+    return (unpack(out, plan), None), None
 
 
 # --------------------------------------------------------------------------- which models pack

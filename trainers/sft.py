@@ -35,10 +35,8 @@ import trl
 from packaging.version import Version
 from transformers.utils import logging
 
-from ._version import check_trl_version
+from .base import FusedHeadMixin
 from .head import (
-    check_fused_head,
-    check_parallelism,
     forward_hidden_states,
     fused_head_unsupported_reason,
     head_cross_entropy,
@@ -51,18 +49,16 @@ logger = logging.get_logger(__name__)
 _NOT_MODEL_INPUTS = ("labels", "shift_labels", "use_cache")
 
 
-class SFTTrainer(trl.SFTTrainer):
+class SFTTrainer(FusedHeadMixin, trl.SFTTrainer):
     """`trl.SFTTrainer` (1.16.x) whose loss and token metrics come from `grpo_lce`.
 
-    Same constructor and config as `trl.SFTTrainer`; see the module docstring.
+    Same constructor and config as `trl.SFTTrainer`; see the module docstring (and
+    `trainers.base`: the checks at construction and fallback notices shared with GRPOTrainer).
     """
 
-    def __init__(self, *args, **kwargs):
-        check_trl_version("SFTTrainer")
-        super().__init__(*args, **kwargs)
-        check_fused_head(self.model)
-        check_parallelism(self)
-        self._lce_fallbacks_logged: set[str] = set()
+    _trl_name = "SFTTrainer"
+    _trl_fallback = "TRL's own compute_loss"
+    _lce_logger = logger
 
     def _lce_fallback_reason(self, model, inputs) -> str | None:
         if self.compute_loss_func is not None:
@@ -82,11 +78,7 @@ class SFTTrainer(trl.SFTTrainer):
         return fused_head_unsupported_reason(model)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        reason = self._lce_fallback_reason(model, inputs)
-        if reason is not None:
-            if reason not in self._lce_fallbacks_logged:
-                self._lce_fallbacks_logged.add(reason)
-                logger.warning(f"grpo_lce head not used ({reason}); using TRL's own compute_loss.")
+        if self._lce_falls_back(self._lce_fallback_reason(model, inputs)):
             return super().compute_loss(
                 model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
             )

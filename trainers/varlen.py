@@ -2,13 +2,14 @@
 
 Under attn_implementation="sdpa", transformers keeps the rows of a packed sequence apart only
 with a dense (1, 1, T, T) mask: T² mask bytes and T² attention work, more than the padded
-B·L² it replaces, so `packing="auto"` used to stay padded there. FlashAttention's varlen kernel
+B·L² it replaces, so `packing="auto"` would stay padded there. FlashAttention's varlen kernel
 needs no mask at all, only the row boundaries `cu_seqlens`, and PyTorch ships it
 (`torch.nn.attention.varlen.varlen_attn`, the FlashAttention SDPA itself dispatches to): a
 model loaded with the default sdpa attention packs without flash-attn installed.
 
 How. `use_sdpa_varlen(model)` switches the model to the attention implementation `IMPL`,
-registered with transformers as
+which it registers with transformers first (importing this module registers nothing: the
+process-wide attention tables change only once a model is switched) as
 
     attention   varlen_attn over `cu_seq_lens_q/k` when a call carries them (only our packed
                 forwards pass them: `trainers.packing.Pack.model_inputs`), else transformers'
@@ -145,10 +146,6 @@ def sdpa_varlen_attention(module, query, key, value, attention_mask, dropout=0.0
                                   scaling=scaling, is_causal=False, **rest)
 
 
-AttentionInterface.register(IMPL, sdpa_varlen_attention)
-AttentionMaskInterface.register(IMPL, _sdpa_varlen_mask)
-
-
 def varlen_blocker(model: torch.nn.Module) -> str | None:
     """Why `model` (a transformers causal LM, unwrapped) should not switch to `IMPL`, or None."""
     config = model.config
@@ -171,8 +168,18 @@ def varlen_blocker(model: torch.nn.Module) -> str | None:
     return None
 
 
+def register() -> None:
+    """Make `IMPL` known to transformers: its attention function and its mask function, in the
+    process-wide tables `set_attn_implementation` and the mask builders read. Idempotent."""
+    AttentionInterface.register(IMPL, sdpa_varlen_attention)
+    AttentionMaskInterface.register(IMPL, _sdpa_varlen_mask)
+
+
 def use_sdpa_varlen(model: torch.nn.Module) -> None:
-    """Switch `model` (a transformers causal LM, unwrapped) from sdpa to `IMPL`: identical for
-    every unpacked call, varlen FlashAttention for packed ones (module docstring)."""
+    """Switch `model` (a transformers causal LM, unwrapped) from sdpa to `IMPL`, registering it
+    first: identical for every unpacked call, varlen FlashAttention for packed ones (module
+    docstring). transformers refuses an implementation it does not know, so every model under
+    `IMPL` got there through this call, the one place that registers."""
+    register()
     if model.config._attn_implementation != IMPL:
         model.set_attn_implementation(IMPL)

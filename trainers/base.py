@@ -1,0 +1,59 @@
+"""What `trainers.GRPOTrainer` and `trainers.SFTTrainer` do the same way, written once: the checks
+at construction, and the one logged line when a call goes to TRL's own code.
+
+    class GRPOTrainer(FusedHeadMixin, trl.GRPOTrainer):
+        _trl_name = "GRPOTrainer"                  # the TRL class stood in for
+        _trl_fallback = "TRL's own fused head"     # what a fallback hands the call to
+        _lce_logger = logger                       # the trainer module's logger
+
+Construction (`FusedHeadMixin.__init__`, which a trainer calls after checking its own keyword
+options), in this order: the TRL version (`trainers._version`: the subclasses override TRL
+internals of one minor series, so TRL's `__init__` does not run under another one); TRL's own
+`__init__`; then what the fused head needs of every model it will run (`model`, and `ref_model`
+where the trainer has one: `trainers.head.check_fused_head`) and of the parallelism
+(`check_parallelism`). Each refusal is a ValueError or RuntimeError naming the problem and the
+fix.
+
+Fallbacks: a trainer names why a call cannot use the fused head (its `_lce_fallback_reason`, or
+None), and `_lce_falls_back(reason)` says whether to hand the call to TRL's own method, logging
+each distinct reason once per trainer (the reasons seen: `_lce_fallbacks_logged`).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from ._version import check_trl_version
+from .head import check_fused_head, check_parallelism
+
+
+class FusedHeadMixin:
+    """Mixed in before a TRL trainer class; see the module docstring for the class attributes."""
+
+    _trl_name: str
+    _trl_fallback: str
+    _lce_logger: logging.Logger
+
+    def __init__(self, *args, **kwargs):
+        check_trl_version(self._trl_name)
+        super().__init__(*args, **kwargs)
+        for model in (self.model, getattr(self, "ref_model", None)):
+            if model is not None:
+                check_fused_head(model)
+        check_parallelism(self)
+        self._lce_fallbacks_logged: set[str] = set()
+
+    def _lce_warn_once(self, seen: set[str], key: str, message: str) -> None:
+        """Log `message` unless `key` is already in `seen` (one line per distinct key)."""
+        if key not in seen:
+            seen.add(key)
+            self._lce_logger.warning(message)
+
+    def _lce_falls_back(self, reason: str | None) -> bool:
+        """Whether this call goes to TRL's own method (`reason` is not None), logged once per
+        reason."""
+        if reason is None:
+            return False
+        self._lce_warn_once(self._lce_fallbacks_logged, reason,
+                            f"grpo_lce head not used ({reason}); using {self._trl_fallback}.")
+        return True
