@@ -44,6 +44,7 @@ from collections.abc import Iterator
 import torch
 
 from grpo_lce import linear_cross_entropy, linear_logprobs
+
 from .sharded import full_head_params
 
 try:  # PEFT is optional for the trainers: plain full fine-tuning does not need it

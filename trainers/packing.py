@@ -246,8 +246,9 @@ def packed_logprobs(
     the last K columns of `input_ids` (B, L), from packed forwards of `model` (module docstring).
 
     The per-row results are the padded pass's (0 wherever `attention_mask` is 0), up to
-    rounding (other positions and row counts: module docstring, "Positions"); the head is `linear_logprobs(h, weight, targets, bias=bias,
-    temperature=..., return_entropy=..., entropy_requires_grad=...)` on the N scored rows.
+    rounding (other positions and row counts: module docstring, "Positions"); the head is
+    `linear_logprobs(h, weight, targets, bias=bias, temperature=..., return_entropy=...,
+    entropy_requires_grad=...)` on the N scored rows.
     `kind` is `choose_packing`'s; each model call runs inside `autocast()` (the trainer's
     `accelerator.autocast`). None means padded forwards instead: with a note when the mask is
     not packable (`plan_packs`), without one when no row has a completion token (the padded
