@@ -14,17 +14,16 @@ reach the captured graph, and a short GRPO `train()`.
 
 from __future__ import annotations
 
-import copy
 import logging
 
 import pytest
 import torch
+from _tiny_models import lora_tiny_llama
 from transformers import GenerationConfig
 from transformers.generation.configuration_utils import CompileConfig
 
 from trainers.generation import FastSampler, trim_after_eos
 from trainers.tiny import build_tokenizer
-from _tiny_models import lora_tiny_llama
 
 NEW = 10
 
