@@ -1,4 +1,5 @@
-"""GRPOTrainer: TRL 1.16's GRPOTrainer with the per-token log-probs from `grpo_lce`.
+"""GRPOTrainer: TRL 1.16's GRPOTrainer with the per-token log-probs from `grpo_lce` and its
+on-policy samples from a compiled decode step.
 
 Change one import and nothing else:
 
@@ -8,7 +9,7 @@ Every log-probability TRL asks for goes through one method,
 `_get_per_token_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep, ...)`:
 the training loss (policy, with entropy), the old-policy pass (no grad) and the reference pass
 (a separate `ref_model`, or the PEFT model under `use_adapter(..., None)` / the "ref"
-adapter). That is the only method overridden. Per row chunk of `batch_size` sequences:
+adapter). That is the only log-prob method overridden. Per row chunk of `batch_size` sequences:
 
     h = backbone(input_ids)[:, -K-1:-1]          (B, K, H)   K = logits_to_keep completion tokens
     y = input_ids[:, -K:], −100 where attention_mask is 0
@@ -35,6 +36,14 @@ padded and says so once; `packing=True` packs there too (correct, with a warning
 dense); `packing=False` never packs. Never packed, whatever the option: the MoE aux-loss pass,
 prompt-learning PEFT adapters, models with non-attention layers, batches whose mask is not one
 contiguous run per row after a non-empty prompt.
+
+Sampling (`fast_generation`, see `trainers.generation`): `_generate_single_turn`, TRL's
+non-vLLM branch, pads the prompts as TRL does and hands TRL's own generation config to
+`FastSampler`, which runs the same `generate` call over a static cache with a compiled decode
+step, then keeps each completion up to its first EOS as TRL does. vLLM, continuous batching,
+multimodal prompts, or a sampler that has turned itself off go to TRL's method. `_generate`
+adds the metrics `timing/generation_s`, `fast_generation/compiles` and
+`fast_generation/compile_s`.
 
 Falls back to TRL's own (chunked, also logit-free) head, with one warning per reason, for:
 multimodal inputs (`pixel_values` and friends), and models whose logits are transformed before
