@@ -28,7 +28,7 @@ inputs, never constants: inductor's `freezing` is off) and optimizers update par
 so a replay after an optimizer step samples from the updated policy.
 (`tests/test_generation.py` checks this with an optimizer step that changes a greedy completion.)
 
-Safety: the first call at each new shape is a warm-up that compiles and captures the step, then
+Safety: the first call with each new cache is a warm-up that compiles and captures the step, then
 compares the compiled decode logits of its first steps with an eager `generate` of the same
 prompts. Any exception in compiling or capturing, a mismatch beyond bf16 noise, or recompiles
 on calls that should replay, turn the sampler off for the rest of the run with one logged line;
@@ -63,7 +63,7 @@ WARMUP_NEW_TOKENS = 3  # prefill + 2 compiled decode steps: compile, CUDA-graph 
 # through a deep bf16 stack moves the logits by a few per cent of their size (the largest single
 # differences more); a broken cache, mask, position or input moves them by their own size.
 WARMUP_LOGITS_RTOL = 0.1
-MAX_RECOMPILING_CALLS = 2  # calls that compile although their shape was warmed up
+MAX_RECOMPILING_CALLS = 2  # calls that compile although their cache was warmed up
 
 
 @dataclasses.dataclass
@@ -71,7 +71,7 @@ class SamplerStats:
     """What the sampler has done in this run; logged and reported as metrics."""
 
     calls: int = 0  # generate calls served by the compiled path
-    compiles: int = 0  # warm-ups, one per new (batch, cache length, train/eval) shape
+    compiles: int = 0  # warm-ups, one per new cache (batch size, train/eval mode, length)
     graphs: int = 0  # dynamo graphs compiled in all (a graph break adds one)
     compile_s: float = 0.0  # wall time of the warm-ups: compile, capture, the eager check
     recompiling_calls: int = 0
@@ -220,6 +220,8 @@ class _CacheEntry:
     capacity: int  # prompt tokens it holds
     new_tokens: int
     growths: int
+    warm: bool = False  # compiled, captured and checked (a new cache always needs this)
+    full_logged: bool = False  # said once that a prompt did not fit after the last growth
 
 
 class FastSampler:
@@ -239,8 +241,6 @@ class FastSampler:
         self.disabled_reason: str | None = None
         self.stats = SamplerStats()
         self._caches: dict[tuple, _CacheEntry] = {}  # (batch, training) -> its static cache
-        self._full_logged: set[tuple] = set()
-        self._warm: set[tuple] = set()  # (batch, training, cache length) compiled and checked
 
     def _config(self):
         if self.compile_config is None:
@@ -260,18 +260,18 @@ class FastSampler:
         self._caches.clear()
 
     def _cache_for(self, model, batch: int, prompt_len: int, new_tokens: int):
-        """(cache, its length) for this batch size and mode, allocated or grown as the module
+        """The cache entry for this batch size and mode, allocated or grown as the module
         docstring says; None when the prompt does not fit and the cache may not grow again."""
         from transformers import StaticCache
 
         key = (batch, model.training)
         entry = self._caches.get(key)
         if entry is not None and prompt_len <= entry.capacity and new_tokens == entry.new_tokens:
-            return entry.cache, entry.capacity + new_tokens
+            return entry
         growths = 0 if entry is None else entry.growths + 1
         if growths > MAX_GROWTHS:
-            if key not in self._full_logged:
-                self._full_logged.add(key)
+            if not entry.full_logged:
+                entry.full_logged = True
                 logger.warning(
                     f"grpo_lce fast generation: a {prompt_len}-token prompt does not fit the "
                     f"compiled cache ({entry.capacity} prompt tokens, grown {MAX_GROWTHS} times); "
@@ -280,8 +280,8 @@ class FastSampler:
         capacity = prompt_capacity(prompt_len, 0 if entry is None else entry.capacity)
         self._caches.pop(key, None)  # the old cache goes before the new one is allocated
         cache = StaticCache(config=_base_model(model).config, max_cache_len=capacity + new_tokens)
-        self._caches[key] = _CacheEntry(cache, capacity, new_tokens, growths)
-        return cache, capacity + new_tokens
+        entry = self._caches[key] = _CacheEntry(cache, capacity, new_tokens, growths)
+        return entry
 
     def _generate(self, model, input_ids, attention_mask, config, cache):
         cache.reset()
@@ -292,7 +292,7 @@ class FastSampler:
                                   generation_config=config, past_key_values=cache)
 
     def _warm_up(self, model, input_ids, attention_mask, config, cache) -> str | None:
-        """Compile and capture the decode step at this shape; None, or why it failed the
+        """Compile and capture the decode step over this cache; None, or why it failed the
         check against eager decoding."""
         warm = copy.deepcopy(config)
         warm.max_new_tokens, warm.min_new_tokens = WARMUP_NEW_TOKENS, None
@@ -338,13 +338,12 @@ class FastSampler:
         config.cache_implementation = None  # the cache is passed in
         config.disable_compile, config.compile_config = False, self._config()
         try:
-            found = self._cache_for(model, batch, prompt_len, new_tokens)
-            if found is None:
+            entry = self._cache_for(model, batch, prompt_len, new_tokens)
+            if entry is None:
                 return None
-            cache, length = found
-            shape = (batch, model.training, length)
+            cache, length = entry.cache, entry.capacity + entry.new_tokens
             graphs = _dynamo_graphs()
-            if shape not in self._warm:
+            if not entry.warm:
                 t0 = time.perf_counter()
                 mismatch = self._warm_up(model, input_ids, attention_mask, config, cache)
                 if input_ids.is_cuda:
@@ -362,7 +361,7 @@ class FastSampler:
                 if mismatch is not None:
                     self.disable(mismatch)
                     return None
-                self._warm.add(shape)
+                entry.warm = True
                 logger.warning(
                     f"grpo_lce fast generation: decode step compiled for batch {batch}, cache "
                     f"{length} tokens ({'train' if model.training else 'eval'} mode) in "
@@ -378,6 +377,6 @@ class FastSampler:
             self.stats.recompiling_calls += 1
             if self.stats.recompiling_calls >= MAX_RECOMPILING_CALLS:
                 self.disable(f"the decode step recompiled on {self.stats.recompiling_calls} "
-                             "calls at shapes already compiled")
+                             "calls with caches already compiled")
         self.stats.calls += 1
         return out
