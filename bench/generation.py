@@ -128,20 +128,17 @@ class Generator:
 
     @torch.no_grad()
     def __call__(self, ids, mask, config, **extra):
-        if self.sampler is not None:
-            cfg = copy.deepcopy(config)
-            for k, v in extra.items():
-                setattr(cfg, k, v)
-            out = self.sampler.generate(self.model, ids, mask, cfg)
-            if out is None:
-                raise RuntimeError(f"FastSampler off: {self.sampler.disabled_reason}")
-            return out
         cfg = copy.deepcopy(config)
         if self.variant == "trl_static":
             cfg.cache_implementation = "static"
         for k, v in extra.items():
             setattr(cfg, k, v)
-        return self.model.generate(input_ids=ids, attention_mask=mask, generation_config=cfg)
+        if self.sampler is None:
+            return self.model.generate(input_ids=ids, attention_mask=mask, generation_config=cfg)
+        out = self.sampler.generate(self.model, ids, mask, cfg)
+        if out is None:
+            raise RuntimeError(f"FastSampler off: {self.sampler.disabled_reason}")
+        return out
 
 
 def timed(fn) -> float:
