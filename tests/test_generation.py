@@ -217,19 +217,6 @@ def test_unsupported_configs_fall_back(tok, reason_cfg, expect):
     assert expect in s.disabled_reason
 
 
-def test_a_warmup_that_compiles_nothing_turns_the_sampler_off(tok, monkeypatch):
-    """Once a function reaches dynamo's recompile limit, dynamo runs it eagerly without a word;
-    the warm-up sees that no graph was compiled and falls back instead of claiming speed."""
-    import torch._dynamo
-
-    model = lora_tiny_llama(tok)
-    s = cpu_sampler()
-    ids, mask = batch(tok, SHORT)
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 0)
-    assert s.generate(model, ids, mask, greedy(tok)) is None
-    assert "not compiled" in s.disabled_reason
-
-
 def test_default_sampler_is_cuda_only(tok):
     model = lora_tiny_llama(tok)
     s = FastSampler()
