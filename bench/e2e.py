@@ -106,6 +106,7 @@ ATTN = {"ours_packed": "flex_attention"}
 GRPO_PACKING = {"ours": "auto", "ours_padded": False, "ours_packed": True}
 SFT_SYSTEMS = ("ours", "trl116", "hf", "liger")
 LOSSMATCH_SYSTEMS = ("ours", "trl116")
+LOSSMATCH_VARIANTS = ("sft-bf16", "sft-fp32", "grpo-bf16")
 PARTS = ("grpo", "fit", "sft", "lossmatch")
 SYSTEM_LABEL = {
     "ours": "grpo_lce", "ours_padded": "grpo_lce padded", "ours_packed": "grpo_lce packed (flex)",
@@ -622,7 +623,7 @@ def plan(a, grid) -> list[dict]:
                     tasks = [{"key": pre, "lengths": sorted(a.fit_lengths), "G": 8 if not a.tiny
                               else a.base_batch, "budgets": [24, 80], "bisect": a.fit_bisect}]
                 else:
-                    tasks = [
+                    tasks = [t for t in (
                         {"key": f"{pre}|sft-bf16", "variant": "sft-bf16",
                          "steps": a.lm_sft_steps, "length": a.lm_sft_length},
                         {"key": f"{pre}|sft-fp32", "variant": "sft-fp32",
@@ -630,7 +631,7 @@ def plan(a, grid) -> list[dict]:
                         {"key": f"{pre}|grpo-bf16", "variant": "grpo-bf16",
                          "steps": a.lm_grpo_steps, "completion": a.lm_completion,
                          "gens": a.lm_gens},
-                    ]
+                    ) if t["variant"] in a.lossmatch_variants]
                 jobs.append({"part": part, "model": model, "system": system, "tasks": tasks})
     return jobs
 
@@ -818,7 +819,7 @@ def fit_table(recs: dict) -> str:
 
 def lossmatch_tables(recs: dict) -> str:
     out = []
-    for variant in ("sft-bf16", "sft-fp32", "grpo-bf16"):
+    for variant in LOSSMATCH_VARIANTS:
         for model in sorted({r["model"] for r in recs.values() if r.get("part") == "lossmatch"}):
             o = recs.get(f"lossmatch|{model}|ours|{variant}")
             t = recs.get(f"lossmatch|{model}|trl116|{variant}")
@@ -977,6 +978,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="doubling grid of the fit search (512..32768)")
     p.add_argument("--fit-bisect", type=int, default=None, help="bisection steps per budget")
     p.add_argument("--reps", type=int, default=None, help="timed calls per point (3; quick 2)")
+    p.add_argument("--lossmatch-variants", default=",".join(LOSSMATCH_VARIANTS),
+                   help="comma list of " + ",".join(LOSSMATCH_VARIANTS))
     p.add_argument("--quick", action="store_true",
                    help="small grid for a first GPU run (~6 min on an H200, 1b)")
     p.add_argument("--tiny", action="store_true",
@@ -1027,6 +1030,11 @@ def resolve(a) -> str:
     bad = [s for s in a.systems if s not in every]
     if bad:
         raise SystemExit(f"--systems: unknown {bad}; choose from {every}")
+    a.lossmatch_variants = a.lossmatch_variants.split(",")
+    bad = [v for v in a.lossmatch_variants if v not in LOSSMATCH_VARIANTS]
+    if bad:
+        raise SystemExit(f"--lossmatch-variants: unknown {bad}; choose from "
+                         f"{list(LOSSMATCH_VARIANTS)}")
     if a.device is None:
         a.device = "cuda" if _cuda_visible() else "cpu"
     return name
