@@ -348,21 +348,39 @@ def read(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def current_points(recs: list[dict]) -> list[dict]:
+    """The newest record of each (model, L, system, G, completions) point (a measured one over a
+    newer skipped one), each tagged with the commit of the worker's env record written before it
+    (a worker writes its env line first)."""
+    commit, newest = {}, {}
+    for r in recs:
+        who = (r.get("system"), r.get("model"))
+        if r.get("kind") == "env":
+            commit[who] = r["env"].get("commit")
+        elif r.get("kind") == "point":
+            key = (r["model"], r["L"], r["system"], r.get("G"), r.get("completions"))
+            if r.get("status") == "ok" or newest.get(key, {}).get("status") != "ok":
+                newest[key] = {**r, "commit": commit.get(who)}
+    return list(newest.values())
+
+
 def gib(b):
     return "" if b is None else f"{b / 2**30:.2f}"
 
 
-def table(recs: list[dict]) -> str:
-    pts = [r for r in recs if r.get("kind") == "point"]
+def table(pts: list[dict]) -> str:
+    """One row per point of `current_points`; peaks are above the loaded model, and the
+    generation peak also in total (model included)."""
     lines = ["| model | L | system | step s | vs TRL | generation s | score+ref s | loss fwd+bwd s"
-             " | optimizer s | generation peak GiB | training peak GiB | compiles (s) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             " | optimizer s | generation peak GiB | generation peak total GiB | training peak GiB"
+             " | compiles (s) | commit |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     ref = {(r["model"], r["L"]): median_part(r, "step") for r in pts
            if r["system"] == "trl" and r.get("status") == "ok"}
     for r in sorted(pts, key=lambda r: (r["model"], r["L"], SYSTEMS.index(r["system"]))):
         if r.get("status") != "ok":
             lines.append(f"| {r['model']} | {r['L']} | {LABEL[r['system']]} | {r['status']} "
-                         "| | | | | | | | |")
+                         f"| | | | | | | | | | {r['commit']} |")
             continue
         step = median_part(r, "step")
         base = ref.get((r["model"], r["L"]))
@@ -371,11 +389,14 @@ def table(recs: list[dict]) -> str:
         if s.get("off"):
             comp += f" off: {s['off']}"
         parts = [median_part(r, q) for q in ("generation", "score_ref", "loss", "optimizer")]
+        gen_peak = median_part(r, "generation", "peak_bytes")
+        gen_total = None if gen_peak is None or r.get("model_bytes") is None \
+            else gen_peak + r["model_bytes"]
         cells = [r["model"], r["L"], LABEL[r["system"]], f"{step:.2f}",
                  f"{step / base:.2f}x" if base else "",
                  *("" if v is None else f"{v:.2f}" for v in parts),
-                 gib(median_part(r, "generation", "peak_bytes")),
-                 gib(median_part(r, "training", "peak_bytes")), comp]
+                 gib(gen_peak), gib(gen_total),
+                 gib(median_part(r, "training", "peak_bytes")), comp, r["commit"]]
         lines.append("| " + " | ".join(map(str, cells)) + " |")
     direct = [r for r in pts if r.get("direct")]
     if direct:
@@ -391,8 +412,8 @@ def table(recs: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot(recs: list[dict], path: Path) -> bool:
-    pts = [r for r in recs if r.get("kind") == "point" and r.get("status") == "ok"]
+def plot(pts: list[dict], path: Path) -> bool:
+    pts = [r for r in pts if r.get("status") == "ok"]
     models = sorted({r["model"] for r in pts})
     if not pts or max(len({r["L"] for r in pts if r["model"] == m}) for m in models) < 2:
         return False
@@ -493,19 +514,19 @@ def main(argv=None) -> int:
 def write_report(jsonl: Path, a) -> None:
     """The .md table, .json records and .png plot of `jsonl`, beside it."""
     recs = read(jsonl)
+    pts = current_points(recs)
     stem = jsonl.with_suffix("")
     gpus = sorted({r["env"].get("gpu") or "cpu" for r in recs if r.get("kind") == "env"})
-    commits = sorted({r["env"].get("commit") for r in recs if r.get("kind") == "env"})
-    completions = sorted({r["completions"] for r in recs if "completions" in r})
+    completions = sorted({r["completions"] for r in pts if "completions" in r})
     md = (f"# bench.grpo_step on {', '.join(gpus)}: {', '.join(completions)} completions, "
           f"G = {a.generations}\n\n"
           f"Medians over the timed steps of each point after the uncounted ones (grpo_lce: its "
-          f"compile step; the others: none, after a 1-step run at L = 8); raw records in "
-          f"{jsonl.name}, measured at commit(s) {', '.join(map(str, commits))}.\n\n"
-          + table(recs))
+          f"compile step; the others: none, after a 1-step run at L = 8); the newest record of "
+          f"each point in {jsonl.name} (raw, all runs).\n\n"
+          + table(pts))
     stem.with_suffix(".md").write_text(md)
     bc.write_json(stem.with_suffix(".json"), recs)
-    if plot(recs, stem.with_suffix(".png")):
+    if plot(pts, stem.with_suffix(".png")):
         print(f"wrote {stem.with_suffix('.png')}")
     print(md)
 
