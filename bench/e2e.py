@@ -105,12 +105,13 @@ GRPO_SYSTEMS = ("ours", "ours_padded", "ours_packed", "trl116", "trl113")
 ATTN = {"ours_packed": "flex_attention"}
 GRPO_PACKING = {"ours": "auto", "ours_padded": False, "ours_packed": True}
 SFT_SYSTEMS = ("ours", "trl116", "hf", "liger")
-LOSSMATCH_SYSTEMS = ("ours", "trl116")
+# ours_eager_gen: trainers.GRPOTrainer with fast_generation=False (TRL's own sampling)
+LOSSMATCH_SYSTEMS = ("ours", "ours_eager_gen", "trl116")
 LOSSMATCH_VARIANTS = ("sft-bf16", "sft-fp32", "grpo-bf16")
 PARTS = ("grpo", "fit", "sft", "lossmatch")
 SYSTEM_LABEL = {
     "ours": "grpo_lce", "ours_padded": "grpo_lce padded", "ours_packed": "grpo_lce packed (flex)",
-    "trl116": "TRL 1.16",
+    "ours_eager_gen": "grpo_lce, TRL's sampling", "trl116": "TRL 1.16",
     "trl113": "TRL 1.13", "hf": "transformers", "liger": "Liger FLCE",
 }
 
@@ -178,7 +179,8 @@ def unavailable(system: str, device: str) -> str | None:
     import trl
 
     v = trl.__version__
-    if system in (*GRPO_PACKING, "trl116", "hf", "liger") and not v.startswith("1.16"):
+    if system in (*GRPO_PACKING, "ours_eager_gen", "trl116", "hf", "liger") \
+            and not v.startswith("1.16"):
         return f"n/a: needs TRL 1.16, this process imports {v}"
     if system == "trl113" and not v.startswith("1.13"):
         return f"n/a: not installed (TRL 1.13 not on PYTHONPATH, this process imports {v})"
@@ -193,7 +195,7 @@ def unavailable(system: str, device: str) -> str | None:
 
 
 def grpo_trainer_cls(system: str):
-    if system in GRPO_PACKING:
+    if system in GRPO_PACKING or system == "ours_eager_gen":
         from trainers import GRPOTrainer
 
         return GRPOTrainer
@@ -212,9 +214,10 @@ def sft_trainer_cls(system: str):
     return trl.SFTTrainer
 
 
-def base_args(out: str, device: str, *, bs: int, bf16: bool, checkpointing: bool = True) -> dict:
+def base_args(out: str, device: str, *, bs: int, bf16: bool, checkpointing: bool = True,
+              seed: int = 0) -> dict:
     return dict(
-        output_dir=out, report_to="none", save_strategy="no", logging_steps=1, seed=0,
+        output_dir=out, report_to="none", save_strategy="no", logging_steps=1, seed=seed,
         per_device_train_batch_size=bs, bf16=bf16 and device == "cuda",
         use_cpu=device == "cpu", **E.checkpointing_kw(checkpointing),
     )
@@ -511,7 +514,7 @@ def worker_lossmatch(a, sink, task, path, tok, out):
     import trl
     from datasets import Dataset
 
-    variant = task["variant"]
+    variant, seed = task["variant"], task.get("seed", 0)
     fp32 = variant.endswith("fp32")
     dtype = torch.float32 if fp32 or a.device == "cpu" else torch.bfloat16
     model = E.load_model(path, device=a.device, quantize=False, dtype=dtype)
@@ -520,7 +523,8 @@ def worker_lossmatch(a, sink, task, path, tok, out):
     if variant.startswith("sft"):
         T, bs, n = task["length"], 4, task["steps"]
         ds = Dataset.from_dict({"input_ids": E.copy_task_ids(n * bs, T, V)})
-        args = trl.SFTConfig(**base_args(out, a.device, bs=bs, bf16=not fp32), max_steps=n,
+        args = trl.SFTConfig(**base_args(out, a.device, bs=bs, bf16=not fp32, seed=seed),
+                             max_steps=n,
                              learning_rate=1e-4, max_length=T)
         tr = sft_trainer_cls(a.system)(model=model, args=args, train_dataset=ds,
                                        processing_class=tok, peft_config=E.lora_config())
@@ -533,19 +537,21 @@ def worker_lossmatch(a, sink, task, path, tok, out):
 
         prompts = [f"Task {i}: write {i % 7} numbers." for i in range(n)]
         args = trl.GRPOConfig(
-            **base_args(out, a.device, bs=G, bf16=True), num_generations=G,
+            **base_args(out, a.device, bs=G, bf16=True, seed=seed), num_generations=G,
             max_completion_length=task["completion"], beta=0.04, max_steps=n,
             learning_rate=5e-5, temperature=1.0)
         tr = grpo_trainer_cls(a.system)(
             model=model, reward_funcs=reward, args=args,
             train_dataset=Dataset.from_dict({"prompt": prompts}), processing_class=tok,
-            peft_config=E.lora_config())
+            peft_config=E.lora_config(),
+            **({"fast_generation": False} if a.system == "ours_eager_gen" else {}))
     t0 = time.perf_counter()
     tr.train()
     keep = ("loss", "grad_norm", "reward", "kl", "entropy", "mean_token_accuracy")
     steps = [{"step": h["step"], **{k: h[k] for k in keep if k in h}}
              for h in tr.state.log_history if "loss" in h and "train_runtime" not in h]
-    sink.write({"key": task["key"], "variant": variant, "status": "ok", "steps": steps,
+    sink.write({"key": task["key"], "variant": variant, "seed": seed, "status": "ok",
+                "steps": steps,
                 "completion_hashes": hashes, "seconds": time.perf_counter() - t0})
     print(f"  {task['key']}: {len(steps)} steps, last loss "
           f"{steps[-1]['loss'] if steps else float('nan'):.5f}", flush=True)
@@ -623,15 +629,18 @@ def plan(a, grid) -> list[dict]:
                     tasks = [{"key": pre, "lengths": sorted(a.fit_lengths), "G": 8 if not a.tiny
                               else a.base_batch, "budgets": [24, 80], "bisect": a.fit_bisect}]
                 else:
-                    tasks = [t for t in (
-                        {"key": f"{pre}|sft-bf16", "variant": "sft-bf16",
-                         "steps": a.lm_sft_steps, "length": a.lm_sft_length},
-                        {"key": f"{pre}|sft-fp32", "variant": "sft-fp32",
-                         "steps": a.lm_sft_steps, "length": a.lm_sft_length},
-                        {"key": f"{pre}|grpo-bf16", "variant": "grpo-bf16",
-                         "steps": a.lm_grpo_steps, "completion": a.lm_completion,
-                         "gens": a.lm_gens},
-                    ) if t["variant"] in a.lossmatch_variants]
+                    seed = "" if a.lossmatch_seed == 0 else f"|seed={a.lossmatch_seed}"
+                    tasks = [dict(t, key=f"{pre}|{t['variant']}{seed}", seed=a.lossmatch_seed)
+                             for t in (
+                        {"variant": "sft-bf16", "steps": a.lm_sft_steps,
+                         "length": a.lm_sft_length},
+                        {"variant": "sft-fp32", "steps": a.lm_sft_steps,
+                         "length": a.lm_sft_length},
+                        {"variant": "grpo-bf16", "steps": a.lm_grpo_steps,
+                         "completion": a.lm_completion, "gens": a.lm_gens},
+                    ) if t["variant"] in a.lossmatch_variants
+                        # TRL's sampling against fast generation: a GRPO question only
+                        and (system != "ours_eager_gen" or t["variant"].startswith("grpo"))]
                 jobs.append({"part": part, "model": model, "system": system, "tasks": tasks})
     return jobs
 
@@ -818,44 +827,68 @@ def fit_table(recs: dict) -> str:
 
 
 def lossmatch_tables(recs: dict) -> str:
+    """Per-step tables of each grpo_lce loss-match run against stock TRL's run of the same
+    variant, model and seed."""
     out = []
+    runs = [r for r in recs.values() if r.get("part") == "lossmatch" and "variant" in r]
     for variant in LOSSMATCH_VARIANTS:
-        for model in sorted({r["model"] for r in recs.values() if r.get("part") == "lossmatch"}):
-            o = recs.get(f"lossmatch|{model}|ours|{variant}")
-            t = recs.get(f"lossmatch|{model}|trl116|{variant}")
-            if o is None and t is None:
-                continue
-            out.append(f"\n### {variant}, {model} (ours vs stock TRL 1.16, same seed and data)\n")
-            if not (o and t and o.get("status") == "ok" and t.get("status") == "ok"):
-                out.append(f"ours: {o and o.get('status')}, TRL 1.16: {t and t.get('status')}")
-                continue
-            grpo = variant.startswith("grpo")
-            head = ("| step | loss ours | loss TRL | abs diff | grad-norm ours | grad-norm TRL | "
-                    "abs diff |" + (" same completions |" if grpo else ""))
-            out += [head, "|" + "---|" * (head.count("|") - 1)]
-            ts = {s["step"]: s for s in t["steps"]}
-            dl, dg = [], []
-            for s in o["steps"]:
-                u = ts.get(s["step"])
-                if u is None:
+        for model, seed in sorted({(r["model"], r.get("seed", 0)) for r in runs
+                                   if r["variant"] == variant}):
+            suffix = "" if seed == 0 else f"|seed={seed}"
+            t = recs.get(f"lossmatch|{model}|trl116|{variant}{suffix}")
+            for ours in ("ours", "ours_eager_gen"):
+                o = recs.get(f"lossmatch|{model}|{ours}|{variant}{suffix}")
+                if o is None:
                     continue
-                l1, l2 = s.get("loss"), u.get("loss")
-                g1, g2 = s.get("grad_norm"), u.get("grad_norm")
-                d1 = abs(l1 - l2) if None not in (l1, l2) else None
-                d2 = abs(g1 - g2) if None not in (g1, g2) else None
-                dl += [d1] if d1 is not None else []
-                dg += [d2] if d2 is not None else []
-                same = ""
-                if grpo:
-                    i = s["step"] - 1
-                    ho, ht = o["completion_hashes"], t["completion_hashes"]
-                    same = " yes |" if i < min(len(ho), len(ht)) and ho[i] == ht[i] else " no |"
-                f = lambda x: "—" if x is None else f"{x:.6g}"  # noqa: E731
-                out.append(f"| {s['step']} | {f(l1)} | {f(l2)} | {f(d1)} | {f(g1)} | {f(g2)} | "
-                           f"{f(d2)} |{same}")
-            out.append(f"\nmax abs diff: loss {max(dl, default=float('nan')):.3g}, grad-norm "
-                       f"{max(dg, default=float('nan')):.3g}")
+                out.extend(lossmatch_table(o, t, f"{variant}, {model}, seed {seed}: "
+                                                 f"{SYSTEM_LABEL[ours]} vs stock TRL 1.16"))
     return "\n".join(out)
+
+
+def lossmatch_table(o: dict, t: dict | None, title: str) -> list[str]:
+    """Lines of one run's per-step table against TRL's run `t` (same seed and data)."""
+    out = [f"\n### {title}\n"]
+    if not (t and o.get("status") == "ok" and t.get("status") == "ok"):
+        out.append(f"ours: {o.get('status')}, TRL 1.16: {t and t.get('status')}")
+        return out
+    variant = o["variant"]
+    grpo = variant.startswith("grpo")
+    head = ("| step | loss ours | loss TRL | abs diff | grad-norm ours | grad-norm TRL | "
+            "abs diff |" + (" same completions |" if grpo else ""))
+    out += [head, "|" + "---|" * (head.count("|") - 1)]
+    ts = {s["step"]: s for s in t["steps"]}
+    dl, dg = [], []
+    for s in o["steps"]:
+        u = ts.get(s["step"])
+        if u is None:
+            continue
+        l1, l2 = s.get("loss"), u.get("loss")
+        g1, g2 = s.get("grad_norm"), u.get("grad_norm")
+        d1 = abs(l1 - l2) if None not in (l1, l2) else None
+        d2 = abs(g1 - g2) if None not in (g1, g2) else None
+        dl += [d1] if d1 is not None else []
+        dg += [d2] if d2 is not None else []
+        same = ""
+        if grpo:
+            i = s["step"] - 1
+            ho, ht = o["completion_hashes"], t["completion_hashes"]
+            same = " yes |" if i < min(len(ho), len(ht)) and ho[i] == ht[i] else " no |"
+        f = lambda x: "—" if x is None else f"{x:.6g}"  # noqa: E731
+        out.append(f"| {s['step']} | {f(l1)} | {f(l2)} | {f(d1)} | {f(g1)} | {f(g2)} | "
+                   f"{f(d2)} |{same}")
+    out.append(f"\nmax abs diff: loss {max(dl, default=float('nan')):.3g}, grad-norm "
+               f"{max(dg, default=float('nan')):.3g}")
+    if grpo:  # sampled paths diverge: the runs agree, if at all, as samples of one process
+        out.append("\n" + "; ".join(
+            f"{who}: mean grad-norm {_mean(r, 'grad_norm'):.4g}, mean reward "
+            f"{_mean(r, 'reward'):.4g}, KL at the last step {r['steps'][-1].get('kl', float('nan')):.3g}"
+            for who, r in (("ours", o), ("TRL", t))))
+    return out
+
+
+def _mean(run: dict, key: str) -> float:
+    vals = [st[key] for st in run["steps"] if key in st]
+    return sum(vals) / len(vals) if vals else float("nan")
 
 
 def plot(recs: dict, a, tag: str, out_dir: Path) -> list[str]:
@@ -980,6 +1013,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reps", type=int, default=None, help="timed calls per point (3; quick 2)")
     p.add_argument("--lossmatch-variants", default=",".join(LOSSMATCH_VARIANTS),
                    help="comma list of " + ",".join(LOSSMATCH_VARIANTS))
+    p.add_argument("--lossmatch-seed", type=int, default=0,
+                   help="the loss-match runs' seed (keys of seeds other than 0 carry it)")
     p.add_argument("--quick", action="store_true",
                    help="small grid for a first GPU run (~6 min on an H200, 1b)")
     p.add_argument("--tiny", action="store_true",
@@ -1025,7 +1060,7 @@ def resolve(a) -> str:
     bad = [m for m in a.models if m not in E.MODELS]
     if bad and not a.tiny:
         raise SystemExit(f"--models: unknown {bad}; choose from {list(E.MODELS)}")
-    every = sorted(set(GRPO_SYSTEMS + SFT_SYSTEMS))
+    every = sorted(set(GRPO_SYSTEMS + SFT_SYSTEMS + LOSSMATCH_SYSTEMS))
     a.systems = (a.systems or ",".join(every)).split(",")
     bad = [s for s in a.systems if s not in every]
     if bad:

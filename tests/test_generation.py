@@ -424,23 +424,67 @@ def test_gpu_optimizer_step_reaches_the_captured_graph(tok):
     assert s.stats.compiles == 1 and s.stats.recompiling_calls == 0
 
 
-@pytest.mark.gpu
-def test_gpu_grpo_train_uses_the_compiled_sampler(tok, tmp_path):
+def _train_checking_each_generation(tok, tmp_path, model, *, device, sampler=None):
+    """A 4-step GRPO train() whose every generation also runs a greedy check on a fixed batch:
+    the sampler's completion (the same cache entry, so the graph compiled at the first step)
+    against eager `generate` on the weights of that moment. Returns the trainer and the
+    (sampler, eager) completion pairs, one per generation."""
     import trl
     from datasets import Dataset
 
     from trainers import GRPOTrainer
 
-    model = _cuda_model(tok, quantize=False, peaked=1.0)
+    new, G = 12, 8
     args = trl.GRPOConfig(
-        output_dir=str(tmp_path), report_to="none", bf16=True, per_device_train_batch_size=8,
-        num_generations=4, max_completion_length=32, logging_steps=1, save_strategy="no",
-        seed=0, max_steps=4, learning_rate=1e-3, gradient_checkpointing=True, beta=0.04)
+        output_dir=str(tmp_path), report_to="none", use_cpu=device == "cpu",
+        bf16=device == "cuda", per_device_train_batch_size=G, num_generations=4,
+        max_completion_length=new, logging_steps=1, save_strategy="no", seed=0, max_steps=4,
+        learning_rate=0.3,  # large on purpose: the greedy completion must change within 4 steps
+        gradient_checkpointing=True, beta=0.04,
+        temperature=8.0)  # undoes the GPU model's ×8 peaking: varied samples, varied rewards
     ds = Dataset.from_dict({"prompt": ["1+1=", "2*3=", "abc", "xy z"] * 8})
     tr = GRPOTrainer(model=model, args=args, train_dataset=ds, processing_class=tok,
-                     reward_funcs=lambda completions, **k: [float(len(c)) for c in completions])
+                     reward_funcs=lambda completions, **k: [float(c.count("a") - c.count("e"))
+                                                            for c in completions])
+    if sampler is not None:
+        tr._lce_sampler = sampler
+    s = tr._lce_sampler
+    ids, mask = batch(tok, (SHORT * 3)[:G], device)  # batch G and one prompt bucket: the
+    check_cfg = greedy(tok, new=new)                  # training calls' cache entry
+    checks = []
+    sample = s.generate
+
+    def sample_then_check(model, *a, **k):
+        out = sample(model, *a, **k)  # the call TRL made
+        checks.append((sample(model, ids, mask, check_cfg), eager(model, ids, mask, check_cfg)))
+        return out
+
+    s.generate = sample_then_check
     tr.train()
+    return tr, checks
+
+
+def _assert_fresh_weights_every_step(tr, checks):
     s = tr._lce_sampler
     assert s.disabled_reason is None, s.disabled_reason
-    assert s.stats.calls == 4 and s.stats.recompiling_calls == 0
+    assert (s.stats.calls, s.stats.recompiling_calls) == (2 * 4, 0)
     assert 1 <= s.stats.compiles <= 2  # one per prompt bucket
+    for step, (mine, ref) in enumerate(checks):
+        assert torch.equal(mine, ref), f"generation {step}: the compiled step != eager"
+    assert not torch.equal(checks[0][1], checks[-1][1]), "training must change the greedy output"
+
+
+def test_trainer_train_generates_with_each_steps_weights(tok, tmp_path):
+    """Fails if generation inside train() uses stale weights: after every optimizer step the
+    compiled step's greedy completion equals eager's on the updated model."""
+    tr, checks = _train_checking_each_generation(tok, tmp_path, lora_tiny_llama(tok),
+                                                 device="cpu", sampler=cpu_sampler())
+    _assert_fresh_weights_every_step(tr, checks)
+
+
+@pytest.mark.gpu
+def test_gpu_grpo_train_uses_the_compiled_sampler_with_each_steps_weights(tok, tmp_path):
+    """The same through inductor + CUDA graphs: the graph captured at the first step sees every
+    later optimizer step (greedy is peaked, so its ties are not bf16 rounding)."""
+    tr, checks = _train_checking_each_generation(tok, tmp_path, _cuda_model(tok), device="cuda")
+    _assert_fresh_weights_every_step(tr, checks)
