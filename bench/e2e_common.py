@@ -36,13 +36,15 @@ TINY_KW = dict(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2)
 # --------------------------------------------------------------------------- models
 
 
-def model_dir(name: str, cache: str) -> str:
-    """Directory holding model `name` (built on first use): bf16 safetensors + tokenizer."""
+def model_dir(name: str, cache: str, seed: int = 0) -> str:
+    """Directory holding model `name` (built on first use): bf16 safetensors + tokenizer.
+    `seed` != 0: another random init of the same shape (a distillation teacher), in its own
+    directory."""
     if name == "tiny":
         from trainers.tiny import tiny_model_dir
 
-        return tiny_model_dir(**TINY_KW)
-    path = os.path.join(cache, f"llama-{name}-shape")
+        return tiny_model_dir(**TINY_KW, **({"seed": seed} if seed else {}))
+    path = os.path.join(cache, f"llama-{name}-shape" + (f"-seed{seed}" if seed else ""))
     if os.path.isfile(os.path.join(path, "config.json")):
         return path
     import torch
@@ -56,7 +58,7 @@ def model_dir(name: str, cache: str) -> str:
     )
     os.makedirs(cache, exist_ok=True)
     tmp = tempfile.mkdtemp(dir=cache, prefix=".build-")
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     # Random init on the GPU straight in bf16: seconds, and 16 GB instead of 32 for the 8B shape.
     prev = torch.get_default_dtype()
