@@ -6,6 +6,8 @@ the inputs as given (bf16 inputs are exact in fp64), then log_softmax.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 
@@ -54,3 +56,27 @@ def token_metrics_ref(hidden, weight, labels, *, bias=None, ignore_index=-100):
     correct = ((z.argmax(-1) == labels) & valid).sum()
     _, ent = logprobs_ref(hidden, weight, labels, bias=bias, ignore_index=ignore_index)
     return correct, ent.sum(), valid.sum()
+
+
+def divergence_ref(student_hidden, student_weight, teacher_hidden, teacher_weight, *, beta,
+                   mask=None, student_bias=None, teacher_bias=None, temperature=1.0):
+    """(D, student entropy) in fp64 with the hidden states' leading shape, 0 where mask is 0:
+    KL(q‖p) at β = 0, KL(p‖q) at β = 1, else β KL(q‖m) + (1−β) KL(p‖m) with m = (1−β) p + β q
+    (p student, q teacher; grpo_lce.divergence). Differentiable in fp64 autograd."""
+    lp = torch.log_softmax(logits_ref(student_hidden, student_weight, student_bias, temperature),
+                           -1)
+    lq = torch.log_softmax(logits_ref(teacher_hidden, teacher_weight, teacher_bias, temperature),
+                           -1)
+    p, q = lp.exp(), lq.exp()
+    if beta == 0.0:
+        d = (q * (lq - lp)).sum(-1)
+    elif beta == 1.0:
+        d = (p * (lp - lq)).sum(-1)
+    else:
+        lm = torch.logaddexp(lp + math.log1p(-beta), lq + math.log(beta))
+        d = beta * (q * (lq - lm)).sum(-1) + (1.0 - beta) * (p * (lp - lm)).sum(-1)
+    ent = -(p * lp).sum(-1)
+    if mask is not None:
+        zero = torch.zeros((), dtype=torch.float64, device=d.device)
+        d, ent = torch.where(mask != 0, d, zero), torch.where(mask != 0, ent, zero)
+    return d, ent

@@ -30,11 +30,13 @@ import sys
 import trainers
 assert trainers.USER, "the user's trainers package should win the plain name"
 import grpo_lce_trainers as t
-from grpo_lce_trainers import GRPOTrainer, SFTTrainer
+from grpo_lce_trainers import DistillationTrainer, GRPOTrainer, SFTTrainer
 from grpo_lce_trainers.tiny import build_tokenizer
 import trl
 assert issubclass(GRPOTrainer, trl.GRPOTrainer) and issubclass(SFTTrainer, trl.SFTTrainer)
 assert GRPOTrainer.__module__ == "grpo_lce_trainers.grpo", GRPOTrainer.__module__
+assert issubclass(DistillationTrainer, trl.DistillationTrainer)
+assert DistillationTrainer.__module__ == "grpo_lce_trainers.distillation"
 assert len(build_tokenizer()) > 100
 assert sys.modules["trainers"] is trainers  # the user's package was not replaced
 print("alias from", t.__file__)
@@ -107,6 +109,7 @@ import sys
 name = sys.argv[1]
 heavy = [f"{name}.{m}" for m in ("grpo", "sft", "base", "packing", "varlen", "head", "generation")]
 heavy += ["trl.trainer.grpo_trainer", "trl.trainer.sft_trainer"]
+heavy += [f"{name}.distillation", "trl.trainer.distillation_trainer"]
 
 def loaded():
     return [m for m in heavy if m in sys.modules]
@@ -118,7 +121,8 @@ importlib.import_module(f"{name}.tiny")
 assert loaded() == [], loaded()
 assert pkg.GRPOConfig is config.GRPOConfig and pkg.SUPPORTED_TRL == ">=1.16,<1.17"
 assert loaded() == [], loaded()
-assert set(pkg.__all__) == {"GRPOConfig", "GRPOTrainer", "SFTTrainer", "SUPPORTED_TRL"}
+assert set(pkg.__all__) == {"GRPOConfig", "GRPOTrainer", "SFTTrainer", "SUPPORTED_TRL",
+                            "DistillationTrainer"}
 assert set(pkg.__all__) <= set(dir(pkg)), dir(pkg)
 try:
     pkg.NotAName
@@ -131,6 +135,7 @@ names = {}
 exec(f"from {name} import *", names)
 assert set(pkg.__all__) <= set(names) and names["SFTTrainer"].__module__ == f"{name}.sft"
 assert pkg.GRPOTrainer is sys.modules[f"{name}.grpo"].GRPOTrainer
+assert pkg.DistillationTrainer.__module__ == f"{name}.distillation"
 assert name == "trainers" or "trainers" not in sys.modules  # the alias never loads `trainers`
 print("ok")
 """

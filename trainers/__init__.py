@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 
 # exported name -> the module (relative: the package may be loaded as `grpo_lce_trainers`)
 _EXPORTS = {
+    "DistillationTrainer": "distillation",
     "GRPOConfig": "config",
     "GRPOTrainer": "grpo",
     "SFTTrainer": "sft",
@@ -29,10 +30,12 @@ _EXPORTS = {
 }
 
 __all__ = ["SUPPORTED_TRL", "GRPOConfig", "GRPOTrainer", "SFTTrainer"]
+__all__ += ["DistillationTrainer"]
 
 if TYPE_CHECKING:
     from ._version import SUPPORTED_TRL
     from .config import GRPOConfig
+    from .distillation import DistillationTrainer
     from .grpo import GRPOTrainer
     from .sft import SFTTrainer
 

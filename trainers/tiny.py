@@ -2,7 +2,8 @@
 
 `build_tokenizer()` is a character-level tokenizer (one token per character of printable ASCII,
 plus special tokens and chat-role markers) with a small Jinja chat template;
-`build_tiny_llama()` a randomly initialised fp32 `LlamaForCausalLM` over that vocabulary;
+`build_tiny_llama()` a randomly initialised fp32 `LlamaForCausalLM` over that vocabulary
+(`build_tiny_qwen2()` the same as a `Qwen2ForCausalLM`: q/k/v biases, another architecture);
 `tiny_model_dir()` saves both once under `~/.cache/grpo_lce/` and returns the path, so code that
 expects a hub id or a local path (`from_pretrained`) can use it.
 
@@ -21,7 +22,13 @@ import tempfile
 
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
 
 _VERSION = 2  # bump when the builders change, so cached directories are rebuilt
 PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
@@ -96,6 +103,45 @@ def build_tiny_llama(
         # Embeddings (= the tied head) at std 0.02 cap |logit| near 0.02·H, so a frozen head under
         # LoRA could never be confident; std 0.25 allows logits up to ~0.25·H (16 at H=64).
         model.get_input_embeddings().weight.data.normal_(0.0, 0.25)
+        if not tie_word_embeddings:
+            model.get_output_embeddings().weight.data.normal_(0.0, 0.25)
+    gc = model.generation_config
+    gc.pad_token_id, gc.bos_token_id = tokenizer.pad_token_id, tokenizer.bos_token_id
+    gc.eos_token_id = tokenizer.eos_token_id
+    return model
+
+
+def build_tiny_qwen2(
+    tokenizer: PreTrainedTokenizerFast,
+    *,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    intermediate_size: int | None = None,
+    tie_word_embeddings: bool = True,
+    seed: int = 0,
+) -> Qwen2ForCausalLM:
+    """Randomly initialised fp32 Qwen2 over the tokenizer's vocabulary, set up as
+    `build_tiny_llama` sets up its Llama (same embedding scale, same special-token ids)."""
+    config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size or 4 * hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        max_position_embeddings=512,
+        tie_word_embeddings=tie_word_embeddings,
+        use_sliding_window=False,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Qwen2ForCausalLM(config).to(torch.float32)
+        model.get_input_embeddings().weight.data.normal_(0.0, 0.25)  # as build_tiny_llama's
         if not tie_word_embeddings:
             model.get_output_embeddings().weight.data.normal_(0.0, 0.25)
     gc = model.generation_config

@@ -9,6 +9,10 @@ warm-up. The timings behind each choice belong with the tuning scripts' results,
 # fp32 chunk; narrower steps (4096) or more warps (16) were slower, 16384 columns spill registers.
 ROW_BLOCK_V = 8192  # columns per loop step; fewer for small vocabularies
 ROW_NUM_WARPS = 8
+# The divergence row kernel (kernels/divergence_rows.py) streams two fp32 chunks and keeps about
+# twice the row kernel's live temporaries per column (student and teacher, log m): half its step.
+# Not tuned yet: bench/ times it against the torch row ops and TRL's kernel.
+DIVERGENCE_BLOCK_V = 4096
 
 # The fused GEMM 1 of kernels/gemm_softmax.py (persistent, TMA tiles; bench/tune_gemm.py),
 # statistics only (no G' to write) and with G'. The G' launch runs its epilogue in two column

@@ -1,0 +1,260 @@
+"""trainers.DistillationTrainer against stock trl.DistillationTrainer 1.16 on tiny offline models.
+
+Covers: the loss, the gradients and the `entropy` metric after one `compute_loss` + backward on
+the same micro-batch (TRL's on-policy batch layout: left-padded prompts, right-padded
+completions, a tool mask), for forward KL, reverse KL and JSD at several β, temperatures,
+`num_items_in_batch` or not, Llama and Qwen2 students and teachers (of another width), tied and
+untied heads, LoRA (frozen head: the "basis" backward) and full fine-tuning (trainable head:
+the recompute), and the "chunked" implementation; each also against an fp64 copy of the same
+models, where ours must be at least as close as TRL; a 3-step `train()` with gradient
+accumulation and on-policy generation whose logs match stock TRL step by step; the fallbacks
+to TRL's loss (logit scale, softcap) and the seam check; the refusals at construction.
+
+    python -m pytest tests/test_trainers_distillation.py -q
+
+Tolerances. fp32 throughout (bf16=False); both trainers run the same backbones on the same
+batch, so their hidden states are identical and only the divergence's arithmetic differs (TRL
+takes log-probs as z − lse at the scale of the max logit, and the entropy and forward KL as
+differences of running sums; the tiny models' heads are softened so that this stays at fp32
+rounding, see `_model`): loss rtol 1e-5 (measured ≤ 6e-7), gradients 2e-5 × max|grad| (measured
+≤ 3e-6), the entropy metric rel 1e-5 + abs 1e-6 (measured ≤ 5e-7). Against the fp64 models
+both carry the fp32 backbone's error too (~1e-6 of a gradient's scale): ours must be within
+TRL's distance plus 1e-5 of the scale.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import trl
+import trl.trainer.distillation_trainer as trl_distillation
+from datasets import Dataset
+from peft import LoraConfig, get_peft_model
+
+from grpo_lce.reference import divergence_ref
+from trainers import DistillationTrainer
+from trainers.distillation import _seam_missing_reason
+from trainers.tiny import build_tiny_llama, build_tiny_qwen2, build_tokenizer
+from _tolerance import assert_3way
+
+LOSS_RTOL = 1e-5
+GRAD_RTOL = 2e-5
+FP64_ATOL = 1e-5  # of the gradient's scale, beyond TRL's own distance to the fp64 models
+
+_BUILD = {"llama": build_tiny_llama, "qwen2": build_tiny_qwen2}
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return build_tokenizer()
+
+
+def _model(tok, arch, *, tied, peft, hidden=64, seed=0):
+    """A tiny fp32 model whose head is scaled down 4× (entropies of ~1-4 nats, not the one-hot
+    rows of the raw tiny models, where every divergence saturates); with `peft`, LoRA on every
+    linear layer but the head, its B matrices random so the adapter matters."""
+    model = _BUILD[arch](tok, hidden_size=hidden, num_layers=2, tie_word_embeddings=tied,
+                         seed=seed)
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(0.25)
+    if not peft:
+        return model
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed + 1)
+        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.data.normal_(0.0, 0.05)
+    return model
+
+
+def _teacher(tok, arch):
+    return _model(tok, arch, tied=False, peft=False, hidden=96, seed=7)
+
+
+def _prompts():
+    return Dataset.from_dict({"prompt": ["1+1=", "2*3=", "abc", "what is 7-2?", "aaaa", "xyz"]})
+
+
+def _config(tmp_path, **overrides):
+    kw = {"output_dir": str(tmp_path), "report_to": "none", "use_cpu": True, "bf16": False,
+          "per_device_train_batch_size": 3, "logging_steps": 1, "save_strategy": "no",
+          "seed": 0, "max_completion_length": 8, "gradient_checkpointing": False}
+    kw.update(overrides)
+    return trl.DistillationConfig(**kw)
+
+
+def _batch(tok, *, num_items=None, tool_mask=False, seed=0):
+    """A micro-batch as TRL's `_generate_and_score_completions` lays it out: prompts padded on
+    the left, completions on the right (their mask ends at each completion's EOS)."""
+    g = torch.Generator().manual_seed(seed)
+    B, P, K = 3, 6, 7
+    batch = {
+        "prompt_ids": torch.randint(8, len(tok), (B, P), generator=g),
+        "prompt_mask": torch.ones(B, P, dtype=torch.long),
+        "completion_ids": torch.randint(8, len(tok), (B, K), generator=g),
+        "completion_mask": torch.tensor([[1] * 7, [1] * 4 + [0] * 3, [1] * 2 + [0] * 5]),
+    }
+    batch["prompt_mask"][1, :2] = 0
+    batch["prompt_mask"][2, :4] = 0
+    batch["prompt_ids"][batch["prompt_mask"] == 0] = tok.pad_token_id
+    batch["completion_ids"][batch["completion_mask"] == 0] = tok.pad_token_id
+    if tool_mask:  # tokens a tool wrote: in the input, out of the loss
+        batch["tool_mask"] = torch.ones(B, K, dtype=torch.long)
+        batch["tool_mask"][0, 2:5] = 0
+    if num_items is not None:
+        batch["num_items_in_batch"] = torch.tensor(float(num_items))
+    return batch
+
+
+def _step(tr, batch):
+    tr.model.zero_grad(set_to_none=True)
+    loss = tr.compute_loss(tr.model, dict(batch))
+    loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in tr.model.named_parameters()
+             if p.grad is not None}
+    return loss.detach(), grads, list(tr._metrics["train"]["entropy"])
+
+
+class _Fp64Reference(DistillationTrainer):
+    """Our trainer on float64 copies of the models, its divergence from grpo_lce.reference."""
+
+    def _lce_divergence_loss(self, student, h_s, h_t, w_s, w_t, mask, beta,
+                             num_items_in_batch=None, student_lm_head_bias=None,
+                             teacher_lm_head_bias=None, temperature=1.0, **_):
+        d, ent = divergence_ref(h_s, w_s, h_t, w_t, beta=beta, mask=mask,
+                                student_bias=student_lm_head_bias,
+                                teacher_bias=teacher_lm_head_bias, temperature=temperature)
+        n = (mask != 0).sum()
+        divisor = n.clamp(min=1) if num_items_in_batch is None else num_items_in_batch
+        return d.sum() / divisor, ent.sum(), n
+
+
+_CASES = [
+    # student, teacher, tied, peft, beta, temperature, num_items, tool_mask, method
+    ("llama", "llama", True, True, 0.5, 1.0, None, False, "basis"),
+    ("llama", "qwen2", False, True, 0.0, 0.7, 17, False, "basis"),
+    ("qwen2", "qwen2", True, True, 1.0, 1.5, None, True, "basis"),
+    ("qwen2", "llama", False, False, 0.1, 1.0, 40, False, "basis"),  # trainable head
+    ("llama", "qwen2", True, False, 0.9, 0.9, None, False, "basis"),  # trainable tied head
+    ("qwen2", "llama", False, True, 0.5, 1.0, None, False, "chunked"),
+    ("llama", "llama", True, False, 0.0, 1.0, None, True, "chunked"),
+]
+
+
+@pytest.mark.parametrize("student,teacher,tied,peft,beta,tau,num_items,tool_mask,method", _CASES)
+def test_loss_grads_and_entropy_match_trl(tok, tmp_path, student, teacher, tied, peft, beta, tau,
+                                          num_items, tool_mask, method):
+    s_model, t_model = _model(tok, student, tied=tied, peft=peft), _teacher(tok, teacher)
+    args = _config(tmp_path, beta=beta, temperature=tau)
+    batch = _batch(tok, num_items=num_items, tool_mask=tool_mask)
+    trl_seam = trl_distillation._chunked_divergence_loss
+
+    results = []
+    for cls, dtype in ((trl.DistillationTrainer, torch.float32),
+                       (DistillationTrainer, torch.float32), (_Fp64Reference, torch.float64)):
+        tr = cls(model=copy.deepcopy(s_model).to(dtype),
+                 teacher_model=copy.deepcopy(t_model).to(dtype), args=args,
+                 train_dataset=_prompts(), processing_class=tok)
+        if cls is DistillationTrainer:
+            tr._lce_divergence_method = method  # grpo_lce.linear_divergence's `method`
+        tr.model.train()
+        results.append(_step(tr, batch))
+    (loss_s, g_s, ent_s), (loss_o, g_o, ent_o), (loss_r, g_r, _) = results
+    # the seam is scoped to our call: TRL's module still holds its own function
+    assert trl_distillation._chunked_divergence_loss is trl_seam
+
+    assert loss_o.dtype == torch.float32
+    torch.testing.assert_close(loss_o, loss_s, rtol=LOSS_RTOL, atol=0)
+    assert ent_o == pytest.approx(ent_s, rel=1e-5, abs=1e-6)
+    assert g_s.keys() == g_o.keys() == g_r.keys() and len(g_s) > 0
+    if not peft:  # the head's own gradient (the embedding's, when tied)
+        assert "lm_head.weight" in g_o or "model.embed_tokens.weight" in g_o
+    for name in g_s:
+        scale = g_r[name].abs().max().item()
+        err = (g_o[name] - g_s[name]).abs().max().item()
+        assert err <= GRAD_RTOL * scale + 1e-10, f"grad {name}: {err:.3e} vs scale {scale:.3e}"
+        assert_3way(g_o[name], g_s[name], g_r[name], k=1.0, atol=FP64_ATOL * scale + 1e-12,
+                    what=f"grad {name} vs fp64 models")
+    assert_3way(loss_o, loss_s, loss_r, k=1.0, atol=1e-7, what="loss vs fp64 models")
+
+
+@pytest.mark.parametrize("student,teacher,tied,beta", [
+    ("llama", "qwen2", True, 0.5),
+    pytest.param("qwen2", "llama", False, 0.0, marks=pytest.mark.slow),
+])
+def test_train_logs_match_trl(tok, tmp_path, student, teacher, tied, beta):
+    # On-policy: each generation batch (2 × accumulation 2 prompts) is sampled by the student;
+    # both trainers seed alike and their students agree to fp32 rounding, so they sample the
+    # same completions. 3 optimizer steps of LoRA updates.
+    s_model, t_model = _model(tok, student, tied=tied, peft=True), _teacher(tok, teacher)
+    logs = []
+    for cls, sub in ((trl.DistillationTrainer, "s"), (DistillationTrainer, "o")):
+        args = _config(tmp_path / sub, max_steps=3, gradient_accumulation_steps=2,
+                       per_device_train_batch_size=2, learning_rate=1e-2, beta=beta)
+        tr = cls(model=copy.deepcopy(s_model), teacher_model=copy.deepcopy(t_model), args=args,
+                 train_dataset=_prompts(), processing_class=tok)
+        tr.train()
+        logs.append([h for h in tr.state.log_history if "loss" in h])
+    logs_s, logs_o = logs
+    assert len(logs_s) == len(logs_o) == 3
+    assert logs_s[0]["loss"] != logs_s[-1]["loss"]  # it trained
+    for step, (s, o) in enumerate(zip(logs_s, logs_o, strict=True), start=1):
+        assert o.keys() == s.keys()
+        for k in ("num_tokens", "completions/mean_length", "completions/max_length"):
+            assert o[k] == s[k], (step, k)
+        assert o["entropy"] == pytest.approx(s["entropy"], rel=1e-5, abs=1e-6), step
+        for k in ("loss", "grad_norm"):
+            assert o[k] == pytest.approx(s[k], rel=1e-4), (step, k, o[k], s[k])
+
+
+# ---------------------------------------------------------------- fallbacks, seam, refusals
+
+
+@pytest.mark.parametrize("who, attr, value, reason", [
+    ("student", "logit_scale", 2.0, "the student's logits are scaled by 2.0"),
+    ("teacher", "final_logit_softcapping", 30.0, "the teacher's logits are softcapped at 30.0"),
+])
+def test_logit_transforms_fall_back_to_trl(tok, tmp_path, who, attr, value, reason):
+    s_model, t_model = _model(tok, "llama", tied=True, peft=True), _teacher(tok, "qwen2")
+    setattr((s_model if who == "student" else t_model).config, attr, value)
+    args = _config(tmp_path, beta=0.5)
+    losses = []
+    for cls in (trl.DistillationTrainer, DistillationTrainer):
+        tr = cls(model=copy.deepcopy(s_model), teacher_model=copy.deepcopy(t_model), args=args,
+                 train_dataset=_prompts(), processing_class=tok)
+        tr.model.train()
+        losses.append(_step(tr, _batch(tok))[0])
+        _step(tr, _batch(tok, seed=1))
+    assert tr._lce_fallbacks_logged == {reason}
+    assert losses[1] == losses[0]  # TRL's own function ran
+
+
+def test_seam_check():
+    assert _seam_missing_reason(trl.DistillationTrainer._compute_loss) is None
+
+    def moved(self, unwrapped_student, inputs, num_items_in_batch):
+        return None
+
+    assert "no longer calls _chunked_divergence_loss" in _seam_missing_reason(moved)
+
+
+def test_adapter_on_lm_head_is_refused(tok, tmp_path):
+    model = _BUILD["llama"](tok, hidden_size=32, num_layers=1, tie_word_embeddings=False)
+    with pytest.raises(ValueError, match="modules_to_save"):
+        DistillationTrainer(model=model, teacher_model=_teacher(tok, "llama"),
+                            args=_config(tmp_path), train_dataset=_prompts(),
+                            processing_class=tok,
+                            peft_config=LoraConfig(r=4, target_modules=["q_proj"],
+                                                   modules_to_save=["lm_head"]))
+
+
+def test_unsupported_trl_version_is_refused(tok, tmp_path, monkeypatch):
+    monkeypatch.setattr(trl, "__version__", "1.17.0")
+    with pytest.raises(RuntimeError,
+                       match=r"trainers\.DistillationTrainer supports trl>=1\.16,<1\.17"):
+        DistillationTrainer(model=_model(tok, "llama", tied=True, peft=False),
+                            teacher_model=_teacher(tok, "llama"), args=_config(tmp_path),
+                            train_dataset=_prompts(), processing_class=tok)
