@@ -53,9 +53,9 @@ from bench import common as bc
 OP_SHAPES = {"1b": (8192, 2048, 128256), "8b": (8192, 4096, 128256), "tiny": (128, 64, 1024)}
 
 # The divergence op's entry points (see the module docstring); not importable -> n/a.
-OURS_OPS = {
-    "ours_op": "grpo_lce:linear_divergence",
-    "ours_generic": "grpo_lce:linear_divergence_chunked",
+OURS_OPS = {  # grpo_lce.linear_divergence's two methods (see its module docstring)
+    "ours_basis": "grpo_lce:linear_divergence?method=basis",
+    "ours_chunked": "grpo_lce:linear_divergence?method=chunked",
 }
 BASE_VARIANTS = ("eager", "trl", "liger", "chunked_linear")
 LABEL = {
@@ -188,6 +188,10 @@ def make_chunked_linear(beta, temperature, compiled):
 
 
 def make_ours(spec: str):
+    """spec "module:function[?key=value&...]": the keyword options are passed as strings."""
+    spec, _, query = spec.partition("?")
+    options = dict(kv.split("=", 1) for kv in query.split("&") if kv)
+
     def make(beta, temperature, compiled):
         module, _, name = spec.partition(":")
         try:
@@ -196,7 +200,7 @@ def make_ours(spec: str):
             raise Unavailable(f"not available ({bc.short_error(exc, 100)})") from exc
 
         def fn(h_s, W_s, h_t, W_t, y):
-            d = op(h_s, W_s, h_t, W_t, beta=beta, temperature=temperature)
+            d = op(h_s, W_s, h_t, W_t, beta=beta, temperature=temperature, **options)
             d = d[0] if isinstance(d, tuple) else d
             return d, d.sum() / d.shape[0]
         return fn
