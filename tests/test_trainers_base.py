@@ -19,6 +19,7 @@ import trl
 
 from trainers import DPOTrainer, GRPOTrainer, KTOTrainer, RLOOTrainer, SFTTrainer
 from trainers.base import FusedHeadMixin
+from trainers.fused_forward import FusedForwardMixin
 from trainers.tiny import build_tiny_llama, build_tokenizer
 
 
@@ -76,6 +77,9 @@ def test_every_trainer_uses_it():
                                  (RLOOTrainer, trl.RLOOTrainer, "TRL's own fused head"),
                                  (DPOTrainer, trl.DPOTrainer, "TRL's own fused head"),
                                  (KTOTrainer, trl.KTOTrainer, "TRL's own fused head")):
-        assert cls.__mro__[1:3] == (FusedHeadMixin, stock)
+        # the fused-forward trainers (trainers.fused_forward) add their mixin in between
+        mixins = (FusedHeadMixin,) if cls in (GRPOTrainer, SFTTrainer) else (
+            FusedForwardMixin, FusedHeadMixin)
+        assert cls.__mro__[1:2 + len(mixins)] == (*mixins, stock)
         assert (cls._trl_name, cls._trl_fallback) == (stock.__name__, fallback)
         assert cls._lce_logger.name == cls.__module__

@@ -17,6 +17,11 @@ a `ref_model`, a disabled adapter or a "ref" adapter, `precompute_ref_log_probs`
 is_top1, `entropy`). `padding_free=True` is TRL's to handle: 1.16 turns it off itself with a
 warning, and so does this trainer.
 
+Two options of ours, as constructor keywords (`trainers.fused_forward.FusedForwardMixin`):
+`packing="auto"` (padding-free backbone passes over the valid tokens of the right-padded
+chosen / rejected rows, where the attention keeps packed rows apart: sdpa on CUDA in bf16 / fp16,
+flash or flex attention; True or False to force) and `max_packed_tokens=None`.
+
 Falls back to TRL's own fused head, one logged line per reason, for: multimodal inputs, MoE
 router logits, logits softcapped or scaled before the softmax (Gemma 2, Cohere, Granite, ...).
 Refused at construction (`trainers.base`): TRL outside 1.16.x, a PEFT adapter or
@@ -30,22 +35,16 @@ import trl
 from transformers.utils import logging
 
 from . import fused_forward
-from .base import FusedHeadMixin
 
 logger = logging.get_logger(__name__)
 
 
-class DPOTrainer(FusedHeadMixin, trl.DPOTrainer):
+class DPOTrainer(fused_forward.FusedForwardMixin, trl.DPOTrainer):
     """`trl.DPOTrainer` (1.16.x) whose log-probs come from `grpo_lce`; same constructor and
     config. See the module docstring."""
 
     _trl_name = "DPOTrainer"
-    _trl_fallback = "TRL's own fused head"
     _lce_logger = logger
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)  # FusedHeadMixin: TRL version, TRL, fused-head checks
-        fused_forward.install(self)
 
     def _precompute_ref_logps(self, dataset, name, batch_size):
         # TRL calls this from its __init__, after patching the models: ours go in first

@@ -45,6 +45,24 @@ An all-masked micro-batch still gives outputs connected to the graph (they come 
 off and fp32 logits whatever the model's dtype (`trainers.head.head_logprobs`), which also
 covers TRL's `cast_lm_head_to_fp32`.
 
+Packing (`FusedForwardMixin`'s `packing=`, default "auto", and `max_packed_tokens=`). DPO and
+KTO rows are prompt + completion right-padded to the longest pair of the batch, RLOO's are
+left-padded prompts with right-padded completions; the backbone runs on all B·L positions.
+Packed, the valid tokens of the rows that have a label go one row after another into sequences
+of ≤ `max_packed_tokens` tokens (default: the call's B·L), position_ids restarting at 0 per row,
+and only the labelled positions reach the head; their fields are scattered back to (B, L)
+(`trainers.packing.plan_target_packs`, `packed_hidden`, `unpack`). Which attention
+implementations keep packed rows apart, and what "auto" does with each, is GRPO's rule
+(`trainers.packing.choose_packing`): on CUDA with sdpa in bf16/fp16, flash attention or flex
+attention it packs; under eager, or sdpa on CPU or in fp32, it stays padded and says so once;
+`packing=True` packs there too (a dense (T, T) mask: exact, not leaner), `packing=False` never.
+A call stays padded (with one note) when it carries inputs other than `input_ids` and
+`attention_mask` (position_ids, inputs_embeds, token types, a cache: prompt-learning PEFT
+among them), when a row's mask is not one contiguous run or a label sits on padding, and,
+silently, without an attention mask or with nothing to score. Right-padded rows start at
+position 0 either way; a left-padded row's positions shift by its pad count, which RoPE turns
+into rounding only (`trainers.packing`, "Positions").
+
 Falls back to TRL's own fused forward for that call, with one logged line per reason (the
 trainer's `FusedHeadMixin._lce_falls_back`): MoE router logits (the load-balancing aux loss is
 computed from the backbone's router outputs by TRL), logits softcapped or scaled before the
@@ -52,7 +70,8 @@ softmax (`trainers.head.fused_head_unsupported_reason`), multimodal inputs, a ca
 labels. The refusals at construction are `FusedHeadMixin`'s.
 
 The forward keeps a weak reference to its trainer (for the fallback notices and the packing
-options), so a model outliving its trainer does not keep the trainer alive.
+options), so a model outliving its trainer does not keep the trainer alive; it then scores
+padded and logs its fallbacks through this module's logger.
 """
 
 from __future__ import annotations
@@ -67,6 +86,8 @@ from trl.trainer.utils import FusedCausalLMOutput
 
 from grpo_lce import chunked_linear, default_chunk_size
 
+from .base import FusedHeadMixin
+from .config import check_max_packed_tokens, normalize_packing
 from .head import (
     check_fused_head,
     fused_head_unsupported_reason,
@@ -75,6 +96,7 @@ from .head import (
     unwrap_causal_lm,
     unwrap_model,
 )
+from .packing import choose_packing, packed_hidden, plan_target_packs, unpack
 
 logger = logging.getLogger(__name__)
 
@@ -85,8 +107,16 @@ _MULTIMODAL_INPUTS = (
     "video_grid_thw", "image_sizes", "spatial_shapes", "image_position_ids", "mm_token_type_ids",
     "input_features", "input_values", "audio_values",
 )
+# The model inputs a packed forward reproduces: the ids, the mask it replaces, and use_cache
+# (off in a packed call too). A call with anything else (position_ids, inputs_embeds, a cache,
+# token types) runs padded.
+_PACKABLE_INPUTS = frozenset({"input_ids", "attention_mask", "use_cache"})
 # The options of TRL's `_fused_forward`, read from its closure when we install.
 _TRL_OPTIONS = ("temperature", "outputs")
+_UNPACKABLE = (
+    "grpo_lce packing skipped for a batch whose attention_mask is not one contiguous run per row, "
+    "or whose labels are scored at padding positions; using padded forwards."
+)
 # Rows of h upcast to fp32 at a time for mean_logits: 32 MiB of fp32 at H = 4096.
 _MEAN_ROWS_BYTES = 32 * 2**20
 
@@ -114,6 +144,50 @@ def _trl_options(forward: types.MethodType) -> dict:
             f"TRL's fused LM head forward has no {missing} option: this TRL is not the 1.16 "
             "series the trainers were written against; use the stock TRL trainer")
     return {name: cells[name].cell_contents for name in _TRL_OPTIONS}
+
+
+class FusedForwardMixin(FusedHeadMixin):
+    """Mixed in before `trl.RLOOTrainer`, `trl.DPOTrainer` or `trl.KTOTrainer`: the packing
+    options, and our forward installed after TRL's `__init__` (subclasses whose TRL class
+    precomputes reference log-probs inside its `__init__` call `install` there first).
+
+        packing: "auto" (default), True or False — padding-free backbone passes (module
+            docstring, "Packing"); also settable later as the attribute `trainer.packing`.
+        max_packed_tokens: tokens per packed forward; None (default) = the padded call's
+            B · L, so a pack never outgrows the batch it replaces.
+    """
+
+    _trl_fallback = "TRL's own fused head"
+
+    def __init__(self, *args, packing: bool | str = "auto", max_packed_tokens: int | None = None,
+                 **kwargs):
+        check_max_packed_tokens(max_packed_tokens)
+        # set before TRL's __init__: DPO / KTO precompute reference log-probs inside it
+        self.packing = normalize_packing(packing)
+        self.max_packed_tokens = max_packed_tokens
+        self._lce_packing_logged: set[str] = set()
+        super().__init__(*args, **kwargs)
+        install(self)
+
+    def _lce_packing_note(self, message: str) -> None:
+        self._lce_warn_once(self._lce_packing_logged, message, message)
+
+    def _lce_packing_kind(self, lm, args, kwargs) -> str | None:
+        """How to pack this call of `lm` ("varlen", "block", "sdpa_varlen", "dense"), or None
+        for the padded backbone pass; notes why not, once per reason."""
+        if self.packing is False or kwargs.get("attention_mask") is None:
+            return None  # nothing asked, or nothing to pack (padding-free already)
+        extra = sorted(k for k, v in kwargs.items() if v is not None and k not in
+                       _PACKABLE_INPUTS)
+        if args or extra or kwargs.get("input_ids") is None:
+            what = ", ".join(extra) or "positional or embedding inputs"
+            self._lce_packing_note(f"grpo_lce packing off for forwards with {what}; using "
+                                   "padded forwards.")
+            return None
+        kind, message = choose_packing(lm, self.packing)
+        if message is not None:
+            self._lce_packing_note(message)
+        return kind
 
 
 def install(trainer) -> None:
@@ -162,8 +236,14 @@ def _make_forward(lm, trl_forward, options, trainer):
             return trl_forward(*args, **extra, **kwargs)
         if falls_back(_fallback_reason(self, labels, shift_labels, kwargs)):
             return trl_forward(*args, fused_lm_head=True, **extra, **kwargs)
+        tr = owner()
+        pack = None
+        if tr is not None and hasattr(tr, "_lce_packing_kind"):
+            kind = tr._lce_packing_kind(self, args, kwargs)
+            if kind is not None:
+                pack = (kind, tr.max_packed_tokens, tr._lce_packing_note)
         return fused_outputs(self, args, kwargs, labels=labels, shift_labels=shift_labels,
-                             num_items_in_batch=num_items_in_batch, **options)
+                             num_items_in_batch=num_items_in_batch, pack=pack, **options)
 
     forward.grpo_lce_fused = True
     forward.trl_forward = trl_forward
@@ -184,11 +264,11 @@ def _fallback_reason(lm, labels, shift_labels, kwargs) -> str | None:
 
 
 def fused_outputs(lm, args, kwargs, *, labels, shift_labels, num_items_in_batch, temperature,
-                  outputs) -> FusedCausalLMOutput:
+                  outputs, pack=None) -> FusedCausalLMOutput:
     """TRL's `FusedCausalLMOutput` for `lm(*args, **kwargs, labels=..., fused_lm_head=True)`,
-    computed by grpo_lce (module docstring)."""
+    computed by grpo_lce (module docstring). `pack`: (kind, max tokens or None, a function
+    logging a note once) to try the packed backbone pass, or None."""
     kwargs["use_cache"] = False
-    hidden = lm.base_model(*args, **kwargs).last_hidden_state  # (B, L, H)
     weight, bias = lm_head_params(lm)
     if shift_labels is None:
         # h_t scores token t+1; the last position scores nothing
@@ -196,12 +276,41 @@ def fused_outputs(lm, args, kwargs, *, labels, shift_labels, num_items_in_batch,
     else:
         y = shift_labels
     y = y.to(weight.device)  # (B, L)
-    fields = score_rows(hidden, weight, bias, y, temperature=temperature, outputs=outputs)
+    head = dict(temperature=temperature, outputs=outputs)
+    fields = None if pack is None else packed_fields(lm, kwargs, y, weight, bias, pack, **head)
+    if fields is None:
+        hidden = lm.base_model(*args, **kwargs).last_hidden_state  # (B, L, H)
+        fields = score_rows(hidden, weight, bias, y, **head)
     if shift_labels is None:
         fields = {k: None if v is None else v[:, :-1].contiguous() for k, v in fields.items()}
     mask = fields["label_mask"]
     divisor = mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch
     return FusedCausalLMOutput(loss=-fields["log_probs"].sum() / divisor, **fields)
+
+
+def packed_fields(lm, kwargs, y, weight, bias, pack, *, temperature: float, outputs
+                  ) -> dict | None:
+    """The per-token fields (B, L) from packed backbone passes over the valid tokens (module
+    docstring, "Packing"), or None for the padded pass (a mask or labels that do not pack, or
+    nothing to score)."""
+    kind, max_tokens, note = pack
+    ids, mask = kwargs["input_ids"], kwargs["attention_mask"]
+    plan = plan_target_packs(ids, mask, y, max_tokens=max_tokens or ids.numel())
+    if plan is None:
+        note(_UNPACKABLE)
+        return None
+    if not plan.packs:
+        return None  # nothing scored: the padded pass gives the zeros and their graph
+
+    def forward(inputs):  # the backbone on one pack, as the padded pass calls it
+        return lm.base_model(**inputs, use_cache=False).last_hidden_state  # (1, T, H)
+
+    hidden = packed_hidden(plan, kind, forward)  # (N, H), N scored tokens
+    fields = score_rows(hidden, weight, bias, plan.targets.to(weight.device),
+                        temperature=temperature, outputs=outputs)
+    fields = {k: None if v is None else unpack(v, plan) for k, v in fields.items()}
+    fields["label_mask"] = y != -100
+    return fields
 
 
 def score_rows(hidden, weight, bias, y, *, temperature: float, outputs) -> dict:

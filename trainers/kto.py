@@ -13,6 +13,9 @@ TRL stays in charge of everything else: `loss_type` ("kto", "apo_zero_unpaired")
 disabled adapter or a "ref" adapter, `precompute_ref_log_probs`, the MoE aux loss and every
 metric.
 
+Options of ours, as for `trainers.DPOTrainer`: `packing="auto"` and `max_packed_tokens=None`
+(the completion and KL passes packed alike).
+
 Falls back to TRL's own fused head, one logged line per reason, for: multimodal inputs, MoE
 router logits, logits softcapped or scaled before the softmax. Refused at construction as for
 `trainers.DPOTrainer`.
@@ -24,22 +27,16 @@ import trl
 from transformers.utils import logging
 
 from . import fused_forward
-from .base import FusedHeadMixin
 
 logger = logging.get_logger(__name__)
 
 
-class KTOTrainer(FusedHeadMixin, trl.KTOTrainer):
+class KTOTrainer(fused_forward.FusedForwardMixin, trl.KTOTrainer):
     """`trl.KTOTrainer` (1.16.x) whose log-probs come from `grpo_lce`; same constructor and
     config. See the module docstring."""
 
     _trl_name = "KTOTrainer"
-    _trl_fallback = "TRL's own fused head"
     _lce_logger = logger
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)  # FusedHeadMixin: TRL version, TRL, fused-head checks
-        fused_forward.install(self)
 
     def _precompute_ref_logps(self, dataset, name, batch_size):
         # TRL calls this from its __init__, after patching the models: ours go in first

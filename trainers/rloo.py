@@ -14,6 +14,9 @@ leave-one-out baseline, `normalize_advantages`, `reward_clip_range`, the KL pena
 reward, ε-low / ε-high clipping of the sequence ratio, `mask_truncated_completions`,
 `steps_per_generation`, the MoE aux loss and every metric.
 
+Options of ours, as for `trainers.DPOTrainer`: `packing="auto"` and `max_packed_tokens=None`
+(each of TRL's row chunks packed: left-padded prompts and right-padded completions alike).
+
 Falls back to TRL's own fused head, one logged line per reason, for: multimodal inputs, MoE
 router logits, logits softcapped or scaled before the softmax. Refused at construction as for
 `trainers.DPOTrainer`.
@@ -25,19 +28,13 @@ import trl
 from transformers.utils import logging
 
 from . import fused_forward
-from .base import FusedHeadMixin
 
 logger = logging.get_logger(__name__)
 
 
-class RLOOTrainer(FusedHeadMixin, trl.RLOOTrainer):
+class RLOOTrainer(fused_forward.FusedForwardMixin, trl.RLOOTrainer):
     """`trl.RLOOTrainer` (1.16.x) whose log-probs come from `grpo_lce`; same constructor and
     config. See the module docstring."""
 
     _trl_name = "RLOOTrainer"
-    _trl_fallback = "TRL's own fused head"
     _lce_logger = logger
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)  # FusedHeadMixin: TRL version, TRL, fused-head checks
-        fused_forward.install(self)
