@@ -6,8 +6,9 @@ LoRA gradients and every logged metric (rewards, logps, `logits/*` from mean_log
 `loss_type` TRL 1.16 accepts, and for the reference as a "ref" adapter, a disabled adapter, a
 separate `ref_model` and precomputed log-probs (`precompute_ref_log_probs`, computed by our
 head), WPO (`use_weighting`), a weighted mixture of losses with LD-DPO, an f-divergence, full
-fine-tuning of a tied head, a head with a bias; `padding_free=True` switched off by TRL as in
-stock; a 3-step `train()` whose logs match stock TRL step by step; the fallback for a
+fine-tuning of a tied head, a head with a bias; a `ref_model` that accelerate wrapped for
+mixed precision (bf16=True) inside TRL's `__init__`; `padding_free=True` switched off by TRL as
+in stock; a 3-step `train()` whose logs match stock TRL step by step; the fallback for a
 softcapped model, with one logged line.
 
     python -m pytest tests/test_trainers_dpo.py -q
@@ -234,3 +235,33 @@ def test_train_logs_match_trl(tok, tmp_path):
     logs_o = _train_logs(DPOTrainer, tok, tmp_path / "o", model)
     assert logs_s[0]["loss"] != logs_s[-1]["loss"]  # it trained
     assert_same_logs(logs_s, logs_o, steps=3, rel=1e-4, abs_=METRIC_ABS)
+
+
+def test_reference_model_under_mixed_precision(tok, tmp_path):
+    # bf16=True: TRL's __init__ prepares ref_model, and accelerate wraps its (TRL-patched)
+    # forward in autocast; ours must take that wrapper's place and enter the same autocast.
+    from trainers import fused_forward
+    from trainers.head import unwrap_model
+
+    stock, ours = _pair(tok, tmp_path, tiny_model(tok, tied=False), ref_model=_ref_model(tok),
+                        bf16=True)
+    ref = unwrap_model(ours.ref_model)
+    forward = ref.__dict__["forward"]
+    assert forward.grpo_lce_fused and forward.trl_forward is not ref._original_forward
+    batch = _batch(ours)
+    labels = batch["input_ids"].masked_fill(batch["completion_mask"] == 0, -100)
+    kw = dict(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+    with torch.no_grad():
+        out = ours.ref_model(**kw, labels=labels, fused_lm_head=True)
+        direct = {}
+        for amp in (False, True):
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+                direct[amp] = fused_forward.fused_outputs(
+                    ref, (), dict(kw), labels=labels, shift_labels=None,
+                    num_items_in_batch=None, temperature=1.0, outputs=("log_probs",))
+        s_logits = stock.ref_model(**kw).logits
+        o_logits = ours.ref_model(**kw).logits
+    assert_close(out.log_probs, direct[True].log_probs, atol=1e-6, what="ours = ours in autocast")
+    assert (out.log_probs - direct[False].log_probs).abs().max() > 1e-3  # autocast mattered
+    assert o_logits.dtype == torch.float32 and torch.equal(o_logits, s_logits)
+    loss_step(ours, batch)  # and the whole loss runs

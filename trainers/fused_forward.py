@@ -9,7 +9,11 @@ with a disabled adapter or a `ref_model`, KTO's KL pass, the precomputed referen
 then comes from one call, `model(**inputs, labels=labels, fused_lm_head=True)`, returning a
 `FusedCausalLMOutput`. `install(trainer)` replaces that instance attribute, on exactly the
 models TRL patched, with ours, and keeps TRL's as the fallback and for every call without
-`fused_lm_head=True` (generation, `return_outputs`), which it hands on unchanged.
+`fused_lm_head=True` (generation, `return_outputs`), which it hands on unchanged. Where
+accelerate has since wrapped TRL's forward for mixed precision (TRL prepares `ref_model` in its
+`__init__`: under bf16 / fp16 its forward becomes an autocast + fp32-outputs wrapper around
+TRL's), that wrapper is what ours replaces and keeps as the fallback, and our fused path enters
+the same autocast itself.
 
 Why this seam. The loss methods of the three trainers are hundreds of lines each (fifteen DPO
 loss types, f-divergences, WPO, LD-DPO, KTO's KL and weights, RLOO's clipping); overriding them
@@ -76,12 +80,15 @@ padded and logs its fallbacks through this module's logger.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import types
 import weakref
 
 import torch
+from accelerate.utils import get_mixed_precision_context_manager
+from accelerate.utils.operations import ConvertOutputsToFp32
 from trl.trainer.utils import FusedCausalLMOutput
 
 from grpo_lce import chunked_linear, default_chunk_size
@@ -121,17 +128,29 @@ _UNPACKABLE = (
 _MEAN_ROWS_BYTES = 32 * 2**20
 
 
-def trl_fused_forward(model: torch.nn.Module) -> types.MethodType | None:
-    """TRL's `_fused_forward` bound to `model` (the instance attribute `add_fused_lm_head` set),
-    or None. Recognised by its code object, which `functools.wraps` leaves alone."""
+def _is_trl_fused(forward) -> bool:
+    """Whether `forward` is TRL's `_fused_forward` bound to a model. Recognised by its code
+    object, which `functools.wraps` leaves alone."""
+    code = getattr(getattr(forward, "__func__", None), "__code__", None)
+    return (code is not None and code.co_name == "_fused_forward"
+            and code.co_filename.replace("\\", "/").endswith("trl/trainer/utils.py"))
+
+
+def trl_fused_forward(model: torch.nn.Module) -> tuple[types.MethodType, object] | None:
+    """(TRL's `_fused_forward` bound to `model`, the forward a call to `model` runs), or None.
+
+    The two are the same (the instance attribute `add_fused_lm_head` set) unless accelerate
+    prepared the model under mixed precision after TRL patched it (TRL does so for `ref_model`
+    in its `__init__`): then the instance attribute is accelerate's autocast + fp32-outputs
+    wrapper around TRL's forward, which accelerate keeps as `model._original_forward`."""
     forward = model.__dict__.get("forward")
-    func = getattr(forward, "__func__", None)
-    code = getattr(func, "__code__", None)
-    if code is None or code.co_name != "_fused_forward":
-        return None
-    if not code.co_filename.replace("\\", "/").endswith("trl/trainer/utils.py"):
-        return None
-    return forward
+    if _is_trl_fused(forward):
+        return forward, forward
+    original = model.__dict__.get("_original_forward")
+    wrapper = getattr(getattr(forward, "__func__", forward), "__wrapped__", None)
+    if _is_trl_fused(original) and isinstance(wrapper, ConvertOutputsToFp32):
+        return original, forward
+    return None
 
 
 def _trl_options(forward: types.MethodType) -> dict:
@@ -201,18 +220,25 @@ def install(trainer) -> None:
     for name, lm in targets:
         if getattr(lm.__dict__.get("forward"), "grpo_lce_fused", False):
             continue
-        trl_forward = trl_fused_forward(lm)
-        if trl_forward is None:
+        found = trl_fused_forward(lm)
+        if found is None:
             raise RuntimeError(
                 f"trainers.{type(trainer).__name__}: TRL did not put its fused LM head on "
                 f"{name} ({type(lm).__name__}); this TRL is not the 1.16 series the trainers "
                 "were written against")
+        trl_forward, current = found
+        # Under accelerate's mixed-precision wrapper, ours enters the same autocast itself:
+        # the wrapper stays as the fallback (TRL's forward inside it), so it is not around ours.
+        amp = None if current is trl_forward else functools.partial(
+            get_mixed_precision_context_manager, True, trainer.accelerator.autocast_handler)
         check_fused_head(lm)
-        lm.forward = _make_forward(lm, trl_forward, _trl_options(trl_forward), trainer)
+        lm.forward = _make_forward(lm, current, _trl_options(trl_forward), trainer, amp)
 
 
-def _make_forward(lm, trl_forward, options, trainer):
-    """Our forward for `lm`, as a method bound to it (module docstring)."""
+def _make_forward(lm, trl_forward, options, trainer, amp=None):
+    """Our forward for `lm`, as a method bound to it (module docstring). `trl_forward` is the
+    forward TRL's calls go to (TRL's, or accelerate's wrapper around it); `amp()`, when given,
+    the autocast context accelerate's wrapper enters, entered around our fused path."""
     owner = weakref.ref(trainer)
     orphan_reasons: set[str] = set()
 
@@ -242,8 +268,9 @@ def _make_forward(lm, trl_forward, options, trainer):
             kind = tr._lce_packing_kind(self, args, kwargs)
             if kind is not None:
                 pack = (kind, tr.max_packed_tokens, tr._lce_packing_note)
-        return fused_outputs(self, args, kwargs, labels=labels, shift_labels=shift_labels,
-                             num_items_in_batch=num_items_in_batch, pack=pack, **options)
+        with contextlib.nullcontext() if amp is None else amp():
+            return fused_outputs(self, args, kwargs, labels=labels, shift_labels=shift_labels,
+                                 num_items_in_batch=num_items_in_batch, pack=pack, **options)
 
     forward.grpo_lce_fused = True
     forward.trl_forward = trl_forward
