@@ -265,3 +265,19 @@ def test_reference_model_under_mixed_precision(tok, tmp_path):
     assert (out.log_probs - direct[False].log_probs).abs().max() > 1e-3  # autocast mattered
     assert o_logits.dtype == torch.float32 and torch.equal(o_logits, s_logits)
     loss_step(ours, batch)  # and the whole loss runs
+
+
+def test_full_finetune_mixed_precision_train_then_evaluate(tok, tmp_path):
+    # train() prepares the policy, and accelerate wraps its forward (ours by then) for mixed
+    # precision; evaluate() with precomputed reference log-probs installs ours again: no-op.
+    from trainers.head import unwrap_model
+
+    args = _config(tmp_path, bf16=True, max_steps=1, precompute_ref_log_probs=True,
+                   per_device_eval_batch_size=4)
+    tr = DPOTrainer(model=tiny_model(tok, tied=False, peft=False), ref_model=_ref_model(tok),
+                    args=args, train_dataset=_dataset(), processing_class=tok)
+    tr.train()
+    policy = unwrap_model(tr.model)
+    assert policy._original_forward.grpo_lce_fused  # ours, inside accelerate's wrapper
+    metrics = tr.evaluate(eval_dataset=_dataset())  # precomputes its reference log-probs
+    assert torch.isfinite(torch.tensor(metrics["eval_loss"]))

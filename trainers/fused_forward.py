@@ -218,7 +218,10 @@ def install(trainer) -> None:
         # TRL patches the reference as given (not its base model under PEFT)
         targets.append(("ref_model", unwrap_model(trainer.ref_model)))
     for name, lm in targets:
-        if getattr(lm.__dict__.get("forward"), "grpo_lce_fused", False):
+        # ours already, possibly since wrapped by accelerate for mixed precision (`train()`
+        # prepares the policy after we install; DPO / KTO install again from `evaluate`)
+        if any(getattr(lm.__dict__.get(k), "grpo_lce_fused", False)
+               for k in ("forward", "_original_forward")):
             continue
         found = trl_fused_forward(lm)
         if found is None:
