@@ -1,14 +1,14 @@
 """trainers.DPOTrainer against stock trl.DPOTrainer 1.16 on tiny offline fp32 Llama and Qwen2.
 
-Covers: per-sequence and per-token log-probs of the policy and of the reference; the loss, the
-LoRA gradients and every logged metric (rewards, logps, `logits/*` from mean_logits,
+Covers: per-sequence and per-token log-probs of the policy and of the reference; the loss, the LoRA
+gradients and every logged metric (rewards, logps, `logits/*` from mean_logits,
 `mean_token_accuracy` from is_top1, entropy) after one `compute_loss` + backward for every
 `loss_type` TRL 1.16 accepts, and for the reference as a "ref" adapter, a disabled adapter, a
-separate `ref_model` and precomputed log-probs (`precompute_ref_log_probs`, computed by our
-head), WPO (`use_weighting`), a weighted mixture of losses with LD-DPO, an f-divergence, full
-fine-tuning of a tied head, a head with a bias; a `ref_model` that accelerate wrapped for
-mixed precision (bf16=True) inside TRL's `__init__`; `padding_free=True` switched off by TRL as
-in stock; a 3-step `train()` whose logs match stock TRL step by step; the fallback for a
+separate `ref_model` and precomputed log-probs (`precompute_ref_log_probs`, computed by our head),
+WPO (`use_weighting`), a weighted mixture of losses with LD-DPO, an f-divergence, gradient
+checkpointing, full fine-tuning of a tied head, a head with a bias; a `ref_model` that accelerate
+wrapped for mixed precision (bf16=True) inside TRL's `__init__`; `padding_free=True` switched off
+by TRL as in stock; a 3-step `train()` whose logs match stock TRL step by step; the fallback for a
 softcapped model, with one logged line.
 
     python -m pytest tests/test_trainers_dpo.py -q
@@ -20,7 +20,8 @@ of |z| ≤ ~30) and per-sequence sums of ≤ 20 of them 1e-4; metrics rel 1e-5 w
 entropy: TRL's own fp32 entropy is ~1e-5 off fp64 on the peaky tiny models). Training logs after
 3 optimizer steps rel 1e-4: Adam's first steps move each weight by ~lr whatever the gradient's
 size, so a 1e-6 difference in a gradient near 0 can flip a sign-sensitive update; the logs
-still agree to ~1e-5 in practice.
+still agree to ~1e-5 in practice. The mixed-precision cases (bf16 autocast on CPU) compare our
+path with itself, not with TRL's bf16-tile head.
 """
 
 from __future__ import annotations
@@ -138,6 +139,7 @@ _OPTION_CASES = {
                     "loss_weights": [0.8, 0.2, 1.0], "ld_alpha": 0.5}),
     "js_divergence": ("qwen2", True, True, False, False,
                       {"f_divergence_type": "js_divergence", "loss_type": "sigmoid_norm"}),
+    "checkpointing": ("qwen2", False, True, False, False, {"gradient_checkpointing": True}),
 }
 
 
