@@ -3,6 +3,7 @@
 Per-row values (log-probs, entropies), vals (n,) of the processed rows:
     out[r] = vals[i] at the caller's row r held by processed row i, 0 at the ignored rows,
              NaN where the target was out of range (device-counted layout on CUDA)
+Per-row indices (the argmax), idx (n,) int64: the same, with −1 at the ignored rows.
 Gradients of the hidden states, from (n, H) fp32 gradient bases u, v:
     dh[r] = (a_r u[i] + b_r v[i]).to(dtype),  0 at the ignored rows
     a_r = s_u · w_u[r] for per-caller-row weights w_u (N,) (the upstream gradient), s_u · w_u
@@ -41,6 +42,12 @@ def values_to_caller(plan: RowPlan, vals: torch.Tensor, n_all: int) -> torch.Ten
     return _to_caller(plan, vals, n_all)
 
 
+def indices_to_caller(plan: RowPlan, idx: torch.Tensor, n_all: int) -> torch.Tensor:
+    """(n_all,) int64 per-row indices (the argmax) in the caller's rows, −1 at the ignored ones
+    (the device-counted kernels already wrote −1 past n_valid)."""
+    return _to_caller(plan, idx, n_all, fill=-1)
+
+
 def grad_to_caller(plan: RowPlan, u: Term, v: Term | None = None, *, n_all: int,
                    dtype: torch.dtype, backend: str) -> torch.Tensor:
     """dh (n_all, H) in `dtype` (module docstring); `backend` runs scale_cast."""
@@ -66,11 +73,11 @@ def grad_to_caller(plan: RowPlan, u: Term, v: Term | None = None, *, n_all: int,
     return _to_caller(plan, acc.to(dtype), n_all)
 
 
-def _to_caller(plan: RowPlan, vals: torch.Tensor, n_all: int) -> torch.Tensor:
-    """vals of the processed rows put at their caller rows, 0 at the ignored ones (the
-    device-counted kernels already wrote 0 past n_valid)."""
+def _to_caller(plan: RowPlan, vals: torch.Tensor, n_all: int, fill: float = 0) -> torch.Tensor:
+    """vals of the processed rows put at their caller rows, `fill` at the ignored ones (the
+    device-counted kernels already wrote it past n_valid)."""
     if plan.idx is None:
         return vals
     if plan.n_valid is not None:  # a permutation: every row is written once
         return torch.empty_like(vals).index_copy_(0, plan.idx, vals)
-    return vals.new_zeros((n_all, *vals.shape[1:])).index_copy_(0, plan.idx, vals)
+    return vals.new_full((n_all, *vals.shape[1:]), fill).index_copy_(0, plan.idx, vals)

@@ -4,6 +4,7 @@ h (N, H), W (V, H), b (V,), y (N,), τ;   z = (h Wᵀ + b) / τ   (chunks of C r
     logp_n = z[n, y_n] − lse_n            H_n = lse_n − Σ_v p_nv z_nv
     ∂logp_n/∂h_n = −(G_n W) / τ,   G_n = p_n − e_{y_n}      (the gradient basis, built in forward)
     ∂H_n/∂h_n    = −(E_n W) / τ,   E_n = p_n ∘ (z_n − z̄_n)
+    argmax_n     = the first v with z[n, v] = max_v z[n, v]       (optional; no gradient)
 
 Frozen head (weight.requires_grad False: LoRA / QLoRA), the main case: the forward computes
 GEMM 1 (z) and GEMM 2 (the basis G W) chunk by chunk and keeps only the (N, H) basis; the
@@ -30,14 +31,14 @@ from grpo_lce._checks import check_chunk_size, check_head, check_targets, check_
 from grpo_lce._deferred import defer, raise_deferred
 from grpo_lce._dispatch import decide
 from grpo_lce._head import HeadPass, HeadRows, gemm_weight, head_forward
-from grpo_lce._row_results import Term, grad_to_caller, values_to_caller
+from grpo_lce._row_results import Term, grad_to_caller, indices_to_caller, values_to_caller
 from grpo_lce._rows import RowPlan, plan_rows
 
 
 class _LinearLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, y, plan, path, inv_tau, chunk_size, entropy_basis,
-                want_entropy):
+                want_entropy, want_argmax):
         # hidden (N, H) all rows; plan (_rows.RowPlan) the rows processed, y (n,) their targets;
         # path (_dispatch.Path) how
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
@@ -47,7 +48,8 @@ class _LinearLogprobs(torch.autograd.Function):
         out = head_forward(
             HeadRows.of(plan, rows, y, scratch=owned), gemm_weight(weight, path.backend), bias,
             HeadPass(inv_tau=inv_tau, chunk_size=chunk_size, basis=need_h and not recompute,
-                     ebasis=need_h and not recompute and entropy_basis, entropy=want_entropy),
+                     ebasis=need_h and not recompute and entropy_basis, entropy=want_entropy,
+                     argmax=want_argmax),
             path,
         )
         del rows  # (held by out.basis when the basis went over it)
@@ -61,16 +63,19 @@ class _LinearLogprobs(torch.autograd.Function):
         N = hidden.shape[0]
         # without return_entropy the caller never sees the second output (its value is 0)
         ent = out.lse.new_zeros(out.lse.shape) if out.entropy is None else out.entropy
+        # the argmax rides on the same pass (read off the row maxima GEMM 1 already finds);
+        # an integer output, so autograd never sends it a gradient
+        amax = indices_to_caller(plan, out.argmax, N) if want_argmax else None
         return (values_to_caller(plan, out.z_y - out.lse, N),
-                values_to_caller(plan, ent, N))
+                values_to_caller(plan, ent, N), amax)
 
     @staticmethod
-    def backward(ctx, g_logp, g_ent):
+    def backward(ctx, g_logp, g_ent, _g_argmax):
         hidden, weight, bias, y, basis, basis_lo, ebasis, *saved_plan = ctx.saved_tensors
         plan = RowPlan.from_saved(ctx.n_rows, *saved_plan, count=ctx.count)
         path = ctx.path
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
-        none = (None,) * 7
+        none = (None,) * 8
         if g_logp is None and g_ent is None:
             return (None, None, None) + none
         s = -ctx.inv_tau
@@ -119,6 +124,7 @@ def linear_logprobs(
     ignore_index: int | None = -100,
     return_entropy: bool = False,
     entropy_requires_grad: bool = False,
+    return_argmax: bool = False,
     chunk_size: int | None = None,
 ):
     """Per-token log p(target) under softmax((hidden @ weight.T + bias) / temperature), in fp32.
@@ -139,11 +145,16 @@ def linear_logprobs(
         return_entropy: also return the per-token entropy of the softmax (fp32, 0 at ignored).
         entropy_requires_grad: build the entropy's gradient basis in the forward (one more
             GEMM). Without it an entropy gradient is still exact, recomputed in backward.
+        return_argmax: also return the index of the largest logit of each row (int64, the
+            first one on a tie, as ``torch.argmax``; −1 at ignored rows), found in the same
+            pass: ``argmax == targets`` is TRL's "the target is the top-1 token". No extra GEMM.
         chunk_size: rows per chunk; any positive int.
 
     Returns:
-        logp (...) fp32, or (logp, entropy) when `return_entropy`. Differentiable with respect to
-        hidden, weight and bias for any upstream gradient on either output.
+        logp (...) fp32, followed by entropy (...) fp32 when `return_entropy` and argmax (...)
+        int64 when `return_argmax`, as a tuple when either is asked for: `logp`,
+        `(logp, entropy)`, `(logp, argmax)` or `(logp, entropy, argmax)`. Differentiable with
+        respect to hidden, weight and bias for any upstream gradient on logp and entropy.
 
     No host synchronisation on the fused path (bf16 on Hopper or newer, frozen head): ignored
     rows are moved after the valid ones and the kernels read their number on the device; a
@@ -162,10 +173,14 @@ def linear_logprobs(
     h = hidden.reshape(-1, hidden.shape[-1])
     path = decide(h, weight, bias, entropy_basis=bool(entropy_requires_grad))
     plan, y = plan_rows(targets.reshape(-1), weight.shape[0], ignore_index, "targets", path)
-    logp, ent = _LinearLogprobs.apply(
+    logp, ent, amax = _LinearLogprobs.apply(
         h, weight, bias, y, plan, path, inv_tau, chunk_size, bool(entropy_requires_grad),
-        bool(return_entropy),
+        bool(return_entropy), bool(return_argmax),
     )
     defer(plan.n_bad, plan.bad_message)
-    logp, ent = logp.reshape(lead), ent.reshape(lead)
-    return (logp, ent) if return_entropy else logp
+    out = (logp.reshape(lead),)
+    if return_entropy:
+        out += (ent.reshape(lead),)
+    if return_argmax:
+        out += (amax.reshape(lead),)
+    return out if len(out) > 1 else out[0]

@@ -1,13 +1,13 @@
 """`grpo_lce_trainers`: the project's trainers under a name a user's own `trainers/` cannot shadow.
 
 Covers: in a fresh interpreter whose working directory holds a `trainers/` package of its own
-(first on sys.path, as a user's project would be), `import trainers` gets the user's package
-while `grpo_lce_trainers` gives this project's GRPOTrainer, SFTTrainer and submodules, from the
-repository and from an installed wheel (built from this checkout, unpacked into a directory);
+(first on sys.path, as a user's project would be), `import trainers` gets the user's package while
+`grpo_lce_trainers` gives this project's trainers (GRPO, SFT, RLOO, DPO, KTO) and submodules, from
+the repository and from an installed wheel (built from this checkout, unpacked into a directory);
 nothing inside the package looks up the name `trainers`. And, under both names, the lazy package
 `__init__`: importing it or its light modules (`config`, `tiny`) loads neither the trainers nor
-TRL's trainer modules; the exported names load their module on first access; `__all__`, `dir()`
-and `from ... import *` agree.
+TRL's trainer modules; the exported names load their module on first access; `__all__`, `dir()` and
+`from ... import *` agree.
 
     python -m pytest tests/test_import_alias.py -q
 """
@@ -31,12 +31,16 @@ import trainers
 assert trainers.USER, "the user's trainers package should win the plain name"
 import grpo_lce_trainers as t
 from grpo_lce_trainers import DistillationTrainer, GRPOTrainer, SFTTrainer
+from grpo_lce_trainers import DPOTrainer, KTOTrainer, RLOOTrainer
 from grpo_lce_trainers.tiny import build_tokenizer
 import trl
 assert issubclass(GRPOTrainer, trl.GRPOTrainer) and issubclass(SFTTrainer, trl.SFTTrainer)
 assert GRPOTrainer.__module__ == "grpo_lce_trainers.grpo", GRPOTrainer.__module__
 assert issubclass(DistillationTrainer, trl.DistillationTrainer)
 assert DistillationTrainer.__module__ == "grpo_lce_trainers.distillation"
+for cls in (DPOTrainer, KTOTrainer, RLOOTrainer):
+    assert issubclass(cls, getattr(trl, cls.__name__)), cls
+    assert cls.__module__ == "grpo_lce_trainers." + cls.__name__[:-7].lower(), cls.__module__
 assert len(build_tokenizer()) > 100
 assert sys.modules["trainers"] is trainers  # the user's package was not replaced
 print("alias from", t.__file__)
@@ -107,9 +111,11 @@ import importlib
 import sys
 
 name = sys.argv[1]
-heavy = [f"{name}.{m}" for m in ("grpo", "sft", "base", "packing", "varlen", "head", "generation")]
-heavy += ["trl.trainer.grpo_trainer", "trl.trainer.sft_trainer"]
-heavy += [f"{name}.distillation", "trl.trainer.distillation_trainer"]
+heavy = [f"{name}.{m}" for m in ("grpo", "sft", "rloo", "dpo", "kto", "distillation",
+                                  "fused_forward", "base", "packing", "varlen", "head",
+                                  "generation")]
+heavy += [f"trl.trainer.{m}_trainer" for m in ("grpo", "sft", "rloo", "dpo", "kto",
+                                                "distillation")]
 
 def loaded():
     return [m for m in heavy if m in sys.modules]
@@ -121,8 +127,8 @@ importlib.import_module(f"{name}.tiny")
 assert loaded() == [], loaded()
 assert pkg.GRPOConfig is config.GRPOConfig and pkg.SUPPORTED_TRL == ">=1.16,<1.17"
 assert loaded() == [], loaded()
-assert set(pkg.__all__) == {"GRPOConfig", "GRPOTrainer", "SFTTrainer", "SUPPORTED_TRL",
-                            "DistillationTrainer"}
+assert set(pkg.__all__) == {"GRPOConfig", "GRPOTrainer", "SFTTrainer", "RLOOTrainer",
+                            "DPOTrainer", "KTOTrainer", "DistillationTrainer", "SUPPORTED_TRL"}
 assert set(pkg.__all__) <= set(dir(pkg)), dir(pkg)
 try:
     pkg.NotAName
@@ -136,6 +142,7 @@ exec(f"from {name} import *", names)
 assert set(pkg.__all__) <= set(names) and names["SFTTrainer"].__module__ == f"{name}.sft"
 assert pkg.GRPOTrainer is sys.modules[f"{name}.grpo"].GRPOTrainer
 assert pkg.DistillationTrainer.__module__ == f"{name}.distillation"
+assert names["KTOTrainer"].__module__ == f"{name}.kto"
 assert name == "trainers" or "trainers" not in sys.modules  # the alias never loads `trainers`
 print("ok")
 """

@@ -1,8 +1,9 @@
-"""linear_logprobs against the fp64 reference: values, entropies and gradients.
+"""linear_logprobs against the fp64 reference: values, entropies, gradients and the argmax.
 
 Covers dtype (fp32, bf16) × ragged shapes × real vocabularies (50257, 151936 at small N) ×
 temperature × bias × ignored rows × which inputs require grad, on both backends: the torch
-fallback and the Triton row kernel (under TRITON_INTERPRET=1 on CPU). Run:
+fallback and the Triton row kernel (under TRITON_INTERPRET=1 on CPU); `return_argmax` on both
+backends, the fused path and the device-counted row layout, with exact ties. Run:
     python -m pytest tests/test_logprobs.py -q
 """
 
@@ -10,6 +11,7 @@ import pytest
 import torch
 
 from grpo_lce import default_chunk_size, linear_logprobs
+from grpo_lce._dispatch import recording
 from grpo_lce.reference import logprobs_ref
 from _head_inputs import head_inputs
 from _tolerance import assert_3way, assert_close_scaled
@@ -257,3 +259,72 @@ def test_default_chunk_size_budget_and_small_calls():
         64, 64, 128, 256, 512, 512]
     # Tiny vocabularies: the budget allows far more rows than the call has.
     assert default_chunk_size(100, n_rows=10_000) == 1280
+
+
+# ---------------------------------------------------------------- return_argmax
+
+ARGMAX_GRID = [  # (backend, dtype, fused): fused = the fused GEMM (bf16, interpreter on CPU)
+    ("torch", torch.float32, False), ("torch", torch.bfloat16, False),
+    ("triton", torch.float32, False), ("triton", torch.bfloat16, False),
+    ("triton", torch.bfloat16, True),
+]
+
+
+@pytest.mark.parametrize("backend, dtype, fused", ARGMAX_GRID)
+@pytest.mark.parametrize("train_head", [False, True])
+def test_argmax_in_the_same_pass(backend, dtype, fused, train_head, dispatch_override):
+    """The argmax of the fp32 logits (after bias and τ), −1 at ignored rows; logp, entropy and
+    their gradients are those of a call without it. fused=True takes the device-counted row
+    layout (valid rows first, their number on the device), whose ignored rows the kernels fill.
+    """
+    dispatch_override(backend=backend, fused=fused, sync_checks=False)
+    h, w, b, y = _inputs(37, 24, 257, dtype, True, 5)
+    w.requires_grad_(train_head)
+    outs = []
+    for want in (True, False):
+        hh = h.clone().requires_grad_()
+        with recording() as rec:
+            out = linear_logprobs(hh, w, y, bias=b, temperature=0.7, return_entropy=True,
+                                  return_argmax=want)
+        (out[0].sum() + out[1].sum()).backward()
+        outs.append((out, hh.grad))
+    (lp, ent, amax), dh = outs[0]
+    (lp2, ent2), dh2 = outs[1]
+    assert rec.paths[0].fused == rec.paths[0].rows_on_device == fused
+    assert torch.equal(lp, lp2) and torch.equal(ent, ent2) and torch.equal(dh, dh2)
+    # logits of O(3) over 257 tokens: the top two are never within fp32 rounding here
+    z = h.double() @ w.detach().double().t() + b.double()
+    ref = torch.where(y == -100, -1, z.argmax(-1))
+    assert amax.dtype == torch.int64 and amax.shape == y.shape
+    assert torch.equal(amax, ref), (amax != ref).nonzero()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_argmax_ties_take_the_first_index(backend, dispatch_override):
+    """Integer logits, so ties are exact whatever the summation order: the first maximum wins
+    (torch.argmax's rule, and TRL's is_top1: a tie with an earlier token is not top-1)."""
+    dispatch_override(backend=backend)
+    g = torch.Generator().manual_seed(5)
+    V, H = 300, 8
+    h = torch.randint(-2, 3, (40, H), generator=g).float()
+    w = torch.randint(-1, 2, (V, H), generator=g).float()
+    w[17] = w[250] = 2.0  # h · w[17] = h · w[250] = 2 Σ h: the top logit for rows with Σ h > 0
+    y = torch.randint(0, V, (40,), generator=g)
+    y[:3] = -100
+    _, amax = linear_logprobs(h, w, y, temperature=0.5, return_argmax=True, chunk_size=16)
+    z = h @ w.t()
+    assert (z[:, 17] == z.amax(-1)).sum() > 5  # ties really happen
+    assert torch.equal(amax, torch.where(y == -100, -1, z.argmax(-1)))
+    assert not (amax == 250).any()
+
+
+def test_argmax_return_shapes():
+    h, w, _, y = _inputs(6, 8, 40, torch.float32, False, 2)
+    y2 = y.view(2, 3)
+    lp, amax = linear_logprobs(h.view(2, 3, 8), w, y2, return_argmax=True)
+    assert lp.shape == amax.shape == (2, 3)
+    assert torch.equal(amax[y2 == -100], torch.full(((y2 == -100).sum().item(),), -1))
+    lp_, ent_, amax_ = linear_logprobs(h, w, y, return_entropy=True, return_argmax=True)
+    assert torch.equal(amax_, amax.view(-1)) and torch.equal(lp_, lp.view(-1))
+    _, amax0 = linear_logprobs(h, w, torch.full_like(y, -100), return_argmax=True)
+    assert torch.equal(amax0, torch.full_like(y, -1))

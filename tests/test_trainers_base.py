@@ -1,10 +1,10 @@
-"""`trainers.base.FusedHeadMixin`: what GRPOTrainer and SFTTrainer share, on a stand-in TRL class.
+"""`trainers.base.FusedHeadMixin`: what the trainers share, on a stand-in TRL class.
 
 Covers: the order of construction (the TRL version before TRL's `__init__`, the fused-head checks
 after it, on `model` and on `ref_model` where there is one); `_lce_falls_back` (False for no
-reason, True and one logged line per distinct reason); both trainers built on the mixin with
-their own names and messages. The trainers' own tests check the same through TRL
-(tests/test_trainers_grpo.py, tests/test_trainers_sft.py).
+reason, True and one logged line per distinct reason); every trainer built on the mixin with
+its own names and messages. The trainers' own tests check the same through TRL
+(tests/test_trainers_grpo.py, tests/test_trainers_sft.py, tests/test_trainers_dpo.py, ...).
 
     python -m pytest tests/test_trainers_base.py -q
 """
@@ -17,8 +17,9 @@ import pytest
 import torch
 import trl
 
-from trainers import GRPOTrainer, SFTTrainer
+from trainers import DPOTrainer, GRPOTrainer, KTOTrainer, RLOOTrainer, SFTTrainer
 from trainers.base import FusedHeadMixin
+from trainers.fused_forward import FusedForwardMixin
 from trainers.tiny import build_tiny_llama, build_tokenizer
 
 
@@ -70,9 +71,15 @@ def test_falls_back_logs_once_per_reason(model, caplog):
     ]
 
 
-def test_both_trainers_use_it():
+def test_every_trainer_uses_it():
     for cls, stock, fallback in ((GRPOTrainer, trl.GRPOTrainer, "TRL's own fused head"),
-                                 (SFTTrainer, trl.SFTTrainer, "TRL's own compute_loss")):
-        assert cls.__mro__[1:3] == (FusedHeadMixin, stock)
+                                 (SFTTrainer, trl.SFTTrainer, "TRL's own compute_loss"),
+                                 (RLOOTrainer, trl.RLOOTrainer, "TRL's own fused head"),
+                                 (DPOTrainer, trl.DPOTrainer, "TRL's own fused head"),
+                                 (KTOTrainer, trl.KTOTrainer, "TRL's own fused head")):
+        # the fused-forward trainers (trainers.fused_forward) add their mixin in between
+        mixins = (FusedHeadMixin,) if cls in (GRPOTrainer, SFTTrainer) else (
+            FusedForwardMixin, FusedHeadMixin)
+        assert cls.__mro__[1:2 + len(mixins)] == (*mixins, stock)
         assert (cls._trl_name, cls._trl_fallback) == (stock.__name__, fallback)
         assert cls._lce_logger.name == cls.__module__

@@ -1,5 +1,6 @@
-"""What `trainers.GRPOTrainer` and `trainers.SFTTrainer` do the same way, written once: the checks
-at construction, and the one logged line when a call goes to TRL's own code.
+"""What the trainers (`trainers.GRPOTrainer`, `SFTTrainer`, `RLOOTrainer`, `DPOTrainer`,
+`KTOTrainer`) do the same way, written once: the checks at construction, and the one logged line
+when a call goes to TRL's own code.
 
     class GRPOTrainer(FusedHeadMixin, trl.GRPOTrainer):
         _trl_name = "GRPOTrainer"                  # the TRL class stood in for
@@ -36,12 +37,13 @@ class FusedHeadMixin:
 
     def __init__(self, *args, **kwargs):
         check_trl_version(self._trl_name)
+        # before TRL's __init__: DPO / KTO precompute reference log-probs inside it
+        self._lce_fallbacks_logged: set[str] = set()
         super().__init__(*args, **kwargs)
         for model in (self.model, getattr(self, "ref_model", None)):
             if model is not None:
                 check_fused_head(model)
         check_parallelism(self)
-        self._lce_fallbacks_logged: set[str] = set()
 
     def _lce_warn_once(self, seen: set[str], key: str, message: str) -> None:
         """Log `message` unless `key` is already in `seen` (one line per distinct key)."""

@@ -29,9 +29,17 @@ out of the packs: padded, they only ever produce zeros.
 One call runs it all: `packed_logprobs(model, ids, mask, K, kind=..., max_tokens=..., weight=W,
 bias=b, ...)` plans the packs (`plan_packs`), runs one forward per pack through the wrapped model
 (`trainers.head.forward_hidden_states`, inside `trainers.varlen.packed_forward` for
-"sdpa_varlen"), gathers the (N, H) hidden states that score a token, runs the head once on them
-and returns TRL's (B, K) log-probs (and entropies), or None when the batch stays padded. The
-trainer only chooses the kind (`choose_packing`, below) and calls it.
+"sdpa_varlen": `packed_hidden`), gathers the (N, H) hidden states that score a token, runs the
+head once on them and returns TRL's (B, K) log-probs (and entropies), or None when the batch
+stays padded. The trainer only chooses the kind (`choose_packing`, below) and calls it.
+
+Any labels. The plan is one case of `plan_target_packs(ids, mask, targets)`, for a causal LM's
+shifted labels in the same (B, L) layout, targets[b, t] the token the hidden state at (b, t) is
+scored against (−100: none): a row's valid tokens must be one contiguous run holding every
+position that scores a target, the output is (B, L) (out_index = b·L + t). GRPO's plan is that
+with the K completion tokens as targets, its output indices moved to (B, K);
+`trainers.fused_forward` (the DPO / KTO / RLOO trainers) uses it directly on the labels TRL
+passes its fused LM head, with the backbone itself as the per-pack forward.
 
 How rows stay apart. With `position_ids` given and no `attention_mask` and no cache,
 transformers 5.x finds the restarts (`masking_utils.find_packed_sequence_indices`) and
@@ -138,38 +146,82 @@ class Pack:
 
 @dataclass
 class PackPlan:
-    """The packs of one (B, L) batch and where their N scored tokens go in (B, K)."""
+    """The packs of one (B, L) batch and where their N scored tokens go in the (B, K) output."""
 
     packs: list[Pack]
-    targets: torch.Tensor  # (N,) ids[b, j] of every scored token, packs in order
-    out_index: torch.Tensor  # (N,) b·K + j − (L − K)
+    targets: torch.Tensor  # (N,) the token each scored hidden state is scored against
+    out_index: torch.Tensor  # (N,) its place in the flat (B·K) output
     B: int
-    K: int
+    K: int  # output width: the K completion columns (plan_packs), or L (plan_target_packs)
 
 
 def plan_packs(
     input_ids: torch.Tensor, attention_mask: torch.Tensor, K: int, *, max_tokens: int
 ) -> PackPlan | None:
     """Pack the rows of `input_ids` (B, L) greedily, in order, into packs of ≤ `max_tokens`
-    tokens, scoring the last K columns. None when some row's valid tokens are not one contiguous
-    run with at least one prompt token before column L − K (only the padded path is exact then).
+    tokens, scoring the last K columns (GRPO's log-prob passes: module docstring), with the
+    (B, K) output TRL's `_get_per_token_logps_and_entropies` returns. None when some row's
+    valid tokens are not one contiguous run with at least one prompt token before column
+    L − K (only the padded path is exact then).
 
-    One host read (the (3, B) row spans); the index maps are built on the CPU from it and
+    `plan_target_packs` with the targets "token j scored by the hidden state at j − 1, for the
+    valid tokens of the K completion columns", its (B, L) output indices then moved to (B, K).
+    """
+    B, L = input_ids.shape
+    if K >= L:  # no prompt column: the first completion token has no hidden state before it
+        if bool(attention_mask.bool().any()):
+            return None
+        return PackPlan([], input_ids.new_zeros(0), input_ids.new_zeros(0), B, K)
+    c0 = L - K - 1  # the hidden state at column c0 scores the first completion column
+    completion = input_ids[:, L - K:].masked_fill(attention_mask[:, L - K:] == 0, -100)
+    targets = input_ids.new_full((B, L), -100)
+    targets[:, c0:L - 1] = completion
+    plan = plan_target_packs(input_ids, attention_mask, targets, max_tokens=max_tokens)
+    if plan is None:
+        return None
+    # b·L + t  ->  b·K + (t − c0)
+    out = plan.out_index
+    plan.out_index = torch.div(out, L, rounding_mode="floor") * K + out % L - c0
+    plan.K = K
+    return plan
+
+
+def plan_target_packs(
+    input_ids: torch.Tensor, attention_mask: torch.Tensor, targets: torch.Tensor, *,
+    max_tokens: int,
+) -> PackPlan | None:
+    """Pack the rows of `input_ids` (B, L) whose `targets` (B, L) score anything, greedily, in
+    order, into packs of ≤ `max_tokens` tokens. targets[b, t] is the token the hidden state at
+    (b, t) is scored against, −100 for none (a causal LM's shifted labels); the output is (B, L)
+    (`K = L`): out_index = b·L + t.
+
+    None when a row with a target has valid tokens that are not one contiguous run, or a target
+    at a position outside that run (its hidden state would be a padding token's): only the
+    padded path is exact then. Rows without a target are left out (padded, they only ever
+    produce zeros).
+
+    One host read (the (2, B, L) masks); the index maps are built on the CPU from it and
     copied to the device, a few (T,) int64 tensors per pack.
     """
     B, L = input_ids.shape
-    mask = attention_mask.bool()
-    first = mask.int().argmax(-1)  # (B,) f_b (argmax returns the first maximum)
-    n = mask.sum(-1)  # (B,) n_b
-    last = L - 1 - mask.flip(-1).int().argmax(-1)  # (B,) f_b + n_b − 1 when n_b > 0
-    first, n, last = torch.stack([first, n, last]).tolist()  # the one host sync
+    targets = targets.to(input_ids.device)
+    masks = torch.stack([attention_mask.bool(), targets != -100]).cpu()  # the one host sync
+    mask, scored = masks[0], masks[1]  # (B, L) each
+    first_t = mask.int().argmax(-1)  # (B,) f_b (argmax returns the first maximum)
+    n_t = mask.sum(-1)  # (B,) n_b
+    last = (L - 1 - mask.flip(-1).int().argmax(-1)).tolist()  # f_b + n_b − 1 when n_b > 0
+    s_first = scored.int().argmax(-1).tolist()  # the first and last scored positions
+    s_last = (L - 1 - scored.flip(-1).int().argmax(-1)).tolist()
+    has = scored.any(-1).tolist()
+    first, n = first_t.tolist(), n_t.tolist()
 
     rows = []
     for b in range(B):
-        if n[b] == 0 or last[b] < L - K:
-            continue  # no completion token: all zeros, padded or not
-        if last[b] - first[b] + 1 != n[b] or first[b] >= L - K:
-            return None  # holes in the mask, or an empty prompt (j − 1 would be padding)
+        if not has[b]:
+            continue  # nothing scored: all zeros, padded or not
+        if n[b] == 0 or last[b] - first[b] + 1 != n[b] or not first[b] <= s_first[b] <= \
+                s_last[b] <= last[b]:
+            return None  # holes in the mask, or a target scored by a padding position
         rows.append(b)
 
     groups, current, tokens = [], [], 0
@@ -183,9 +235,8 @@ def plan_packs(
         groups.append(current)
 
     device = input_ids.device
-    ids_flat = input_ids.reshape(-1)
-    first_t, n_t = torch.tensor(first), torch.tensor(n)
-    packs, targets, out_index = [], [], []
+    ids_flat, scored_flat = input_ids.reshape(-1), scored.reshape(-1)
+    packs, src_scored = [], []
     for group in groups:
         r = torch.tensor(group)  # (R,) batch rows in this pack
         n_r = n_t[r]  # (R,)
@@ -194,29 +245,42 @@ def plan_packs(
         T = int(cu[-1])
         row_of = torch.repeat_interleave(torch.arange(len(group)), n_r)  # (T,) which row
         i = torch.arange(T) - cu[:-1][row_of]  # (T,) position within its row
-        col = first_t[r][row_of] + i  # (T,) column j in the padded batch
-        src = r[row_of] * L + col  # (T,) flat index into ids
-        scored = col >= L - K  # (T,) completion tokens; i ≥ 1 for all of them
-        pos_scored = scored.nonzero().squeeze(1)  # (N_p,) t
+        col = first_t[r][row_of] + i  # (T,) column t in the padded batch
+        src = r[row_of] * L + col  # (T,) flat index b·L + t
+        hit = scored_flat[src]  # (T,) the hidden state at this token scores a target
         packs.append(Pack(
             input_ids=ids_flat[src.to(device)].unsqueeze(0),
             position_ids=i.unsqueeze(0).to(device),
             cu_seqlens=cu.to(device=device, dtype=torch.int32),
             max_seqlen=int(n_r.max()),
-            hidden_index=(pos_scored - 1).to(device),
+            hidden_index=hit.nonzero().squeeze(1).to(device),
         ))
-        targets.append(src[scored])
-        out_index.append(r[row_of[scored]] * K + col[scored] - (L - K))
+        src_scored.append(src[hit])
     if not packs:
-        return PackPlan([], input_ids.new_zeros(0), input_ids.new_zeros(0), B, K)
-    targets = ids_flat[torch.cat(targets).to(device)]  # (N,)
-    return PackPlan(packs, targets, torch.cat(out_index).to(device), B, K)
+        return PackPlan([], input_ids.new_zeros(0), input_ids.new_zeros(0), B, L)
+    out_index = torch.cat(src_scored).to(device)  # (N,) b·L + t
+    return PackPlan(packs, targets.reshape(-1)[out_index], out_index, B, L)
 
 
 def unpack(values: torch.Tensor, plan: PackPlan) -> torch.Tensor:
-    """(N,) per scored token -> (B, K), 0 at every other position; differentiable in `values`."""
+    """(N,) per scored token -> (B, K), 0 (False) at every other position; differentiable in
+    `values`."""
     out = values.new_zeros(plan.B * plan.K)  # (B·K,)
-    return out.index_copy(0, plan.out_index, values).view(plan.B, plan.K)
+    return out.index_copy(0, plan.out_index.to(out.device), values).view(plan.B, plan.K)
+
+
+def packed_hidden(plan: PackPlan, kind: str, forward: Callable[[dict], torch.Tensor]
+                  ) -> torch.Tensor:
+    """(N, H): the hidden states that score `plan.targets`, in order, from one call
+    `forward(model_inputs) -> (1, T, H)` per pack (inside `varlen.packed_forward` for the
+    "sdpa_varlen" kind)."""
+    in_pack = varlen.packed_forward if kind == "sdpa_varlen" else contextlib.nullcontext
+    hidden = []
+    for pack in plan.packs:
+        with in_pack():
+            h = forward(pack.model_inputs(kind))  # (1, T, H)
+        hidden.append(h[0, pack.hidden_index])  # (N_p, H): the states before scored tokens
+    return torch.cat(hidden)
 
 
 # --------------------------------------------------------------------------- the packed pass
@@ -259,15 +323,14 @@ def packed_logprobs(
         return None, _UNPACKABLE
     if not plan.packs:
         return None, None
-    in_pack = varlen.packed_forward if kind == "sdpa_varlen" else contextlib.nullcontext
-    hidden = []
-    for pack in plan.packs:
-        with autocast(), in_pack():
-            h, _ = forward_hidden_states(model, **pack.model_inputs(kind))  # (1, T, H)
-        hidden.append(h[0, pack.hidden_index])  # (N_p, H): the states before scored tokens
-    out = head_logprobs(torch.cat(hidden), weight, bias, plan.targets,  # (N, H) -> (N,)
+
+    def forward(inputs):
+        with autocast():
+            return forward_hidden_states(model, **inputs)[0]
+
+    out = head_logprobs(packed_hidden(plan, kind, forward), weight, bias, plan.targets,
                         temperature=temperature, return_entropy=return_entropy,
-                        entropy_requires_grad=entropy_requires_grad)
+                        entropy_requires_grad=entropy_requires_grad)  # (N, H) -> (N,)
     if return_entropy:
         return (unpack(out[0], plan), unpack(out[1], plan)), None
     return (unpack(out, plan), None), None
