@@ -393,9 +393,16 @@ def dpo_accuracy(tr, tok, rows, lens: Lengths) -> dict:
     causal = unwrap_causal_lm(lm)
     if "forward" not in vars(causal):  # trl.DPOTrainer adds it; the others need not
         add_fused_lm_head(causal)
-    with torch.no_grad(), tr.accelerator.autocast(), _captured_hidden(backbone(lm)) as seen:
-        out = lm(input_ids=ids, attention_mask=attn, labels=labels, fused_lm_head=True,
-                 use_cache=False)
+    packing = getattr(tr, "packing", None)
+    if packing is not None:  # grpo_lce's trainers: capture the padded (B, L, H) hidden states
+        tr.packing = False
+    try:
+        with torch.no_grad(), tr.accelerator.autocast(), _captured_hidden(backbone(lm)) as seen:
+            out = lm(input_ids=ids, attention_mask=attn, labels=labels, fused_lm_head=True,
+                     use_cache=False)
+    finally:
+        if packing is not None:
+            tr.packing = packing
     h, y = seen[0][:, :-1], labels[:, 1:]
     valid = y != -100
     hv, yv = h[valid], y[valid]  # (n, H), (n,)
