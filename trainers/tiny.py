@@ -70,6 +70,43 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     return tok
 
 
+def _tiny_config(config_cls, tokenizer, *, hidden_size, num_layers, num_heads, num_kv_heads,
+                 intermediate_size, tie_word_embeddings, **extra):
+    """A small decoder config over the tokenizer's vocabulary and special-token ids."""
+    return config_cls(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size or 4 * hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        max_position_embeddings=512,
+        tie_word_embeddings=tie_word_embeddings,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        **extra,
+    )
+
+
+def _tiny_model(model_cls, config, tokenizer, seed: int):
+    """`model_cls(config)` in fp32, seeded, with the embedding scale below and the tokenizer's
+    special-token ids in its generation config."""
+    # fork_rng: building a model must not move the caller's global RNG stream.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = model_cls(config).to(torch.float32)
+        # Embeddings (= the tied head) at std 0.02 cap |logit| near 0.02·H, so a frozen head under
+        # LoRA could never be confident; std 0.25 allows logits up to ~0.25·H (16 at H=64).
+        model.get_input_embeddings().weight.data.normal_(0.0, 0.25)
+        if not config.tie_word_embeddings:
+            model.get_output_embeddings().weight.data.normal_(0.0, 0.25)
+    gc = model.generation_config
+    gc.pad_token_id, gc.bos_token_id = tokenizer.pad_token_id, tokenizer.bos_token_id
+    gc.eos_token_id = tokenizer.eos_token_id
+    return model
+
+
 def build_tiny_llama(
     tokenizer: PreTrainedTokenizerFast,
     *,
@@ -83,32 +120,11 @@ def build_tiny_llama(
 ) -> LlamaForCausalLM:
     """Randomly initialised fp32 Llama with vocab = len(tokenizer) and the tokenizer's
     pad/bos/eos ids in both config and generation_config."""
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=hidden_size,
-        intermediate_size=intermediate_size or 4 * hidden_size,
-        num_hidden_layers=num_layers,
-        num_attention_heads=num_heads,
-        num_key_value_heads=num_kv_heads,
-        max_position_embeddings=512,
-        tie_word_embeddings=tie_word_embeddings,
-        pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-    )
-    # fork_rng: building a model must not move the caller's global RNG stream.
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = LlamaForCausalLM(config).to(torch.float32)
-        # Embeddings (= the tied head) at std 0.02 cap |logit| near 0.02·H, so a frozen head under
-        # LoRA could never be confident; std 0.25 allows logits up to ~0.25·H (16 at H=64).
-        model.get_input_embeddings().weight.data.normal_(0.0, 0.25)
-        if not tie_word_embeddings:
-            model.get_output_embeddings().weight.data.normal_(0.0, 0.25)
-    gc = model.generation_config
-    gc.pad_token_id, gc.bos_token_id = tokenizer.pad_token_id, tokenizer.bos_token_id
-    gc.eos_token_id = tokenizer.eos_token_id
-    return model
+    config = _tiny_config(
+        LlamaConfig, tokenizer, hidden_size=hidden_size, num_layers=num_layers,
+        num_heads=num_heads, num_kv_heads=num_kv_heads, intermediate_size=intermediate_size,
+        tie_word_embeddings=tie_word_embeddings)
+    return _tiny_model(LlamaForCausalLM, config, tokenizer, seed)
 
 
 def build_tiny_qwen2(
@@ -124,30 +140,11 @@ def build_tiny_qwen2(
 ) -> Qwen2ForCausalLM:
     """Randomly initialised fp32 Qwen2 over the tokenizer's vocabulary, set up as
     `build_tiny_llama` sets up its Llama (same embedding scale, same special-token ids)."""
-    config = Qwen2Config(
-        vocab_size=len(tokenizer),
-        hidden_size=hidden_size,
-        intermediate_size=intermediate_size or 4 * hidden_size,
-        num_hidden_layers=num_layers,
-        num_attention_heads=num_heads,
-        num_key_value_heads=num_kv_heads,
-        max_position_embeddings=512,
-        tie_word_embeddings=tie_word_embeddings,
-        use_sliding_window=False,
-        pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-    )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = Qwen2ForCausalLM(config).to(torch.float32)
-        model.get_input_embeddings().weight.data.normal_(0.0, 0.25)  # as build_tiny_llama's
-        if not tie_word_embeddings:
-            model.get_output_embeddings().weight.data.normal_(0.0, 0.25)
-    gc = model.generation_config
-    gc.pad_token_id, gc.bos_token_id = tokenizer.pad_token_id, tokenizer.bos_token_id
-    gc.eos_token_id = tokenizer.eos_token_id
-    return model
+    config = _tiny_config(
+        Qwen2Config, tokenizer, hidden_size=hidden_size, num_layers=num_layers,
+        num_heads=num_heads, num_kv_heads=num_kv_heads, intermediate_size=intermediate_size,
+        tie_word_embeddings=tie_word_embeddings, use_sliding_window=False)
+    return _tiny_model(Qwen2ForCausalLM, config, tokenizer, seed)
 
 
 def tiny_model_dir(path: str | None = None, **kw) -> str:
