@@ -48,6 +48,7 @@ import torch
 import torch.nn.functional as F
 
 from bench import common as bc
+from grpo_lce.reference import divergence_of_logprobs
 
 # name -> (N tokens, H, V): the Llama-3.2-1B and 3.1-8B heads over 8 sequences of 1024 tokens
 OP_SHAPES = {"1b": (8192, 2048, 128256), "8b": (8192, 4096, 128256), "tiny": (128, 64, 1024)}
@@ -85,12 +86,7 @@ def mm32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 def jsd_from_logits(z_s: torch.Tensor, z_t: torch.Tensor, beta: float) -> torch.Tensor:
     """D per row (C,) from logits (C, V), in their dtype (module docstring)."""
     ls, lt = F.log_softmax(z_s, -1), F.log_softmax(z_t, -1)  # (C, V) each
-    if beta == 0.0:
-        return (lt.exp() * (lt - ls)).sum(-1)
-    if beta == 1.0:
-        return (ls.exp() * (ls - lt)).sum(-1)
-    lm = torch.logaddexp(ls + math.log(1 - beta), lt + math.log(beta))  # log m, (C, V)
-    return beta * (lt.exp() * (lt - lm)).sum(-1) + (1 - beta) * (ls.exp() * (ls - lm)).sum(-1)
+    return divergence_of_logprobs(ls, lt, beta)
 
 
 def _rows(V: int, itemsize: int = 8) -> int:

@@ -58,6 +58,19 @@ def token_metrics_ref(hidden, weight, labels, *, bias=None, ignore_index=-100):
     return correct, ent.sum(), valid.sum()
 
 
+def divergence_of_logprobs(lp: torch.Tensor, lq: torch.Tensor, beta: float) -> torch.Tensor:
+    """D per row from the student's and the teacher's log-probabilities over the last dim, in
+    their dtype: KL(q‖p) at β = 0, KL(p‖q) at β = 1, else β KL(q‖m) + (1−β) KL(p‖m) with
+    log m = logaddexp(log p + log(1−β), log q + log β)."""
+    p, q = lp.exp(), lq.exp()
+    if beta == 0.0:
+        return (q * (lq - lp)).sum(-1)
+    if beta == 1.0:
+        return (p * (lp - lq)).sum(-1)
+    lm = torch.logaddexp(lp + math.log1p(-beta), lq + math.log(beta))
+    return beta * (q * (lq - lm)).sum(-1) + (1.0 - beta) * (p * (lp - lm)).sum(-1)
+
+
 def divergence_ref(student_hidden, student_weight, teacher_hidden, teacher_weight, *, beta,
                    mask=None, student_bias=None, teacher_bias=None, temperature=1.0):
     """(D, student entropy) in fp64 with the hidden states' leading shape, 0 where mask is 0:
@@ -67,15 +80,8 @@ def divergence_ref(student_hidden, student_weight, teacher_hidden, teacher_weigh
                            -1)
     lq = torch.log_softmax(logits_ref(teacher_hidden, teacher_weight, teacher_bias, temperature),
                            -1)
-    p, q = lp.exp(), lq.exp()
-    if beta == 0.0:
-        d = (q * (lq - lp)).sum(-1)
-    elif beta == 1.0:
-        d = (p * (lp - lq)).sum(-1)
-    else:
-        lm = torch.logaddexp(lp + math.log1p(-beta), lq + math.log(beta))
-        d = beta * (q * (lq - lm)).sum(-1) + (1.0 - beta) * (p * (lp - lm)).sum(-1)
-    ent = -(p * lp).sum(-1)
+    d = divergence_of_logprobs(lp, lq, beta)
+    ent = -(lp.exp() * lp).sum(-1)
     if mask is not None:
         zero = torch.zeros((), dtype=torch.float64, device=d.device)
         d, ent = torch.where(mask != 0, d, zero), torch.where(mask != 0, ent, zero)

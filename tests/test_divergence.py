@@ -12,13 +12,11 @@ errors; and a `gpu` test of ours against TRL's kernel and fp64 in bf16 on CUDA. 
     python -m pytest tests/test_divergence.py -q            (add -m slow for the real vocabularies)
 """
 
-import math
-
 import pytest
 import torch
 
 from grpo_lce import linear_divergence
-from grpo_lce.reference import divergence_ref
+from grpo_lce.reference import divergence_of_logprobs, divergence_ref
 from _tolerance import assert_3way, assert_close_scaled
 
 # D and H come from fp32 logits whatever the input dtype, so their error against fp64 is fp32
@@ -65,15 +63,8 @@ def _torch_same_dtype(h, w, b, x, u, c, beta, tau, mask):
     s = h @ w.t() if b is None else h @ w.t() + b
     t = x @ u.t() if c is None else x @ u.t() + c
     lp, lq = torch.log_softmax(s.float() / tau, -1), torch.log_softmax(t.float() / tau, -1)
-    p, q = lp.exp(), lq.exp()
-    if beta == 0.0:
-        d = (q * (lq - lp)).sum(-1)
-    elif beta == 1.0:
-        d = (p * (lp - lq)).sum(-1)
-    else:
-        lm = torch.logaddexp(lp + math.log1p(-beta), lq + math.log(beta))
-        d = beta * (q * (lq - lm)).sum(-1) + (1 - beta) * (p * (lp - lm)).sum(-1)
-    return torch.where(mask != 0, d, 0.0), torch.where(mask != 0, -(p * lp).sum(-1), 0.0)
+    d = divergence_of_logprobs(lp, lq, beta)
+    return torch.where(mask != 0, d, 0.0), torch.where(mask != 0, -(lp.exp() * lp).sum(-1), 0.0)
 
 
 def _check(case, dtype, method, train_head, beta, chunk_size=None):
