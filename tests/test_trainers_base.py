@@ -17,8 +17,15 @@ import pytest
 import torch
 import trl
 
-from trainers import DPOTrainer, GRPOTrainer, KTOTrainer, RLOOTrainer, SFTTrainer
-from trainers.base import FusedHeadMixin
+from trainers import (
+    DistillationTrainer,
+    DPOTrainer,
+    GRPOTrainer,
+    KTOTrainer,
+    RLOOTrainer,
+    SFTTrainer,
+)
+from trainers.base import FusedHeadMixin, PackingOptionsMixin
 from trainers.fused_forward import FusedForwardMixin
 from trainers.tiny import build_tiny_llama, build_tokenizer
 
@@ -76,10 +83,13 @@ def test_every_trainer_uses_it():
                                  (SFTTrainer, trl.SFTTrainer, "TRL's own compute_loss"),
                                  (RLOOTrainer, trl.RLOOTrainer, "TRL's own fused head"),
                                  (DPOTrainer, trl.DPOTrainer, "TRL's own fused head"),
-                                 (KTOTrainer, trl.KTOTrainer, "TRL's own fused head")):
-        # the fused-forward trainers (trainers.fused_forward) add their mixin in between
-        mixins = (FusedHeadMixin,) if cls in (GRPOTrainer, SFTTrainer) else (
-            FusedForwardMixin, FusedHeadMixin)
+                                 (KTOTrainer, trl.KTOTrainer, "TRL's own fused head"),
+                                 (DistillationTrainer, trl.DistillationTrainer,
+                                  "TRL's own chunked divergence")):
+        # the fused-forward trainers (trainers.fused_forward) and distillation add the packing
+        # options' mixin (and the fused forward's) in between
+        mixins = {GRPOTrainer: (), SFTTrainer: (), DistillationTrainer: (PackingOptionsMixin,)
+                  }.get(cls, (FusedForwardMixin, PackingOptionsMixin)) + (FusedHeadMixin,)
         assert cls.__mro__[1:2 + len(mixins)] == (*mixins, stock)
         assert (cls._trl_name, cls._trl_fallback) == (stock.__name__, fallback)
         assert cls._lce_logger.name == cls.__module__

@@ -7,8 +7,12 @@ completions, a tool mask), for forward KL, reverse KL and JSD at several β, tem
 untied heads, LoRA (frozen head: the "basis" backward) and full fine-tuning (trainable head:
 the recompute), and the "chunked" implementation; each also against an fp64 copy of the same
 models, where ours must be at least as close as TRL; a 3-step `train()` with gradient
-accumulation and on-policy generation whose logs match stock TRL step by step; the fallbacks
-to TRL's loss (logit scale, softcap) and the seam check; the refusals at construction.
+accumulation and on-policy generation whose logs match stock TRL step by step; packed backbone
+passes (`packing=True`: a dense block-diagonal mask under sdpa on CPU) against TRL's padded
+ones, student and teacher each seen running (1, T) packs of the valid tokens, one pack or one
+per row, a row without completion tokens, `packing="auto"` staying padded on CPU with one note,
+a mask with a hole staying padded; the fallbacks to TRL's loss (logit scale, softcap) and the
+seam check; the refusals at construction.
 
     python -m pytest tests/test_trainers_distillation.py -q
 
@@ -19,12 +23,19 @@ differences of running sums; the tiny models' heads are softened so that this st
 rounding, see `_model`): loss rtol 1e-5 (measured ≤ 6e-7), gradients 2e-5 × max|grad| (measured
 ≤ 3e-6), the entropy metric rel 1e-5 + abs 1e-6 (measured ≤ 5e-7). Against the fp64 models
 both carry the fp32 backbone's error too (~1e-6 of a gradient's scale): ours must be within
-TRL's distance plus 1e-5 of the scale.
+TRL's distance plus 1e-5 of the scale. Packed against padded: the same weights, but the
+packed pass attends over fewer (masked, exactly 0) keys and a left-padded row starts at
+another RoPE position (exact in exact arithmetic, ~1 ulp of the angle in fp32:
+tests/test_packing.py), so the hidden states differ at fp32 rounding, ~1e-6: loss rtol 1e-5,
+gradients 1e-5 × max|grad|, entropy rel 1e-5 + abs 2e-5 (as tests/test_fused_forward_packing.py).
+A packing bug (a row attending to its neighbour, a shifted position) moves the loss by 1e-2 or
+more.
 """
 
 from __future__ import annotations
 
 import copy
+import logging
 
 import pytest
 import torch
@@ -86,16 +97,18 @@ def _config(tmp_path, **overrides):
     return trl.DistillationConfig(**kw)
 
 
-def _batch(tok, *, num_items=None, tool_mask=False, seed=0):
+def _batch(tok, *, num_items=None, tool_mask=False, seed=0, empty_row=False):
     """A micro-batch as TRL's `_generate_and_score_completions` lays it out: prompts padded on
-    the left, completions on the right (their mask ends at each completion's EOS)."""
+    the left, completions on the right (their mask ends at each completion's EOS); with
+    `empty_row`, a fourth row whose completion is all padding."""
     g = torch.Generator().manual_seed(seed)
-    B, P, K = 3, 6, 7
+    B, P, K = 3 + empty_row, 6, 7
+    completion_mask = [[1] * 7, [1] * 4 + [0] * 3, [1] * 2 + [0] * 5] + [[0] * 7] * empty_row
     batch = {
         "prompt_ids": torch.randint(8, len(tok), (B, P), generator=g),
         "prompt_mask": torch.ones(B, P, dtype=torch.long),
         "completion_ids": torch.randint(8, len(tok), (B, K), generator=g),
-        "completion_mask": torch.tensor([[1] * 7, [1] * 4 + [0] * 3, [1] * 2 + [0] * 5]),
+        "completion_mask": torch.tensor(completion_mask),
     }
     batch["prompt_mask"][1, :2] = 0
     batch["prompt_mask"][2, :4] = 0
@@ -181,21 +194,23 @@ def test_loss_grads_and_entropy_match_trl(tok, tmp_path, student, teacher, tied,
     assert_3way(loss_o, loss_s, loss_r, k=1.0, atol=1e-7, what="loss vs fp64 models")
 
 
-@pytest.mark.parametrize("student,teacher,tied,beta", [
-    ("llama", "qwen2", True, 0.5),
-    pytest.param("qwen2", "llama", False, 0.0, marks=pytest.mark.slow),
+@pytest.mark.parametrize("student,teacher,tied,beta,packing", [
+    ("llama", "qwen2", True, 0.5, "auto"),  # padded on CPU
+    ("llama", "llama", False, 1.0, True),  # packed backbone passes
+    pytest.param("qwen2", "llama", False, 0.0, "auto", marks=pytest.mark.slow),
 ])
-def test_train_logs_match_trl(tok, tmp_path, student, teacher, tied, beta):
+def test_train_logs_match_trl(tok, tmp_path, student, teacher, tied, beta, packing):
     # On-policy: each generation batch (2 × accumulation 2 prompts) is sampled by the student;
     # both trainers seed alike and their students agree to fp32 rounding, so they sample the
     # same completions. 3 optimizer steps of LoRA updates.
     s_model, t_model = _model(tok, student, tied=tied, peft=True), _teacher(tok, teacher)
     logs = []
-    for cls, sub in ((trl.DistillationTrainer, "s"), (DistillationTrainer, "o")):
+    for cls, sub, kw in ((trl.DistillationTrainer, "s", {}),
+                         (DistillationTrainer, "o", {"packing": packing})):
         args = _config(tmp_path / sub, max_steps=3, gradient_accumulation_steps=2,
                        per_device_train_batch_size=2, learning_rate=1e-2, beta=beta)
         tr = cls(model=copy.deepcopy(s_model), teacher_model=copy.deepcopy(t_model), args=args,
-                 train_dataset=_prompts(), processing_class=tok)
+                 train_dataset=_prompts(), processing_class=tok, **kw)
         tr.train()
         logs.append([h for h in tr.state.log_history if "loss" in h])
     logs_s, logs_o = logs
@@ -208,6 +223,130 @@ def test_train_logs_match_trl(tok, tmp_path, student, teacher, tied, beta):
         assert o["entropy"] == pytest.approx(s["entropy"], rel=1e-5, abs=1e-6), step
         for k in ("loss", "grad_norm"):
             assert o[k] == pytest.approx(s[k], rel=1e-4), (step, k, o[k], s[k])
+
+
+# ---------------------------------------------------------------- packing
+
+
+class _BackboneCalls:
+    """Records the (batch, length) of every call of the given backbones inside the block."""
+
+    def __init__(self, **backbones):
+        self.backbones, self.shapes = backbones, {k: [] for k in backbones}
+
+    def __enter__(self):
+        def hook(name):
+            return lambda _m, _a, kw: self.shapes[name].append(tuple(kw["input_ids"].shape))
+
+        self._hooks = [m.register_forward_pre_hook(hook(k), with_kwargs=True)
+                       for k, m in self.backbones.items()]
+        return self
+
+    def __exit__(self, *exc):
+        for h in self._hooks:
+            h.remove()
+
+
+def _backbone(model):
+    lm = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return lm.base_model
+
+
+@pytest.mark.parametrize("student,teacher,tied,peft,beta,max_packed,empty_row", [
+    ("llama", "qwen2", True, True, 0.5, None, False),  # one pack
+    ("qwen2", "llama", False, False, 0.0, 10, True),  # one pack a row; trainable head
+])
+def test_packed_matches_padded_and_trl(tok, tmp_path, student, teacher, tied, peft, beta,
+                                       max_packed, empty_row):
+    s_model, t_model = _model(tok, student, tied=tied, peft=peft), _teacher(tok, teacher)
+    args = _config(tmp_path, beta=beta)
+    batch = _batch(tok, tool_mask=True, empty_row=empty_row)
+    valid = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)
+    scored_rows = batch["completion_mask"].any(1)
+    row_tokens = valid[scored_rows].sum(1).tolist()  # packed rows, in order
+
+    results, shapes = [], None
+    for cls, kw in ((trl.DistillationTrainer, {}), (DistillationTrainer, {"packing": False}),
+                    (DistillationTrainer, {"packing": True, "max_packed_tokens": max_packed})):
+        tr = cls(model=copy.deepcopy(s_model), teacher_model=copy.deepcopy(t_model), args=args,
+                 train_dataset=_prompts(), processing_class=tok, **kw)
+        tr.model.train()
+        with _BackboneCalls(student=_backbone(tr.model), teacher=_backbone(tr.teacher_model)) \
+                as calls:
+            results.append(_step(tr, batch))
+        shapes = calls.shapes
+    (loss_s, g_s, ent_s), (loss_u, g_u, ent_u), (loss_p, g_p, ent_p) = results
+
+    # the packed trainer ran every backbone on (1, T) packs of the valid tokens only
+    packs = [(1, sum(row_tokens))] if max_packed is None else [(1, n) for n in row_tokens]
+    assert shapes == {"student": packs, "teacher": packs}
+    for loss, grads, ent in ((loss_s, g_s, ent_s), (loss_u, g_u, ent_u)):
+        torch.testing.assert_close(loss_p, loss, rtol=LOSS_RTOL, atol=0)
+        assert ent_p == pytest.approx(ent, rel=1e-5, abs=2e-5)
+        assert grads.keys() == g_p.keys() and len(grads) > 0
+        for name, g in grads.items():
+            err = (g_p[name] - g).abs().max().item()
+            assert err <= 1e-5 * g.abs().max().item() + 1e-10, f"grad {name}: {err:.3e}"
+
+
+def test_what_stays_padded(tok, tmp_path, caplog):
+    s_model, t_model = _model(tok, "llama", tied=True, peft=True), _teacher(tok, "llama")
+    args = _config(tmp_path, beta=0.5)
+    caplog.set_level(logging.WARNING, logger="trainers.distillation")
+    tr = DistillationTrainer(model=s_model, teacher_model=t_model, args=args,
+                             train_dataset=_prompts(), processing_class=tok)
+    tr.model.train()
+    assert tr.packing == "auto"
+    L = 6 + 7
+    with _BackboneCalls(student=_backbone(tr.model), teacher=_backbone(tr.teacher_model)) as c:
+        for seed in (0, 1):  # "auto" under sdpa on CPU: padded, said once
+            _step(tr, _batch(tok, seed=seed))
+    assert c.shapes == {"student": [(3, L)] * 2, "teacher": [(3, L)] * 2}
+    notes = [r.getMessage() for r in caplog.records if "packing" in r.getMessage()
+             or "stay padded" in r.getMessage()]
+    assert notes == ["grpo_lce: log-prob passes stay padded (sdpa on CPU has no packed kernel)."]
+
+    tr.packing = True  # a hole in a row's mask: only the padded pass is exact
+    caplog.clear()
+    holed = _batch(tok)
+    holed["prompt_mask"][0, 3] = 0
+    with _BackboneCalls(student=_backbone(tr.model)) as c:
+        _step(tr, holed)
+    assert c.shapes == {"student": [(3, L)]}
+    assert any("not one contiguous run" in r.getMessage() for r in caplog.records)
+    with pytest.raises(ValueError, match="packing must be True, False or 'auto'"):
+        DistillationTrainer(model=s_model, teacher_model=t_model, args=args,
+                            train_dataset=_prompts(), processing_class=tok, packing="yes")
+
+
+@pytest.mark.gpu
+def test_bf16_packs_through_varlen_on_cuda(tok, tmp_path):
+    """On CUDA in bf16, `packing="auto"` switches sdpa to PyTorch's varlen FlashAttention
+    (trainers.varlen) for both backbones: they run (1, T) packs, and the loss and LoRA
+    gradients stay within bf16 noise of the padded run (the attention kernel differs, so the
+    hidden states differ by bf16 roundings; exactness is checked in fp32 above)."""
+    s_model = _model(tok, "llama", tied=True, peft=True, hidden=256).to("cuda", torch.bfloat16)
+    t_model = _model(tok, "qwen2", tied=False, peft=False, hidden=128, seed=7).to(
+        "cuda", torch.bfloat16)
+    args = _config(tmp_path, beta=0.5, use_cpu=False, bf16=True)
+    batch = {k: v.to("cuda") for k, v in _batch(tok, tool_mask=True, empty_row=True).items()}
+    runs = {}
+    for packing in (False, "auto"):
+        tr = DistillationTrainer(model=copy.deepcopy(s_model), teacher_model=copy.deepcopy(t_model),
+                                 args=args, train_dataset=_prompts(), processing_class=tok,
+                                 packing=packing)
+        tr.model.train()
+        with _BackboneCalls(student=_backbone(tr.model), teacher=_backbone(tr.teacher_model)) \
+                as calls, tr.compute_loss_context_manager():
+            runs[packing] = _step(tr, batch), calls.shapes
+    ((loss_u, g_u, _), shapes_u), ((loss_p, g_p, _), shapes_p) = runs[False], runs["auto"]
+    assert all(s[0] == 4 for s in shapes_u["student"] + shapes_u["teacher"])
+    assert shapes_p["student"] == shapes_p["teacher"] == [(1, 13 + 8 + 4)]  # row 3: no completion
+    assert abs(loss_p.item() - loss_u.item()) <= 2e-2 * abs(loss_u.item()) + 1e-3
+    assert g_u.keys() == g_p.keys() and len(g_u) > 0
+    for name, g in g_u.items():
+        rel = ((g_p[name].float() - g.float()).norm() / g.float().norm().clamp(min=1e-12)).item()
+        assert rel <= 5e-2, f"grad {name}: relative difference {rel:.3e}"
 
 
 # ---------------------------------------------------------------- fallbacks, seam, refusals

@@ -18,6 +18,11 @@ fix.
 Fallbacks: a trainer names why a call cannot use the fused head (its `_lce_fallback_reason`, or
 None), and `_lce_falls_back(reason)` says whether to hand the call to TRL's own method, logging
 each distinct reason once per trainer (the reasons seen: `_lce_fallbacks_logged`).
+
+Packing options (`PackingOptionsMixin`, for the trainers whose only packing options are the two
+constructor keywords: DPO, KTO, RLOO and distillation; GRPO also reads them from its config):
+`packing` ("auto", True or False) and `max_packed_tokens`, checked before TRL's `__init__`
+runs, and `_lce_packing_note` logging each packing note once per trainer.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from __future__ import annotations
 import logging
 
 from ._version import check_trl_version
+from .config import check_max_packed_tokens, normalize_packing
 from .head import check_fused_head, check_parallelism
 
 
@@ -59,3 +65,26 @@ class FusedHeadMixin:
         self._lce_warn_once(self._lce_fallbacks_logged, reason,
                             f"grpo_lce head not used ({reason}); using {self._trl_fallback}.")
         return True
+
+
+class PackingOptionsMixin(FusedHeadMixin):
+    """The `packing` and `max_packed_tokens` keywords (module docstring).
+
+        packing: "auto" (default), True or False — padding-free backbone passes (the trainer's
+            module docstring says which); also settable later as the attribute
+            `trainer.packing`.
+        max_packed_tokens: tokens per packed forward; None (default) = the padded call's
+            B · L, so a pack never outgrows the batch it replaces.
+    """
+
+    def __init__(self, *args, packing: bool | str = "auto", max_packed_tokens: int | None = None,
+                 **kwargs):
+        check_max_packed_tokens(max_packed_tokens)
+        # set before TRL's __init__: DPO / KTO precompute reference log-probs inside it
+        self.packing = normalize_packing(packing)
+        self.max_packed_tokens = max_packed_tokens
+        self._lce_packing_logged: set[str] = set()
+        super().__init__(*args, **kwargs)
+
+    def _lce_packing_note(self, message: str) -> None:
+        self._lce_warn_once(self._lce_packing_logged, message, message)

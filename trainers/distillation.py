@@ -34,6 +34,21 @@ TRL's. The heads are read as `trainers.head` reads them: FSDP2 DTensors and ZeRO
 weights are gathered (`trainers.sharded`), the hidden states cast to the head's dtype, autocast
 off for the head, so the GEMM dtype is the weights' (bf16 models: bf16 GEMMs, fp32 logits).
 
+Packing (`packing=`, default "auto", and `max_packed_tokens=`: `trainers.base.
+PackingOptionsMixin`). TRL runs both backbones on the padded (B, P + K) batch (prompts left-
+padded, completions right-padded) and keeps the K completion positions. `_get_last_hidden_state`,
+the one method TRL calls for the student's and for the teacher's pass, is overridden to run the
+backbone on the valid tokens only, the rows one after another in packs of ≤ `max_packed_tokens`
+(default: the padded call's B · (P + K)), position_ids restarting at 0 per row; the hidden
+states that score a completion token are scattered back to TRL's (B, K, H), zeros at the
+padding (which the loss mask drops). It is GRPO's plan (`trainers.packing.plan_packs`, with
+TRL's `logits_to_keep` as K), and GRPO's rule for when "auto" packs
+(`trainers.packing.choose_packing`, decided for each model: the teacher may pack while the
+student does not); a left-padded prompt's positions shift by its pad count, which RoPE turns
+into rounding only (`trainers.packing`, "Positions"). Calls with multimodal inputs, and
+batches whose mask is not one contiguous run per row, run TRL's padded pass (the latter with
+one note).
+
 Falls back to TRL's own `_chunked_divergence_loss`, with one logged line per reason, when TRL
 passes a logit scale ≠ 1 or a final-logit softcap for either model (Gemma 2/3, Cohere, Granite,
 ...), which grpo_lce does not apply. Refused at construction as for `trainers.GRPOTrainer`
@@ -52,10 +67,14 @@ import torch
 import trl
 from transformers.utils import logging
 
+from accelerate.utils import is_peft_model
+from trl.extras.profiling import profiling_decorator
+
 from grpo_lce import linear_divergence
 
-from .base import FusedHeadMixin
+from .base import PackingOptionsMixin
 from .head import _head_inputs, check_fused_head, unwrap_model
+from .packing import choose_packing, packed_hidden, plan_packs
 from .sharded import full_head_params
 
 logger = logging.get_logger(__name__)
@@ -63,6 +82,10 @@ logger = logging.get_logger(__name__)
 # The module-level function of trl/trainer/distillation_trainer.py that TRL's `_compute_loss`
 # calls by name, and which `_compute_loss` below binds to ours.
 _SEAM = "_chunked_divergence_loss"
+_UNPACKABLE = (
+    "grpo_lce packing skipped for a distillation batch whose attention_mask is not one "
+    "contiguous run per row after a non-empty prompt; using padded backbone passes."
+)
 
 
 def _with_global(fn: types.FunctionType, name: str, value) -> types.FunctionType:
@@ -93,11 +116,13 @@ def _logit_transform_reason(scales: dict, softcaps: dict) -> str | None:
     return None
 
 
-class DistillationTrainer(FusedHeadMixin, trl.DistillationTrainer):
-    """`trl.DistillationTrainer` (1.16.x) whose divergence and entropy come from `grpo_lce`.
+class DistillationTrainer(PackingOptionsMixin, trl.DistillationTrainer):
+    """`trl.DistillationTrainer` (1.16.x) whose divergence and entropy come from `grpo_lce`,
+    and whose backbone passes are packed.
 
-    Same constructor and config as `trl.DistillationTrainer`; see the module docstring for what
-    is overridden, what falls back to TRL's loss and what is refused (`trainers.base`: the
+    Same constructor and config as `trl.DistillationTrainer`, plus the keywords `packing` and
+    `max_packed_tokens` (`trainers.base.PackingOptionsMixin`); see the module docstring for
+    what is overridden, what falls back to TRL's loss and what is refused (`trainers.base`: the
     checks and fallback notices shared with the other trainers).
     """
 
@@ -110,9 +135,52 @@ class DistillationTrainer(FusedHeadMixin, trl.DistillationTrainer):
     _lce_divergence_method = "basis"
 
     def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)  # FusedHeadMixin: TRL version, TRL, student checks
+        # PackingOptionsMixin, FusedHeadMixin: options, TRL version, TRL, student checks
+        super().__init__(*args, **kwargs)
         if self.teacher_model is not None:
             check_fused_head(self.teacher_model)
+
+    @profiling_decorator
+    def _get_last_hidden_state(self, unwrapped_model, input_ids, attention_mask, logits_to_keep,
+                               **multimodal_inputs):
+        """TRL's (B, K, H) backbone states at the K = `logits_to_keep` completion positions,
+        from packed passes when this model packs (module docstring, "Packing"), else TRL's."""
+        hidden = None
+        if all(v is None for v in multimodal_inputs.values()):
+            hidden = self._lce_packed_last_hidden_state(unwrapped_model, input_ids,
+                                                        attention_mask, logits_to_keep)
+        if hidden is None:
+            hidden = super()._get_last_hidden_state(unwrapped_model, input_ids, attention_mask,
+                                                    logits_to_keep, **multimodal_inputs)
+        return hidden
+
+    def _lce_packed_last_hidden_state(self, model, input_ids, attention_mask, K):
+        """(B, K, H) from packed backbone passes, zeros where the completion is padding; None
+        for TRL's padded pass (packing off or not chosen for this model, a mask that does not
+        pack, nothing to score)."""
+        kind, message = choose_packing(model, self.packing)
+        if message is not None:
+            self._lce_packing_note(message)
+        if kind is None:
+            return None
+        B, L = input_ids.shape
+        plan = plan_packs(input_ids, attention_mask, K,
+                          max_tokens=self.max_packed_tokens or input_ids.numel())
+        if plan is None:
+            self._lce_packing_note(_UNPACKABLE)
+            return None
+        if not plan.packs:
+            return None  # no completion token: the padded pass gives TRL's zeros-loss graph
+        # the backbone TRL's `_get_last_hidden_state` calls
+        lm = model.base_model.model if is_peft_model(model) else model
+        backbone = lm.base_model
+
+        def forward(inputs):  # (1, T, H) for one pack
+            return backbone(**inputs, use_cache=False).last_hidden_state
+
+        hidden = packed_hidden(plan, kind, forward)  # (N, H), in plan.out_index order
+        out = hidden.new_zeros(B * K, hidden.shape[-1])
+        return out.index_copy(0, plan.out_index, hidden).view(B, K, -1)
 
     def _compute_loss(self, unwrapped_student, inputs, num_items_in_batch):
         trl_method = trl.DistillationTrainer._compute_loss

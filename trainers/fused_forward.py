@@ -93,8 +93,7 @@ from trl.trainer.utils import FusedCausalLMOutput
 
 from grpo_lce import chunked_linear, default_chunk_size
 
-from .base import FusedHeadMixin
-from .config import check_max_packed_tokens, normalize_packing
+from .base import PackingOptionsMixin
 from .head import (
     check_fused_head,
     fused_head_unsupported_reason,
@@ -165,31 +164,17 @@ def _trl_options(forward: types.MethodType) -> dict:
     return {name: cells[name].cell_contents for name in _TRL_OPTIONS}
 
 
-class FusedForwardMixin(FusedHeadMixin):
+class FusedForwardMixin(PackingOptionsMixin):
     """Mixed in before `trl.RLOOTrainer`, `trl.DPOTrainer` or `trl.KTOTrainer`: the packing
-    options, and our forward installed after TRL's `__init__` (subclasses whose TRL class
-    precomputes reference log-probs inside its `__init__` call `install` there first).
-
-        packing: "auto" (default), True or False — padding-free backbone passes (module
-            docstring, "Packing"); also settable later as the attribute `trainer.packing`.
-        max_packed_tokens: tokens per packed forward; None (default) = the padded call's
-            B · L, so a pack never outgrows the batch it replaces.
-    """
+    options (`trainers.base.PackingOptionsMixin`: `packing=`, `max_packed_tokens=`), and our
+    forward installed after TRL's `__init__` (subclasses whose TRL class precomputes reference
+    log-probs inside its `__init__` call `install` there first)."""
 
     _trl_fallback = "TRL's own fused head"
 
-    def __init__(self, *args, packing: bool | str = "auto", max_packed_tokens: int | None = None,
-                 **kwargs):
-        check_max_packed_tokens(max_packed_tokens)
-        # set before TRL's __init__: DPO / KTO precompute reference log-probs inside it
-        self.packing = normalize_packing(packing)
-        self.max_packed_tokens = max_packed_tokens
-        self._lce_packing_logged: set[str] = set()
+    def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         install(self)
-
-    def _lce_packing_note(self, message: str) -> None:
-        self._lce_warn_once(self._lce_packing_logged, message, message)
 
     def _lce_packing_kind(self, lm, args, kwargs) -> str | None:
         """How to pack this call of `lm` ("varlen", "block", "sdpa_varlen", "dense"), or None
