@@ -14,7 +14,13 @@ logits have std --logit-std; student and teacher are independent draws.
 
 Variants (`BASE_VARIANTS` and `OURS_OPS`; one that cannot run is an n/a row with the reason):
 
-    eager           torch autograd over both models' fp32 logits, (N, V) each, materialized
+    eager           torch autograd over both models' fp32 logits, (N, V) each, materialized:
+                    the student's z_s = h_s.float() @ W_s.float()ᵀ (the bf16 operands upcast, an
+                    fp32 GEMM that autograd differentiates: dh_s = dz_s @ W_s.float() in fp32,
+                    then cast to bf16), the teacher's z_t = mm32(h_t, W_tᵀ) under no_grad (the
+                    bf16 GEMM with an fp32 output); same logits as the floor's up to
+                    accumulation order. Its memory counts the fp32 copy of W_s (V·H·4 bytes,
+                    kept for the backward) and of h_s
     trl             trl.kernels.chunked_divergence.ChunkedDivergenceFunction (TRL 1.16's
                     DistillationTrainer loss): per-token D and the student's entropy
     liger           liger_kernel.chunked_loss.LigerFusedLinearJSDLoss(weight_hard_loss=0,
@@ -60,7 +66,7 @@ OURS_OPS = {  # grpo_lce.linear_divergence's two methods (see its module docstri
 }
 BASE_VARIANTS = ("eager", "trl", "liger", "chunked_linear")
 LABEL = {
-    "eager": "torch eager (fp32 logits materialized)",
+    "eager": "torch eager (fp32 logits materialized; student: fp32 GEMM of upcast bf16)",
     "trl": "TRL 1.16 ChunkedDivergenceFunction",
     "liger": "Liger 0.8.5 LigerFusedLinearJSDLoss",
     "chunked_linear": "grpo_lce.chunked_linear + torch JSD fn (bench)",
@@ -75,7 +81,8 @@ class Unavailable(Exception):
 
 
 def mm32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """a @ b accumulated and stored in fp32 (cuBLAS fp32 output for bf16 on CUDA)."""
+    """a @ b accumulated and stored in fp32 (cuBLAS fp32 output for bf16 on CUDA). Only for
+    inputs that need no grad: torch.mm with out_dtype has no derivative."""
     if a.dtype == torch.float32:
         return a @ b
     if a.is_cuda:
@@ -137,7 +144,9 @@ def logprobs_ref_rows(h, W, y, *, floor=False):
 
 def make_eager(beta, temperature, compiled):
     def fn(h_s, W_s, h_t, W_t, y):
-        z_s = mm32(h_s, W_s.t()) / temperature  # (N, V) fp32 <- the big tensors
+        # bf16 values and their products are exact in fp32 (and in TF32), so this fp32 GEMM
+        # gives mm32's logits up to accumulation order, and unlike mm32 it has a derivative
+        z_s = h_s.float() @ W_s.float().t() / temperature  # (N, V) fp32 <- the big tensors
         with torch.no_grad():
             z_t = mm32(h_t, W_t.t()) / temperature  # (N, V) fp32
         d = jsd_from_logits(z_s, z_t, beta)

@@ -1,7 +1,10 @@
-"""Helpers the DPO / KTO / RLOO trainer tests share: run one `compute_loss` + backward and
-compare ours against stock TRL (loss, gradients, logged metrics, training logs)."""
+"""Helpers the DPO / KTO / RLOO trainer tests share: build a trainer on a copy of a tiny model,
+run one `compute_loss` + backward or a short `train()`, and compare ours against stock TRL (loss,
+gradients, logged metrics, training logs)."""
 
 from __future__ import annotations
+
+import copy
 
 import pytest
 import torch
@@ -35,6 +38,26 @@ def randomize_adapter(model, *, seed: int, adapter: str = "default") -> None:
         for name, p in model.named_parameters():
             if f"lora_B.{adapter}." in name:
                 p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+
+
+def build_trainer(cls, model, **kwargs):
+    """`cls(model=<a copy of model>, **kwargs)` (a `ref_model` among kwargs copied too), whose LoRA
+    adapter then gets `randomize_adapter(seed=3)`: the same weights in every trainer built here,
+    and a policy that differs from its reference (the initial adapter or none)."""
+    if kwargs.get("ref_model") is not None:
+        kwargs["ref_model"] = copy.deepcopy(kwargs["ref_model"])
+    tr = cls(model=copy.deepcopy(model), **kwargs)
+    randomize_adapter(tr.model, seed=3)
+    return tr
+
+
+def train_logs(cls, model, **kwargs) -> list[dict]:
+    """The per-step logs (the entries with a loss) of `build_trainer(cls, model, **kwargs)`'s
+    `train()`. Call it once per trainer, one after the other: the trainer's `__init__` reseeds
+    the global RNG (`set_seed(args.seed)`), so each `train()` starts from the same random stream."""
+    tr = build_trainer(cls, model, **kwargs)
+    tr.train()
+    return [h for h in tr.state.log_history if "loss" in h]
 
 
 def assert_same_step(stock_step, ours_step, *, loss_rtol, grad_rtol, metric_rel, metric_abs,

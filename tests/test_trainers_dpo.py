@@ -26,7 +26,6 @@ path with itself, not with TRL's bf16-tile head.
 
 from __future__ import annotations
 
-import copy
 import logging
 
 import pytest
@@ -40,7 +39,7 @@ from trainers import DPOTrainer
 from trainers.tiny import build_tokenizer
 from _tiny_models import add_head_bias, tiny_model
 from _trainer_pairs import assert_close, assert_same_logs, assert_same_step, loss_step
-from _trainer_pairs import randomize_adapter
+from _trainer_pairs import build_trainer, train_logs
 
 LOGP_ATOL = 5e-5
 SEQ_LOGP_ATOL = 1e-4
@@ -82,14 +81,13 @@ def _config(tmp_path, **overrides):
 
 
 def _pair(tok, tmp_path, model, *, ref_model=None, peft_config=None, **config):
-    """(stock, ours) on copies of `model`; a LoRA policy then gets random lora_B weights (the
-    same in both), so that it differs from its reference (the initial adapter or none)."""
+    """(stock, ours) in train mode, each built by `build_trainer` (copies of the models, the same
+    random LoRA weights) with its own config and dataset."""
     out = []
     for cls in (trl.DPOTrainer, DPOTrainer):
-        tr = cls(model=copy.deepcopy(model), ref_model=copy.deepcopy(ref_model),
-                 args=_config(tmp_path, **config), train_dataset=_dataset(),
-                 processing_class=tok, peft_config=peft_config)
-        randomize_adapter(tr.model, seed=3)
+        tr = build_trainer(cls, model, ref_model=ref_model, args=_config(tmp_path, **config),
+                           train_dataset=_dataset(), processing_class=tok,
+                           peft_config=peft_config)
         tr.model.train()
         out.append(tr)
     return out
@@ -224,11 +222,7 @@ def test_softcapped_model_falls_back_with_one_line(tok, tmp_path, caplog):
 def _train_logs(cls, tok, tmp_path, model):
     args = _config(tmp_path, max_steps=3, gradient_accumulation_steps=2,
                    per_device_train_batch_size=2, learning_rate=5e-3)
-    tr = cls(model=copy.deepcopy(model), args=args, train_dataset=_dataset(),
-             processing_class=tok)
-    randomize_adapter(tr.model, seed=3)
-    tr.train()
-    return [h for h in tr.state.log_history if "loss" in h]
+    return train_logs(cls, model, args=args, train_dataset=_dataset(), processing_class=tok)
 
 
 def test_train_logs_match_trl(tok, tmp_path):

@@ -17,7 +17,6 @@ log-probs atol 5e-5, per-sequence 1e-4, metrics rel 1e-5 / abs 2e-5, training lo
 
 from __future__ import annotations
 
-import copy
 import logging
 
 import pytest
@@ -31,7 +30,7 @@ from trainers import KTOTrainer
 from trainers.tiny import build_tokenizer
 from _tiny_models import tiny_model
 from _trainer_pairs import assert_close, assert_same_logs, assert_same_step, loss_step
-from _trainer_pairs import randomize_adapter
+from _trainer_pairs import build_trainer, train_logs
 
 LOGP_ATOL = 5e-5
 SEQ_LOGP_ATOL = 1e-4
@@ -64,14 +63,13 @@ def _config(tmp_path, **overrides):
 
 
 def _pair(tok, tmp_path, model, *, ref_model=None, peft_config=None, **config):
-    """(stock, ours) on copies of `model`; a LoRA policy gets the same random lora_B weights in
-    both, so that it differs from its reference."""
+    """(stock, ours) in train mode, each built by `build_trainer` (copies of the models, the same
+    random LoRA weights) with its own config and dataset."""
     out = []
     for cls in (trl.KTOTrainer, KTOTrainer):
-        tr = cls(model=copy.deepcopy(model), ref_model=copy.deepcopy(ref_model),
-                 args=_config(tmp_path, **config), train_dataset=_dataset(),
-                 processing_class=tok, peft_config=peft_config)
-        randomize_adapter(tr.model, seed=3)
+        tr = build_trainer(cls, model, ref_model=ref_model, args=_config(tmp_path, **config),
+                           train_dataset=_dataset(), processing_class=tok,
+                           peft_config=peft_config)
         tr.model.train()
         out.append(tr)
     return out
@@ -164,11 +162,7 @@ def _train_logs(cls, tok, tmp_path, model):
     args = _config(tmp_path, max_steps=3, gradient_accumulation_steps=2,
                    per_device_train_batch_size=2, learning_rate=5e-3,
                    desirable_weight=1.2, undesirable_weight=0.9)
-    tr = cls(model=copy.deepcopy(model), args=args, train_dataset=_dataset(),
-             processing_class=tok)
-    randomize_adapter(tr.model, seed=3)
-    tr.train()
-    return [h for h in tr.state.log_history if "loss" in h]
+    return train_logs(cls, model, args=args, train_dataset=_dataset(), processing_class=tok)
 
 
 def test_train_logs_match_trl(tok, tmp_path):
