@@ -30,6 +30,11 @@ Scenarios:
          `deepspeed.initialize` (every parameter partitioned, the head weight of numel 0 between
          forwards and gathered by trainers.sharded; gradients reduce-scattered by ZeRO-3 and read
          back whole with `safe_get_full_grad`). Needs deepspeed; not in the default list.
+  dpo, kto, rloo, distillation
+         trainers.DPOTrainer, KTOTrainer, RLOOTrainer and DistillationTrainer (LoRA) under
+         accelerate's DDP wrapper, as the `ddp` scenario (tests/_ddp_trainers.py: builders,
+         batches, step). Their batches are written by tests/test_ddp.py only (CPU; not in the
+         default list, not in `--reference`).
 """
 
 from __future__ import annotations
@@ -40,6 +45,8 @@ import sys
 import warnings
 
 import torch
+
+import _ddp_trainers
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 B, P, C = 4, 6, 9  # global completions, prompt length, completion length
@@ -308,6 +315,10 @@ def _run(rank, world, port, out_dir, scenarios, device):
         res.update(_ddp(rank, world, tok, batches, out_dir, device))
     if "fsdp2" in scenarios:
         res.update(_fsdp2(rank, world, tok, batches, out_dir, device))
+    for name in _ddp_trainers.NAMES:
+        if name in scenarios:
+            res[name] = _ddp_trainers.rank_results(name, rank, world, tok, batches[name],
+                                                   out_dir, device)
     if "zero3" in scenarios:  # last: DeepSpeed leaves its own state in the process
         res.update(_zero3(rank, world, tok, batches, out_dir, device))
     torch.save(res, os.path.join(out_dir, f"rank{rank}.pt"))
@@ -357,7 +368,8 @@ def main(argv=None):
     ap.add_argument("--out", required=True, help="directory with inputs.pt; rank files go here")
     ap.add_argument("--port", type=int, help="free TCP port for the rendezvous")
     ap.add_argument("--nprocs", type=int, default=2, help="number of processes")
-    ap.add_argument("--scenarios", default="ddp,fsdp2", help="comma-separated: ddp, fsdp2, zero3")
+    ap.add_argument("--scenarios", default="ddp,fsdp2",
+                    help="comma-separated: ddp, fsdp2, zero3, dpo, kto, rloo, distillation")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                     help="cpu: gloo; cuda: nccl, rank r on cuda:r")
     ap.add_argument("--reference", action="store_true",

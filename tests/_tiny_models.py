@@ -5,6 +5,7 @@ import torch
 from peft import LoraConfig, get_peft_model
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
+from trainers import tiny
 from trainers.tiny import build_tiny_llama
 
 
@@ -51,6 +52,17 @@ def lora_tiny_llama(tok, *, tied=True, peft=True, seed=0):
 def lora_tiny_qwen2(tok, *, tied=True, peft=True, seed=0):
     """Tiny fp32 Qwen2; with `peft`, `with_lora`."""
     model = build_tiny_qwen2(tok, tie_word_embeddings=tied, seed=seed)
+    return with_lora(model, seed=seed) if peft else model
+
+
+def soft_head_model(tok, arch="llama", *, tied, peft, hidden=64, seed=0):
+    """trainers.tiny's 2-layer Llama or Qwen2 with its head scaled down 4× (entropies of ~1-4
+    nats, not the near one-hot rows of the raw tiny models, where every divergence saturates);
+    with `peft`, `with_lora`. The distillation tests' student and teacher."""
+    build = {"llama": tiny.build_tiny_llama, "qwen2": tiny.build_tiny_qwen2}[arch]
+    model = build(tok, hidden_size=hidden, num_layers=2, tie_word_embeddings=tied, seed=seed)
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(0.25)
     return with_lora(model, seed=seed) if peft else model
 
 

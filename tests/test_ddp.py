@@ -1,14 +1,18 @@
 """The trainers under data parallelism: 2 CPU processes (gloo) against 1 process, same global batch.
 
-Covers trainers.GRPOTrainer (loss_type dapo and grpo, LoRA) and trainers.SFTTrainer (LoRA,
-num_items_in_batch) under DDP, and trainers.GRPOTrainer under FSDP2 (`fully_shard`, laid out
-as accelerate does it) with a trainable tied head (the LM head is a DTensor that
-`trainers.sharded` gathers, its gradient reduce-scattered back) and with LoRA; under DeepSpeed
-ZeRO-3 with LoRA (frozen head, partitioned and gathered; if deepspeed is installed); plus the
-refusals in `check_parallelism`. One subprocess (tests/_ddp_worker.py) spawns both ranks and
-runs every scenario, so the ~10 s of imports and rendezvous are paid once. (The first ZeRO-3
-run on a machine also JIT-builds DeepSpeed's CPU shared-memory comm op, ~25 s, cached in
-~/.cache/torch_extensions.) The same on two GPUs over NCCL: tests/test_multigpu.py.
+Covers trainers.GRPOTrainer (loss_type dapo and grpo, LoRA), trainers.SFTTrainer (LoRA,
+num_items_in_batch), and trainers.DPOTrainer (sigmoid, the disabled adapter as reference),
+KTOTrainer (with its KL pass), RLOOTrainer and DistillationTrainer (LoRA student, a tiny
+teacher) under DDP (tests/_ddp_trainers.py has those four's models and batches); and
+trainers.GRPOTrainer under FSDP2 (`fully_shard`, laid out as accelerate does it) with a
+trainable tied head (the LM head is a DTensor that `trainers.sharded` gathers, its gradient
+reduce-scattered back) and with LoRA; under DeepSpeed ZeRO-3 with LoRA (frozen head,
+partitioned and gathered; if deepspeed is installed); plus the refusals in
+`check_parallelism`. One subprocess (tests/_ddp_worker.py) spawns both ranks and runs every
+scenario, so the ~10 s of imports and rendezvous are paid once. (The first ZeRO-3 run on a
+machine also JIT-builds DeepSpeed's CPU shared-memory comm op, ~25 s, cached in
+~/.cache/torch_extensions.) The same on two GPUs over NCCL: tests/test_multigpu.py (GRPO,
+SFT, FSDP2 and ZeRO-3; not the four trainers above).
 
     python -m pytest tests/test_ddp.py -q
 
@@ -19,12 +23,34 @@ single-process loss, and likewise the averaged gradient. grpo: loss_r = mean ove
 of the per-row mean, and with equal rows per rank the mean of means is the global mean. SFT:
 loss_r = Σ_r nll / N × P (`average_tokens_across_devices`), same argument. (bnpo and dr_grpo
 divide by per-rank quantities, so their DDP loss is by definition not the global-batch one.)
+TRL 1.16's definitions for the other four, each rank holding B/2 of the B pairs / examples /
+rows (accelerate's even batches):
+  DPO (sigmoid)  loss_r = mean over r's pairs of −log σ(β Δ_pair); each pair (chosen and
+                 rejected rows, both reference passes) lies on one rank: the mean of means.
+  KTO            loss_r = mean over r's examples, desirable and undesirable together, of
+                 w·(1 − σ(·)); the KL baseline z₀ is r's mean of the KL pairs' log-ratios,
+                 gathered and averaged over processes (then clamped at 0): the global mean, the
+                 same constant on every rank. So again the mean of means. (Checked: z₀ > 0,
+                 not clamped away, and every rank logs the global z₀.)
+  RLOO           loss_r = mean over r's rows of the clipped sequence-level surrogate; the
+                 advantages are computed over the whole generation batch before it is split,
+                 so they are inputs here: the mean of means.
+  distillation   training passes N, the loss-mask count gathered over processes, and TRL
+                 divides by N / P: loss_r = Σ_{r's tokens} D / (N / P), as dapo. Without N
+                 (evaluation) TRL divides by r's own count n_r, which is by definition not the
+                 global loss: checked instead is Σ_r n_r loss_r / Σ_r n_r = the global loss
+                 (and that the plain mean of the ranks' losses differs from it).
+The metrics these four log in `compute_loss` are all gathered over processes, so every rank
+logs the global batch's values (`num_tokens` is a running total: the ranks took two steps).
+That the fused path ran: on every rank the step made as many grpo_lce calls as the single
+process (`grpo_lce._dispatch.recording`), and the trainer logged no fallback to TRL's head.
 
-Tolerances. fp32; the two sides run identical weights on different row groupings, so
-only summation order differs: rtol 1e-5 on losses, 1e-4 × max|grad| on gradients (as in
-tests/test_trainers_grpo.py). That DDP really all-reduced: the synced gradients are bitwise
-equal on both ranks, while each rank's local gradient (under `no_sync()`) is off the reference
-by more than 1e-2 × max|grad|, and the mean of the local ones equals the reference.
+Tolerances. fp32; the two sides run identical weights on different row groupings (DPO and
+KTO: per-rank padding too), so only summation order differs: rtol 1e-5 on losses, 1e-4 ×
+max|grad| on gradients (as in tests/test_trainers_grpo.py), metrics rel 1e-5 / abs 2e-6.
+That DDP really all-reduced: the synced gradients are bitwise equal on both ranks, while each
+rank's local gradient (under `no_sync()`) is nonzero and off the reference by more than
+1e-2 × max|grad|, and the mean of the local ones equals the reference.
 """
 
 from __future__ import annotations
@@ -41,12 +67,15 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
+import _ddp_trainers as T  # noqa: E402
 import _ddp_worker as W  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LOSS_RTOL, GRAD_RTOL = 1e-5, 1e-4
 WORLD = 2
 SCENARIOS = "ddp,fsdp2" + (",zero3" if importlib.util.find_spec("deepspeed") else "")
+# CPU only: tests/test_multigpu.py runs SCENARIOS, whose batches its `--reference` writes
+TRAINER_SCENARIOS = ",".join(T.NAMES)
 
 
 def _free_port() -> int:
@@ -79,6 +108,9 @@ def runs(tmp_path_factory):
     tr = W.grpo_trainer(tok, W.tiny_model(tok, peft=True), str(out / "ref"), 1)
     batches = {"grpo": W.grpo_batch(tok, tr), "sft": W.sft_batch(tok)}
     batches["sft_num_items"] = (batches["sft"]["labels"][:, 1:] != -100).sum()
+    trainers = {name: T.build(name, tok, str(out / "ref"), 1) for name in T.NAMES}
+    for name, t in trainers.items():
+        batches[name] = T.batches(name, tok, t, WORLD)
     torch.save(batches, out / "inputs.pt")
 
     # start the ranks first: they run while the reference is computed here
@@ -87,7 +119,8 @@ def runs(tmp_path_factory):
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
     cmd = [sys.executable, os.path.join(REPO, "tests", "_ddp_worker.py"), "--out", str(out),
-           "--port", str(_free_port()), "--nprocs", str(WORLD), "--scenarios", SCENARIOS]
+           "--port", str(_free_port()), "--nprocs", str(WORLD),
+           "--scenarios", f"{SCENARIOS},{TRAINER_SCENARIOS}"]
     t0 = time.time()
     proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
@@ -106,6 +139,8 @@ def runs(tmp_path_factory):
                               loss_type="dapo")
         loss, grads = W.grpo_step(tr_f, tr_f.model, batches["grpo"])
         ref[f"fsdp2_{'lora' if peft else 'full'}"] = {"loss": loss, "grads": grads}
+    for name, t in trainers.items():
+        ref[name] = T.reference_results(name, t, batches[name])
 
     try:
         log, _ = proc.communicate(timeout=240)
@@ -121,7 +156,10 @@ def runs(tmp_path_factory):
 
 @pytest.mark.parametrize("case", ["grpo_dapo", "grpo_grpo", "sft"])
 def test_ddp_matches_single_process(runs, case):
-    ref, ranks = runs
+    _assert_ddp_step(*runs, case)
+
+
+def _assert_ddp_step(ref, ranks, case):
     r = ref[case]
     # the DDP loss is the mean of the ranks' losses (what the logged loss averages to)
     loss = torch.stack([rk[case]["loss"] for rk in ranks]).mean()
@@ -138,11 +176,48 @@ def test_ddp_matches_single_process(runs, case):
         for rk in ranks for n, g in r["grads"].items()
     )
     assert worst > 1e-2, f"{case}: local grads equal the reference ({worst:.2e}): no sync test"
+    for rank, rk in enumerate(ranks):  # every rank contributes (not, e.g., all rows clipped)
+        assert max(g.abs().max() for g in rk[case]["local"].values()) > 0, (case, rank)
     mean_local = {n: sum(rk[case]["local"][n] for rk in ranks) / WORLD for n in r["grads"]}
     _assert_grads(mean_local, r["grads"], f"{case} mean of local")
     if "entropy" in r:  # TRL's metric gathers over processes: the global masked mean
         for rk in ranks:
             assert rk[case]["entropy"] == pytest.approx(r["entropy"], rel=1e-5, abs=2e-6)
+
+
+@pytest.mark.parametrize("case", T.NAMES)
+def test_trainer_ddp_matches_single_process(runs, case):
+    """DPO, KTO, RLOO and distillation (LoRA) under DDP: the checks of
+    `test_ddp_matches_single_process`, and that each rank ran grpo_lce as often as the single
+    process did, with no fallback to TRL's head (module docstring: why each loss agrees)."""
+    ref, ranks = runs
+    _assert_ddp_step(ref, ranks, case)
+    r = ref[case]
+    for rank, rk in enumerate(ranks):
+        assert rk[case]["fallbacks"] == [] == r["fallbacks"], (rank, rk[case]["fallbacks"])
+        assert rk[case]["calls"] == r["calls"] > 0, (rank, rk[case]["calls"])
+        # TRL gathers every metric of these steps over processes: the global batch's values
+        assert rk[case]["metrics"].keys() == r["metrics"].keys()
+        for k, v in r["metrics"].items():
+            if k == "num_tokens":  # a running total, and the ranks took two steps (local, synced)
+                assert rk[case]["metrics"][k] == 2 * v, (rank, k)
+                continue
+            assert rk[case]["metrics"][k] == pytest.approx(v, rel=1e-5, abs=2e-6), (rank, k)
+    if case == "kto":  # the KL baseline is positive (not clamped away) and gathered
+        assert r["metrics"]["kl"] > 0
+    if case == "rloo":  # the clipped branch is exercised
+        assert 0 < r["metrics"]["clip_ratio/region_mean"] < 1
+    if case == "distillation":
+        # without num_items_in_batch each rank divides by its own n_r loss tokens: not the
+        # global loss by definition, but its n_r-weighted mean is
+        parts = [rk[case]["token_mean_loss"] for rk in ranks]
+        n = [p["n_valid"] for p in parts]
+        assert n[0] != n[1] and sum(n) == ref[case]["token_mean_loss"]["n_valid"], n
+        weighted = sum(p["loss"] * p["n_valid"] for p in parts) / sum(n)
+        _close(weighted, ref[case]["token_mean_loss"]["loss"], rtol=LOSS_RTOL,
+               what="distillation token-mean loss")
+        plain = torch.stack([p["loss"] for p in parts]).mean()
+        assert (plain - weighted).abs() > 1e-3 * weighted.abs(), "the two means coincide"
 
 
 @pytest.mark.parametrize("case", ["fsdp2_full", "fsdp2_lora"])

@@ -42,12 +42,13 @@ import torch
 import trl
 import trl.trainer.distillation_trainer as trl_distillation
 from datasets import Dataset
-from peft import LoraConfig, get_peft_model
+from peft import LoraConfig
 
 from grpo_lce.reference import divergence_ref
 from trainers import DistillationTrainer
 from trainers.distillation import _seam_missing_reason
 from trainers.tiny import build_tiny_llama, build_tiny_qwen2, build_tokenizer
+from _tiny_models import soft_head_model
 from _tolerance import assert_3way
 
 LOSS_RTOL = 1e-5
@@ -62,23 +63,7 @@ def tok():
     return build_tokenizer()
 
 
-def _model(tok, arch, *, tied, peft, hidden=64, seed=0):
-    """A tiny fp32 model whose head is scaled down 4× (entropies of ~1-4 nats, not the one-hot
-    rows of the raw tiny models, where every divergence saturates); with `peft`, LoRA on every
-    linear layer but the head, its B matrices random so the adapter matters."""
-    model = _BUILD[arch](tok, hidden_size=hidden, num_layers=2, tie_word_embeddings=tied,
-                         seed=seed)
-    with torch.no_grad():
-        model.get_output_embeddings().weight.mul_(0.25)
-    if not peft:
-        return model
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed + 1)
-        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.data.normal_(0.0, 0.05)
-    return model
+_model = soft_head_model  # the head scaled down 4×, so that the divergences do not saturate
 
 
 def _teacher(tok, arch):
