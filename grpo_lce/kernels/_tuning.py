@@ -10,8 +10,9 @@ warm-up. The timings behind each choice belong with the tuning scripts' results,
 ROW_BLOCK_V = 8192  # columns per loop step; fewer for small vocabularies
 ROW_NUM_WARPS = 8
 # The divergence row kernel (kernels/divergence_rows.py) streams two fp32 chunks and keeps about
-# twice the row kernel's live temporaries per column (student and teacher, log m): half its step.
-# Not tuned yet: bench/ times it against the torch row ops and TRL's kernel.
+# twice the row kernel's live temporaries per column (student and teacher, log m): half its step,
+# with the row kernel's warps (bench/tune_divergence.py: narrower or wider steps and 4 or 16
+# warps were no faster at H = 2048 and 4096, a larger chunk budget within noise).
 DIVERGENCE_BLOCK_V = 4096
 
 # The fused GEMM 1 of kernels/gemm_softmax.py (persistent, TMA tiles; bench/tune_gemm.py),
