@@ -126,6 +126,11 @@ def chunked_linear(
     chunk = min(chunk, max(n, 1))
     if n == 0:
         probe = fn(torch.zeros(0, weight.shape[0], device=x.device), *rows)
+        if probe.is_floating_point() and torch.is_grad_enabled() and (
+                hidden.requires_grad or weight.requires_grad):
+            # Σ over no elements is exactly 0: the result keeps its values and gains a graph
+            # to both inputs, so backward gives them zero gradients instead of failing
+            probe = probe + (x.sum() + weight.reshape(-1)[:0].sum()).to(probe.dtype)
         return probe.reshape(*lead, *probe.shape[1:]) if probe.dim() else probe
     # (only the backend matters here: the weight's fp32 copy on CPU, see gemm_weight)
     out = _ChunkedLinear.apply(fn, chunk, decide(x, weight).backend, x, weight, *rows)

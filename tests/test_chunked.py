@@ -103,3 +103,22 @@ def test_bad_fn_output_is_a_clear_error():
     with pytest.raises(ValueError, match="chunk_size must be > 0"):
         chunked_linear(ce, torch.randn(10, H), torch.randn(V, H), torch.zeros(10, dtype=torch.long),
                        chunk_size=-2)
+
+
+@pytest.mark.parametrize("name", ["ce", "mse"])  # a scalar fn and a per-row one
+@pytest.mark.parametrize("train_head", [False, True], ids=["frozenW", "trainW"])
+def test_zero_rows_backpropagate_zero_gradients(name, train_head):
+    # an all-masked micro-batch: the loss is 0 (or an empty per-row tensor), and backward
+    # must give every input a zero gradient rather than fail for want of a graph
+    h = torch.randn(2, 0, H, requires_grad=True)
+    w = (torch.randn(V, H) / H**0.5).requires_grad_(train_head)
+    y = torch.zeros(2, 0, dtype=torch.long)
+    out = chunked_linear(FNS[name], h, w, y)
+    assert out.shape == ((2, 0) if name == "mse" else ())
+    assert out.requires_grad and (out.sum() == 0)
+    out.sum().backward()
+    assert h.grad is not None and h.grad.shape == h.shape
+    if train_head:
+        assert w.grad is not None and torch.count_nonzero(w.grad) == 0
+    with torch.no_grad():  # no graph asked for: none made
+        assert not chunked_linear(FNS[name], h, w, y).requires_grad
