@@ -65,10 +65,9 @@ import types
 
 import torch
 import trl
-from transformers.utils import logging
-
 from accelerate.utils import is_peft_model
-from trl.extras.profiling import profiling_decorator
+from transformers.utils import logging
+from trl.extras.profiling import profiling_context
 
 from grpo_lce import linear_divergence
 
@@ -140,47 +139,49 @@ class DistillationTrainer(PackingOptionsMixin, trl.DistillationTrainer):
         if self.teacher_model is not None:
             check_fused_head(self.teacher_model)
 
-    @profiling_decorator
     def _get_last_hidden_state(self, unwrapped_model, input_ids, attention_mask, logits_to_keep,
                                **multimodal_inputs):
         """TRL's (B, K, H) backbone states at the K = `logits_to_keep` completion positions,
-        from packed passes when this model packs (module docstring, "Packing"), else TRL's."""
-        hidden = None
+        from packed passes when this model packs (module docstring, "Packing"), else TRL's
+        (profiled by TRL under this method's name either way)."""
+        packs = None
         if all(v is None for v in multimodal_inputs.values()):
-            hidden = self._lce_packed_last_hidden_state(unwrapped_model, input_ids,
-                                                        attention_mask, logits_to_keep)
-        if hidden is None:
-            hidden = super()._get_last_hidden_state(unwrapped_model, input_ids, attention_mask,
-                                                    logits_to_keep, **multimodal_inputs)
-        return hidden
+            packs = self._lce_pack_plan(unwrapped_model, input_ids, attention_mask,
+                                        logits_to_keep)
+        if packs is None:
+            return super()._get_last_hidden_state(unwrapped_model, input_ids, attention_mask,
+                                                  logits_to_keep, **multimodal_inputs)
+        kind, plan = packs
+        # the backbone TRL's `_get_last_hidden_state` calls
+        lm = unwrapped_model.base_model.model if is_peft_model(unwrapped_model) else (
+            unwrapped_model)
+        backbone = lm.base_model
 
-    def _lce_packed_last_hidden_state(self, model, input_ids, attention_mask, K):
-        """(B, K, H) from packed backbone passes, zeros where the completion is padding; None
-        for TRL's padded pass (packing off or not chosen for this model, a mask that does not
-        pack, nothing to score)."""
+        def forward(inputs):  # (1, T, H) for one pack
+            return backbone(**inputs, use_cache=False).last_hidden_state
+
+        with profiling_context(self, "_get_last_hidden_state"):
+            hidden = packed_hidden(plan, kind, forward)  # (N, H), in plan.out_index order
+            out = hidden.new_zeros(plan.B * plan.K, hidden.shape[-1])
+            return out.index_copy(0, plan.out_index, hidden).view(plan.B, plan.K, -1)
+
+    def _lce_pack_plan(self, model, input_ids, attention_mask, K):
+        """(packing kind, `trainers.packing.PackPlan` with a (B, K) output) for this model's
+        pass, or None for TRL's padded pass (packing off or not chosen for this model, a mask
+        that does not pack, no completion token)."""
         kind, message = choose_packing(model, self.packing)
         if message is not None:
             self._lce_packing_note(message)
         if kind is None:
             return None
-        B, L = input_ids.shape
         plan = plan_packs(input_ids, attention_mask, K,
                           max_tokens=self.max_packed_tokens or input_ids.numel())
         if plan is None:
             self._lce_packing_note(_UNPACKABLE)
             return None
         if not plan.packs:
-            return None  # no completion token: the padded pass gives TRL's zeros-loss graph
-        # the backbone TRL's `_get_last_hidden_state` calls
-        lm = model.base_model.model if is_peft_model(model) else model
-        backbone = lm.base_model
-
-        def forward(inputs):  # (1, T, H) for one pack
-            return backbone(**inputs, use_cache=False).last_hidden_state
-
-        hidden = packed_hidden(plan, kind, forward)  # (N, H), in plan.out_index order
-        out = hidden.new_zeros(B * K, hidden.shape[-1])
-        return out.index_copy(0, plan.out_index, hidden).view(B, K, -1)
+            return None  # no completion token: the padded pass gives TRL's zero-loss graph
+        return kind, plan
 
     def _compute_loss(self, unwrapped_student, inputs, num_items_in_batch):
         trl_method = trl.DistillationTrainer._compute_loss
