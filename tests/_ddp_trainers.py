@@ -39,6 +39,8 @@ from __future__ import annotations
 
 import torch
 
+from _trainer_pairs import ragged_ids_and_mask
+
 NAMES = ("dpo", "kto", "rloo", "distillation")
 ROWS = 4  # global pairs (DPO), examples (KTO) or rows (RLOO, distillation)
 P, C = 6, 9  # RLOO prompt and completion lengths
@@ -128,14 +130,7 @@ def _rows(batch: dict, rank: int, world: int) -> dict:
 def _rloo_batch(tok, tr):
     """tests/test_trainers_rloo.py's `_inputs`: what `_generate_and_score_completions` hands to
     `compute_loss`, old log-probs the current ones plus noise."""
-    g = torch.Generator().manual_seed(123)
-    ids = torch.randint(8, len(tok), (ROWS, P + C), generator=g)
-    mask = torch.ones(ROWS, P + C, dtype=torch.long)
-    mask[0, :2] = 0
-    mask[1, -4:] = 0
-    mask[2, -1:] = 0
-    mask[3, :1] = 0
-    ids[mask == 0] = tok.pad_token_id
+    ids, mask = ragged_ids_and_mask(tok, P, C)  # (ROWS, P + C), ROWS = 4
     with torch.no_grad():
         lp, _, _ = tr._get_per_token_logps_and_entropies(tr.model, ids, mask, C)
     g = torch.Generator().manual_seed(7)

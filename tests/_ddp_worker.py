@@ -47,6 +47,7 @@ import warnings
 import torch
 
 import _ddp_trainers
+from _trainer_pairs import ragged_ids_and_mask
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 B, P, C = 4, 6, 9  # global completions, prompt length, completion length
@@ -105,13 +106,7 @@ def grpo_batch(tok, logp_model_trainer):
     ragged left-padded prompts and right-padded completions, old log-probs off-policy (current
     ones plus noise, so the clipped branch is exercised) and the global token count."""
     g = torch.Generator().manual_seed(123)
-    ids = torch.randint(8, len(tok), (B, P + C), generator=g)
-    mask = torch.ones(B, P + C, dtype=torch.long)
-    mask[0, :2] = 0
-    mask[1, -4:] = 0
-    mask[2, -1:] = 0
-    mask[3, :1] = 0
-    ids[mask == 0] = tok.pad_token_id
+    ids, mask = ragged_ids_and_mask(tok, P, C, generator=g)  # (B, P + C), B = 4
     tr = logp_model_trainer
     dev = tr.accelerator.device
     with torch.no_grad():

@@ -1,6 +1,7 @@
-"""Helpers the DPO / KTO / RLOO trainer tests share: build a trainer on a copy of a tiny model,
-run one `compute_loss` + backward or a short `train()`, and compare ours against stock TRL (loss,
-gradients, logged metrics, training logs)."""
+"""Helpers the trainer tests share: build a trainer on a copy of a tiny model, run one
+`compute_loss` + backward or a short `train()`, and compare ours against stock TRL (loss,
+gradients, logged metrics, training logs); and the ragged prompt + completion batch that the
+GRPO and RLOO tests (single-process and DDP) score."""
 
 from __future__ import annotations
 
@@ -40,6 +41,22 @@ def randomize_adapter(model, *, seed: int, adapter: str = "default") -> None:
                 p.copy_(torch.randn(p.shape, generator=g) * 0.05)
 
 
+def ragged_ids_and_mask(tok, P: int, C: int, *, generator=None):
+    """4 rows of prompt + completion ids (4, P + C) and their mask, laid out as TRL's
+    `_generate_and_score_completions` lays them out: prompts padded on the left (rows 0 and 3),
+    completions on the right (rows 1 and 2), pad ids under the mask's zeros. The ids are drawn
+    from `generator` (default: a fresh one seeded 123)."""
+    g = torch.Generator().manual_seed(123) if generator is None else generator
+    ids = torch.randint(8, len(tok), (4, P + C), generator=g)
+    mask = torch.ones(4, P + C, dtype=torch.long)
+    mask[0, :2] = 0  # short prompt
+    mask[1, -4:] = 0  # short completion
+    mask[2, -1:] = 0
+    mask[3, :1] = 0
+    ids[mask == 0] = tok.pad_token_id
+    return ids, mask
+
+
 def build_trainer(cls, model, **kwargs):
     """`cls(model=<a copy of model>, **kwargs)` (a `ref_model` among kwargs copied too), whose LoRA
     adapter then gets `randomize_adapter(seed=3)`: the same weights in every trainer built here,
@@ -49,6 +66,17 @@ def build_trainer(cls, model, **kwargs):
     tr = cls(model=copy.deepcopy(model), **kwargs)
     randomize_adapter(tr.model, seed=3)
     return tr
+
+
+def build_pair(stock_cls, ours_cls, model, make_kwargs) -> list:
+    """[stock, ours] in train mode, each `build_trainer(cls, model, **make_kwargs())`: the
+    keyword arguments (config, dataset) made afresh for each trainer, which may change them."""
+    out = []
+    for cls in (stock_cls, ours_cls):
+        tr = build_trainer(cls, model, **make_kwargs())
+        tr.model.train()
+        out.append(tr)
+    return out
 
 
 def train_logs(cls, model, **kwargs) -> list[dict]:

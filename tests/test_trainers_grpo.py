@@ -32,6 +32,7 @@ from trainers import GRPOTrainer
 from trainers.head import check_fused_head, forward_hidden_states, lm_head_params
 from trainers.tiny import build_tiny_llama, build_tokenizer, tiny_model_dir
 from _tiny_models import lora_tiny_llama as _model
+from _trainer_pairs import ragged_ids_and_mask
 
 LOGP_ATOL = 5e-5
 LOSS_RTOL = 1e-5
@@ -83,17 +84,7 @@ def _pair(tok, tmp_path, model, **config):
 
 
 def _ids_and_mask(tok):
-    """prompt+completion ids (B, P+C) and mask, shaped like _generate_and_score_completions':
-    left-padded prompts, completions padded on the right after EOS."""
-    g = torch.Generator().manual_seed(123)
-    ids = torch.randint(8, len(tok), (B, P + C), generator=g)
-    mask = torch.ones(B, P + C, dtype=torch.long)
-    mask[0, :2] = 0  # short prompt
-    mask[1, -4:] = 0  # short completion
-    mask[2, -1:] = 0
-    mask[3, :1] = 0
-    ids[mask == 0] = tok.pad_token_id
-    return ids, mask
+    return ragged_ids_and_mask(tok, P, C)  # (B, P + C), B = 4
 
 
 def _inputs(tok, stock, *, old_noise=0.3, with_ref=False, batch=None):

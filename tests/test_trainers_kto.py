@@ -30,7 +30,7 @@ from trainers import KTOTrainer
 from trainers.tiny import build_tokenizer
 from _tiny_models import tiny_model
 from _trainer_pairs import assert_close, assert_same_logs, assert_same_step, loss_step
-from _trainer_pairs import build_trainer, train_logs
+from _trainer_pairs import build_pair, train_logs
 
 LOGP_ATOL = 5e-5
 SEQ_LOGP_ATOL = 1e-4
@@ -63,16 +63,11 @@ def _config(tmp_path, **overrides):
 
 
 def _pair(tok, tmp_path, model, *, ref_model=None, peft_config=None, **config):
-    """(stock, ours) in train mode, each built by `build_trainer` (copies of the models, the same
-    random LoRA weights) with its own config and dataset."""
-    out = []
-    for cls in (trl.KTOTrainer, KTOTrainer):
-        tr = build_trainer(cls, model, ref_model=ref_model, args=_config(tmp_path, **config),
-                           train_dataset=_dataset(), processing_class=tok,
-                           peft_config=peft_config)
-        tr.model.train()
-        out.append(tr)
-    return out
+    """(stock, ours) in train mode (`build_pair`: copies of the models, the same random LoRA
+    weights), each with its own config and dataset."""
+    return build_pair(trl.KTOTrainer, KTOTrainer, model, lambda: dict(
+        ref_model=ref_model, args=_config(tmp_path, **config), train_dataset=_dataset(),
+        processing_class=tok, peft_config=peft_config))
 
 
 def _batch(tr, start=0, n=4):

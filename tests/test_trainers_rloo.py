@@ -31,7 +31,7 @@ from trainers import RLOOTrainer
 from trainers.tiny import build_tokenizer
 from _tiny_models import tiny_model
 from _trainer_pairs import assert_close, assert_same_logs, assert_same_step, loss_step
-from _trainer_pairs import randomize_adapter
+from _trainer_pairs import ragged_ids_and_mask, randomize_adapter
 
 LOGP_ATOL = 5e-5
 LOSS_RTOL = 1e-5
@@ -83,17 +83,7 @@ def _pair(tok, tmp_path, model, **config):
 
 
 def _ids_and_mask(tok):
-    """prompt+completion ids (B, P+C) and mask as RLOO builds them: left-padded prompts,
-    completions padded on the right."""
-    g = torch.Generator().manual_seed(123)
-    ids = torch.randint(8, len(tok), (B, P + C), generator=g)
-    mask = torch.ones(B, P + C, dtype=torch.long)
-    mask[0, :2] = 0
-    mask[1, -4:] = 0
-    mask[2, -1:] = 0
-    mask[3, :1] = 0
-    ids[mask == 0] = tok.pad_token_id
-    return ids, mask
+    return ragged_ids_and_mask(tok, P, C)  # (B, P + C), B = 4
 
 
 @pytest.mark.parametrize("arch,tied,temperature", [("llama", True, 1.0), ("qwen2", False, 0.7)])
