@@ -57,6 +57,24 @@ def ragged_ids_and_mask(tok, P: int, C: int, *, generator=None):
     return ids, mask
 
 
+class BackboneCalls:
+    """Records the (batch, length) of every call of `backbone` (a model's `base_model`) inside
+    the block: (1, T) for a packed pass, (rows, L) for a padded one."""
+
+    def __init__(self, backbone):
+        self.backbone, self.shapes = backbone, []
+
+    def __enter__(self):
+        def hook(_m, _args, kwargs):
+            self.shapes.append(tuple(kwargs["input_ids"].shape))
+
+        self._handle = self.backbone.register_forward_pre_hook(hook, with_kwargs=True)
+        return self
+
+    def __exit__(self, *exc):
+        self._handle.remove()
+
+
 def build_trainer(cls, model, **kwargs):
     """`cls(model=<a copy of model>, **kwargs)` (a `ref_model` among kwargs copied too), whose LoRA
     adapter then gets `randomize_adapter(seed=3)`: the same weights in every trainer built here,

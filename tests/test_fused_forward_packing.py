@@ -40,7 +40,8 @@ from trainers.fused_forward import FusedForwardMixin
 from trainers.packing import plan_target_packs, unpack
 from trainers.tiny import build_tokenizer
 from _tiny_models import tiny_model
-from _trainer_pairs import assert_close, assert_same_step, loss_step, randomize_adapter
+from _trainer_pairs import BackboneCalls, assert_close, assert_same_step, loss_step
+from _trainer_pairs import randomize_adapter
 
 VALUE_ATOL = 5e-5
 LOSS_RTOL = 1e-5
@@ -53,23 +54,6 @@ ALL_OUTPUTS = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_to
 @pytest.fixture(scope="module")
 def tok():
     return build_tokenizer()
-
-
-class _BackboneCalls:
-    """Records the (batch, length) of every backbone call inside the block."""
-
-    def __init__(self, lm):
-        self.lm, self.shapes = lm, []
-
-    def __enter__(self):
-        def hook(_m, _args, kwargs):
-            self.shapes.append(tuple(kwargs["input_ids"].shape))
-
-        self._h = self.lm.base_model.register_forward_pre_hook(hook, with_kwargs=True)
-        return self
-
-    def __exit__(self, *exc):
-        self._h.remove()
 
 
 def _lm(model):
@@ -168,7 +152,7 @@ def test_packed_fields_and_grads_match_padded(tok, layout, arch, max_tokens):
     for packing in (False, True):
         tr.packing = packing
         model.zero_grad(set_to_none=True)
-        with _BackboneCalls(_lm(model)) as calls:
+        with BackboneCalls(_lm(model).base_model) as calls:
             out = model(input_ids=ids, attention_mask=mask, labels=labels, fused_lm_head=True,
                         use_cache=False)
         (out.loss + 0.1 * out.entropy.sum()).backward()
@@ -195,7 +179,7 @@ def test_what_stays_padded(tok, caplog):
     ids, mask, labels = _right_padded(tok)
     auto = _Trainer(model, packing="auto")
     with caplog.at_level(logging.WARNING, logger="test_fused_forward_packing"), \
-            torch.no_grad(), _BackboneCalls(model) as calls:
+            torch.no_grad(), BackboneCalls(model.base_model) as calls:
         for _ in range(2):  # "auto" under sdpa on CPU: padded, said once
             model(input_ids=ids, attention_mask=mask, labels=labels, fused_lm_head=True)
         auto.packing = True
@@ -262,7 +246,7 @@ def test_packed_trainer_matches_padded_and_trl(tok, tmp_path, name):
     batch = trainers["trl"].data_collator([trainers["trl"].train_dataset[i] for i in range(4)])
     steps = {}
     for key, tr in trainers.items():
-        with _BackboneCalls(_lm(tr.model)) as calls:
+        with BackboneCalls(_lm(tr.model).base_model) as calls:
             steps[key] = loss_step(tr, batch)
         steps[key, "calls"] = calls.shapes
     assert all(s[0] == 1 for s in steps["pack", "calls"])  # every pass packed...
@@ -284,7 +268,7 @@ def test_rloo_packed_logps_match_padded(tok, tmp_path):
     out = {}
     for packing in (False, True):
         tr.packing = packing
-        with torch.no_grad(), _BackboneCalls(_lm(tr.model)) as calls:
+        with torch.no_grad(), BackboneCalls(_lm(tr.model).base_model) as calls:
             out[packing] = tr._get_per_token_logps_and_entropies(
                 tr.model, ids, mask, 7, batch_size=3, compute_entropy=True)
         out[packing, "calls"] = calls.shapes

@@ -34,6 +34,7 @@ more.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 
@@ -50,6 +51,7 @@ from trainers.distillation import _seam_missing_reason
 from trainers.tiny import build_tiny_llama, build_tiny_qwen2, build_tokenizer
 from _tiny_models import soft_head_model
 from _tolerance import assert_3way
+from _trainer_pairs import BackboneCalls
 
 LOSS_RTOL = 1e-5
 GRAD_RTOL = 2e-5
@@ -213,23 +215,16 @@ def test_train_logs_match_trl(tok, tmp_path, student, teacher, tied, beta, packi
 # ---------------------------------------------------------------- packing
 
 
-class _BackboneCalls:
-    """Records the (batch, length) of every call of the given backbones inside the block."""
-
-    def __init__(self, **backbones):
-        self.backbones, self.shapes = backbones, {k: [] for k in backbones}
-
-    def __enter__(self):
-        def hook(name):
-            return lambda _m, _a, kw: self.shapes[name].append(tuple(kw["input_ids"].shape))
-
-        self._hooks = [m.register_forward_pre_hook(hook(k), with_kwargs=True)
-                       for k, m in self.backbones.items()]
-        return self
-
-    def __exit__(self, *exc):
-        for h in self._hooks:
-            h.remove()
+@contextlib.contextmanager
+def _backbone_calls(tr, teacher=True):
+    """{"student": [...], "teacher": [...]}: the (batch, length) of each backbone call inside the
+    block (`BackboneCalls`), the teacher's left out with `teacher=False`."""
+    models = {"student": tr.model, "teacher": tr.teacher_model}
+    if not teacher:
+        del models["teacher"]
+    with contextlib.ExitStack() as stack:
+        yield {who: stack.enter_context(BackboneCalls(_backbone(m))).shapes
+               for who, m in models.items()}
 
 
 def _backbone(model):
@@ -250,16 +245,14 @@ def test_packed_matches_padded_and_trl(tok, tmp_path, student, teacher, tied, pe
     scored_rows = batch["completion_mask"].any(1)
     row_tokens = valid[scored_rows].sum(1).tolist()  # packed rows, in order
 
-    results, shapes = [], None
+    results = []
     for cls, kw in ((trl.DistillationTrainer, {}), (DistillationTrainer, {"packing": False}),
                     (DistillationTrainer, {"packing": True, "max_packed_tokens": max_packed})):
         tr = cls(model=copy.deepcopy(s_model), teacher_model=copy.deepcopy(t_model), args=args,
                  train_dataset=_prompts(), processing_class=tok, **kw)
         tr.model.train()
-        with _BackboneCalls(student=_backbone(tr.model), teacher=_backbone(tr.teacher_model)) \
-                as calls:
+        with _backbone_calls(tr) as shapes:
             results.append(_step(tr, batch))
-        shapes = calls.shapes
     (loss_s, g_s, ent_s), (loss_u, g_u, ent_u), (loss_p, g_p, ent_p) = results
 
     # the packed trainer ran every backbone on (1, T) packs of the valid tokens only
@@ -283,10 +276,10 @@ def test_what_stays_padded(tok, tmp_path, caplog):
     tr.model.train()
     assert tr.packing == "auto"
     L = 6 + 7
-    with _BackboneCalls(student=_backbone(tr.model), teacher=_backbone(tr.teacher_model)) as c:
+    with _backbone_calls(tr) as shapes:
         for seed in (0, 1):  # "auto" under sdpa on CPU: padded, said once
             _step(tr, _batch(tok, seed=seed))
-    assert c.shapes == {"student": [(3, L)] * 2, "teacher": [(3, L)] * 2}
+    assert shapes == {"student": [(3, L)] * 2, "teacher": [(3, L)] * 2}
     notes = [r.getMessage() for r in caplog.records if "packing" in r.getMessage()
              or "stay padded" in r.getMessage()]
     assert notes == ["grpo_lce: log-prob passes stay padded (sdpa on CPU has no packed kernel)."]
@@ -295,9 +288,9 @@ def test_what_stays_padded(tok, tmp_path, caplog):
     caplog.clear()
     holed = _batch(tok)
     holed["prompt_mask"][0, 3] = 0
-    with _BackboneCalls(student=_backbone(tr.model)) as c:
+    with _backbone_calls(tr, teacher=False) as shapes:
         _step(tr, holed)
-    assert c.shapes == {"student": [(3, L)]}
+    assert shapes == {"student": [(3, L)]}
     assert any("not one contiguous run" in r.getMessage() for r in caplog.records)
     with pytest.raises(ValueError, match="packing must be True, False or 'auto'"):
         DistillationTrainer(model=s_model, teacher_model=t_model, args=args,
@@ -321,9 +314,8 @@ def test_bf16_packs_through_varlen_on_cuda(tok, tmp_path):
                                  args=args, train_dataset=_prompts(), processing_class=tok,
                                  packing=packing)
         tr.model.train()
-        with _BackboneCalls(student=_backbone(tr.model), teacher=_backbone(tr.teacher_model)) \
-                as calls, tr.compute_loss_context_manager():
-            runs[packing] = _step(tr, batch), calls.shapes
+        with _backbone_calls(tr) as shapes, tr.compute_loss_context_manager():
+            runs[packing] = _step(tr, batch), shapes
     ((loss_u, g_u, _), shapes_u), ((loss_p, g_p, _), shapes_p) = runs[False], runs["auto"]
     assert all(s[0] == 4 for s in shapes_u["student"] + shapes_u["teacher"])
     assert shapes_p["student"] == shapes_p["teacher"] == [(1, 13 + 8 + 4)]  # row 3: no completion
