@@ -178,6 +178,26 @@ def write_json(path: Path, obj) -> None:
     path.write_text(json.dumps(obj, indent=1, default=str) + "\n")
 
 
+def read_jsonl(paths) -> list[dict]:
+    """The records of the given .jsonl files, in file order (a missing file has none)."""
+    recs = []
+    for path in map(Path, paths):
+        if path.exists():
+            recs += [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+    return recs
+
+
+def newest_points(points, key) -> list[dict]:
+    """The newest of the point records with the same `key(record)`, a measured one (status
+    "ok") winning over a newer one that is not (n/a, skipped, killed)."""
+    newest: dict = {}
+    for r in points:
+        k = key(r)
+        if r.get("status") == "ok" or newest.get(k, {}).get("status") != "ok":
+            newest[k] = r
+    return list(newest.values())
+
+
 def short_error(exc: BaseException, limit: int = 160) -> str:
     if isinstance(exc, torch.cuda.OutOfMemoryError):
         return "OOM"

@@ -342,26 +342,19 @@ def fmt(rec: dict) -> str:
     return ", ".join(out)
 
 
-def read(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
 def current_points(recs: list[dict]) -> list[dict]:
     """The newest record of each (model, L, system, G, completions) point (a measured one over a
     newer skipped one), each tagged with the commit of the worker's env record written before it
     (a worker writes its env line first)."""
-    commit, newest = {}, {}
+    commit, points = {}, []
     for r in recs:
         who = (r.get("system"), r.get("model"))
         if r.get("kind") == "env":
             commit[who] = r["env"].get("commit")
         elif r.get("kind") == "point":
-            key = (r["model"], r["L"], r["system"], r.get("G"), r.get("completions"))
-            if r.get("status") == "ok" or newest.get(key, {}).get("status") != "ok":
-                newest[key] = {**r, "commit": commit.get(who)}
-    return list(newest.values())
+            points.append({**r, "commit": commit.get(who)})
+    return bc.newest_points(points, lambda r: (r["model"], r["L"], r["system"], r.get("G"),
+                                               r.get("completions")))
 
 
 def gib(b):
@@ -513,7 +506,7 @@ def main(argv=None) -> int:
 
 def write_report(jsonl: Path, a) -> None:
     """The .md table, .json records and .png plot of `jsonl`, beside it."""
-    recs = read(jsonl)
+    recs = bc.read_jsonl([jsonl])
     pts = current_points(recs)
     stem = jsonl.with_suffix("")
     gpus = sorted({r["env"].get("gpu") or "cpu" for r in recs if r.get("kind") == "env"})

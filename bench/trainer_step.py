@@ -595,25 +595,11 @@ def fmt(rec: dict) -> str:
     return ", ".join(out)
 
 
-def read(paths: list[Path]) -> list[dict]:
-    recs = []
-    for path in paths:
-        if path.exists():
-            recs += [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
-    return recs
-
-
 def current_points(recs: list[dict]) -> list[dict]:
     """The newest record of each (trainer, model, system) point, a measured one over a newer
     n/a or skipped one."""
-    newest: dict = {}
-    for r in recs:
-        if r.get("kind") != "point":
-            continue
-        key = (r["trainer"], r["model"], r["system"])
-        if r.get("status") == "ok" or newest.get(key, {}).get("status") != "ok":
-            newest[key] = r
-    return list(newest.values())
+    return bc.newest_points([r for r in recs if r.get("kind") == "point"],
+                            lambda r: (r["trainer"], r["model"], r["system"]))
 
 
 def _e(v) -> str:
@@ -746,7 +732,7 @@ def write_report(jsonls: list[Path]) -> None:
     """The .md tables, .json records and .png of the records in `jsonls`, beside the first."""
     from bench.trainer_step_op import op_table
 
-    recs = read(jsonls)
+    recs = bc.read_jsonl(jsonls)
     pts = current_points(recs)
     stem = jsonls[0].with_suffix("")
     gpus = sorted({r["env"].get("gpu") or "cpu" for r in recs if r.get("kind") == "env"})
