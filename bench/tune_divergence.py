@@ -12,7 +12,7 @@ it prints the median ms (`triton.testing.do_bench`) and its multiple of the floo
 GEMMs of N x H x V with fp32 output (S = h Wᵀ, T = g Uᵀ, the basis G W). The chosen values go into
 grpo_lce/kernels/_tuning.py by hand.
 
-    python -m bench.tune_divergence --out-dir bench/results      # ~3 min on an H100
+    python -m bench.tune_divergence --out-dir bench/results      # under a minute on an H100
 """
 
 from __future__ import annotations
