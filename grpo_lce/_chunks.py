@@ -4,7 +4,7 @@ Unfused loop (grpo_lce._head), memory of one chunk of C rows (V = vocabulary):
     Z    (C, V) fp32              the logits of the chunk, one reused buffer
     G    over Z's own bytes        the gradient operand (see _head.g_over_z): free
     E    (C, V) in the GEMM dtype  the entropy operand, only for an entropy basis
-so a chunk costs C · V · (4 + 2·k) bytes, k = 1 with E, else 0. Fused loop (_head_fused): a
+so a chunk costs C · V · (4 + 2·k) bytes, k = 1 with E, else 0. Fused loop (_head's fused loop): a
 chunk holds G' (C, V) in bf16 when a gradient is wanted (`fused_chunk_size`), otherwise only
 per-tile statistics.
 
@@ -54,7 +54,7 @@ def default_chunk_size(
 def fused_chunk_size(
     vocab: int, n_parts: int, n_part_arrays: int, with_operand: bool, n_rows: int
 ) -> int:
-    """Rows per chunk of the fused loop (_head_fused), in multiples of 128 rows. With a gradient
+    """Rows per chunk of the fused loop (grpo_lce._head), in multiples of 128 rows. With a gradient
     the chunk holds G' (C, V) in bf16 (rows padded to 16 bytes): the budget rule above with 2
     bytes per logit instead of 4. Without one it holds only the partial statistics (n_parts per
     row, 4 bytes each, in `n_part_arrays` arrays: ~8 KB a row at 128k), so the whole call

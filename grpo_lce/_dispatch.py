@@ -5,11 +5,11 @@ A call of `linear_logprobs`, `linear_cross_entropy` or `chunked_linear` makes tw
 GEMM 1 and the row statistics (grpo_lce._head):
     fused     GEMM 1 is the Triton kernel of kernels/gemm_softmax, whose epilogue turns each fp32
               logits tile, still in registers, into softmax partials and the bf16 operand G' of
-              GEMM 2 (grpo_lce._head_fused). Needs bf16 operands, a Hopper-or-newer GPU (or
+              GEMM 2 (grpo_lce._head). Needs bf16 operands, a Hopper-or-newer GPU (or
               Triton's interpreter), a triton with `triton.tools.tensor_descriptor`, and TMA's
               16-byte alignment of W's rows and of h's rows. Its G' gives G = α (p − e_y) only,
               so a pass that needs the entropy operand, β's term or a bias gradient runs
-              unfused (`_head.HeadPass.fusable`).
+              unfused (`Path.fuses`).
     unfused   GEMM 1 by cuBLAS into one reused fp32 chunk (torch.mm with fp32 output), then the
               row kernel of kernels/row_softmax: in Triton (`backend == "triton"`) or in torch
               ops (`"torch"`: CPU, or no triton). The same backend runs the small row kernels
@@ -19,13 +19,13 @@ The row layout (grpo_lce._rows):
     device-counted  the ignored rows moved after the valid ones, their number left on the
               device: no host sync. Only on the fused path, with no trainable bias, no entropy
               basis and sync checks off; with a trainable weight the count is also copied to
-              the host (grpo_lce._host_count) for the cuBLAS dW GEMM.
+              the host (grpo_lce._rows.HostCount) for the cuBLAS dW GEMM.
     host-counted    the valid rows gathered, their number read on the host: one sync a call.
 
 `decide` reads everything the choice depends on, once: the operands' dtype, device, compute
 capability, strides and alignment; whether weight and bias get a gradient (grad mode and
 requires_grad, as the caller has them); `entropy_requires_grad`; whether triton and its tensor
-descriptors import (HAS_TRITON, HAS_TMA, probed at import); and four environment variables:
+descriptors import (HAS_TRITON, HAS_TMA: kernels/_triton); and four environment variables:
 
     GRPO_LCE_BACKEND=auto|triton|torch  who runs the row kernels (auto: Triton on CUDA)
     GRPO_LCE_FUSED=0                    never the fused GEMM 1 (A/B comparisons, a suspected bug)
@@ -39,8 +39,8 @@ fused=, sync_checks=)` takes precedence over the environment inside a `with` blo
 `recording()` collects the Paths decided inside it and the events the chunk loops note on them:
 
     "gemm1"       rows of a fused GEMM 1 launch (one per chunk)
-    "flagged"     a chunk's count of flagged rows (int32 (1,) on the device; _head_fused)
-    "count read"  a host read of the device row count (grpo_lce._host_count), with its value
+    "flagged"     a chunk's count of flagged rows (int32 (1,) on the device; _head)
+    "count read"  a host read of the device row count (grpo_lce._rows.HostCount), with its value
     "basis"       (rows are the call's copy, basis dtype, its low half's dtype or None,
                   whether the basis is stored over the rows), once per pass that builds it
 """
@@ -49,7 +49,6 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import importlib
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -57,19 +56,7 @@ from typing import Any
 
 import torch
 
-
-def _importable(module: str) -> bool:
-    try:
-        importlib.import_module(module)
-    except ImportError:
-        return False
-    return True
-
-
-# triton is optional: without it every call takes the torch path. The fused GEMMs load and store
-# through its tensor descriptors, which older versions lack: without them the fused path is off.
-HAS_TRITON = _importable("triton.language")
-HAS_TMA = HAS_TRITON and _importable("triton.tools.tensor_descriptor")
+from grpo_lce.kernels._triton import HAS_TMA, HAS_TRITON, interpreting
 
 BACKENDS = ("auto", "triton", "torch")
 
@@ -95,6 +82,12 @@ class Path:
     rows_on_device: bool  # the device-counted row layout
     count_to_host: bool  # ... with the row count also copied to the host (a trainable head)
     record: Record | None = field(default=None, compare=False, repr=False)
+
+    def fuses(self, spec: Any) -> bool:
+        """Whether a pass runs the fused loop: this call's operands allow it (`fused`) and the
+        pass (a grpo_lce._head.HeadPass) asks only for what the fused kernel computes. The one
+        place this is decided; the row layout (`rows_on_device`) follows from `fused`."""
+        return self.fused and spec.fusable
 
     def note(self, kind: str, value: Any = None) -> None:
         """An event for the active `recording()`, if the call was decided inside one."""
@@ -172,11 +165,6 @@ def decide(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     if path.record is not None:
         path.record.paths.append(path)
     return path
-
-
-def interpreting() -> bool:
-    """Whether Triton kernels run in its interpreter (TRITON_INTERPRET=1: CPU tests)."""
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def _backend(on_cuda: bool, forced: str | None) -> str:

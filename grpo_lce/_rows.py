@@ -16,9 +16,10 @@ while the host waits, then issues the first kernel). Two layouts; grpo_lce._disp
                   so its row kernels are Triton's (kernels/row_gather).
 
 A trainable head in the device-counted layout also copies n_valid to the host
-(grpo_lce._host_count). A target out of range in the device-counted layout on CUDA is flagged
+(`HostCount`, below). A target out of range in the device-counted layout on CUDA is flagged
 on the device: its row is computed against target 0, its outputs become NaN, and a later call
-raises (grpo_lce._deferred). Results go back to the caller's rows in grpo_lce._row_results.
+raises (grpo_lce._checks.raise_deferred). Results go back to the caller's rows at the end of
+this module (`values_to_caller`, `grad_to_caller`).
 """
 
 from __future__ import annotations
@@ -29,9 +30,43 @@ import torch
 
 from grpo_lce._checks import check_target_range
 from grpo_lce._dispatch import Path
-from grpo_lce._host_count import HostCount
 from grpo_lce.kernels.partition import partition_rows
-from grpo_lce.kernels.row_gather import gather_rows
+from grpo_lce.kernels.row_gather import gather_rows, scatter_rows
+from grpo_lce.kernels.scale_cast import scale_cast
+from grpo_lce.kernels.split_float import join as join_split
+
+# The device-counted row count on its way to the host, for a trainable head's cuBLAS GEMMs.
+#
+# In the device-counted layout (grpo_lce._rows) the number of valid rows lives on the device. A
+# frozen head never needs it on the host. A trainable head's dW GEMM is faster in cuBLAS than in
+# the Triton kernel that reads the count on the device (kernels/gemm_rows), and cuBLAS needs the
+# count on the host. So the count is copied to pinned host memory right behind the partition
+# kernel, without waiting, and the chunk loop reads it only after it has queued chunk 0's GEMM 1:
+# the host then waits for the partition kernel alone while the GPU has a GEMM to run, where a
+# read before the first GEMM would leave the GPU idle while the host waits.
+
+class HostCount:
+    """The count n_valid (int32 (1,)) copied to the host as soon as it is queued; `get` waits
+    for that copy only (an event), not for the kernels queued after it. On CPU the count is
+    already there."""
+
+    def __init__(self, n_valid: torch.Tensor):
+        self._event = None
+        if n_valid.is_cuda:
+            self._host = torch.empty(1, dtype=n_valid.dtype, pin_memory=True)
+            self._host.copy_(n_valid, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+        else:
+            self._host = n_valid
+        self._value: int | None = None
+
+    def get(self) -> int:
+        if self._value is None:
+            if self._event is not None:
+                self._event.synchronize()
+            self._value = int(self._host[0])
+        return self._value
 
 
 @dataclass
@@ -80,7 +115,7 @@ class RowPlan:
 
     def own_rows(self, t: torch.Tensor) -> tuple[torch.Tensor, bool]:
         """(rows(t), whether they are a copy sharing no memory with t): a copy belongs to the
-        call, which may overwrite it (the frozen head's basis goes over the rows, _head_fused)."""
+        call, which may overwrite it (the frozen head's basis goes over the rows, _head)."""
         r = self.rows(t)
         return r, r.untyped_storage().data_ptr() != t.untyped_storage().data_ptr()
 
@@ -150,3 +185,76 @@ def compact_rows(
     # nonzero_static needs no second host read: the size is already known.
     idx = torch.nonzero_static(keep, size=n_keep).squeeze(1)
     return idx, n_keep
+
+
+# ---- results back in the caller's rows (the inverse of the layout)
+# Results of the processed rows back in the caller's rows (the inverse of grpo_lce._rows).
+#
+# Per-row values (log-probs, entropies), vals (n,) of the processed rows:
+#     out[r] = vals[i] at the caller's row r held by processed row i, 0 at the ignored rows,
+#              NaN where the target was out of range (device-counted layout on CUDA)
+# Per-row indices (the argmax), idx (n,) int64: the same, with −1 at the ignored rows.
+# Gradients of the hidden states, from (n, H) fp32 gradient bases u, v:
+#     dh[r] = (a_r u[i] + b_r v[i]).to(dtype),  0 at the ignored rows
+#     a_r = s_u · w_u[r] for per-caller-row weights w_u (N,) (the upstream gradient), s_u · w_u
+#     for a 0-dim one, s_u for none; b alike (a `Term` each)
+# In the device-counted layout this is one pass of kernels/row_gather (scaled, cast and put back
+# in the caller's order at once); otherwise torch ops.
+
+@dataclass(frozen=True)
+class Term:
+    """a_r · u[i] of a gradient (module docstring)."""
+
+    u: torch.Tensor  # (n, H) fp32, or its bf16 half when `lo` is given
+    weight: torch.Tensor | None = None  # (N,) per caller row, 0-dim, or None (1)
+    scale: float = 1.0
+    lo: torch.Tensor | None = None  # (n, H) uint8: u kept in 3 bytes (kernels/split_float)
+
+
+def values_to_caller(plan: RowPlan, vals: torch.Tensor, n_all: int) -> torch.Tensor:
+    """(n_all, ...) per-row results in the caller's rows from the processed rows' vals
+    (module docstring)."""
+    if plan.bad is not None:
+        vals = vals.masked_fill(plan.bad.view((-1,) + (1,) * (vals.dim() - 1)), float("nan"))
+    return _to_caller(plan, vals, n_all)
+
+
+def indices_to_caller(plan: RowPlan, idx: torch.Tensor, n_all: int) -> torch.Tensor:
+    """(n_all,) int64 per-row indices (the argmax) in the caller's rows, −1 at the ignored ones
+    (the device-counted kernels already wrote −1 past n_valid)."""
+    return _to_caller(plan, idx, n_all, fill=-1)
+
+
+def grad_to_caller(plan: RowPlan, u: Term, v: Term | None = None, *, n_all: int,
+                   dtype: torch.dtype, backend: str) -> torch.Tensor:
+    """dh (n_all, H) in `dtype` (module docstring); `backend` runs scale_cast."""
+    if plan.n_valid is not None:  # device-counted (fused path, Triton): one pass
+        def prep(w):
+            return None if w is None else w.contiguous()
+        return scatter_rows(u.u, prep(u.weight), plan.idx, plan.n_valid, dtype, s_u=u.scale,
+                            v=None if v is None else v.u, w_v=None if v is None else prep(v.weight),
+                            s_v=1.0 if v is None else v.scale, u_lo=u.lo)
+    uu = u.u if u.lo is None else join_split(u.u, u.lo)
+
+    def weight(t: Term):  # per processed row (n, 1), or a scalar
+        if t.weight is None:
+            return t.scale
+        if t.weight.dim() == 0:
+            return t.weight.float() * t.scale
+        return plan.rows(t.weight).float()[:, None] * t.scale
+    if plan.idx is None and v is None and u.weight is not None and u.weight.dim() == 0:
+        return scale_cast(uu, u.weight.float() * u.scale, dtype, backend=backend)  # one pass
+    acc = uu * weight(u)
+    if v is not None:
+        acc = acc + v.u * weight(v)
+    return _to_caller(plan, acc.to(dtype), n_all)
+
+
+def _to_caller(plan: RowPlan, vals: torch.Tensor, n_all: int, fill: float = 0) -> torch.Tensor:
+    """vals of the processed rows put at their caller rows, `fill` at the ignored ones (the
+    device-counted kernels already wrote it past n_valid)."""
+    if plan.idx is None:
+        return vals
+    if plan.n_valid is not None:  # a permutation: every row is written once
+        return torch.empty_like(vals).index_copy_(0, plan.idx, vals)
+    return vals.new_full((n_all, *vals.shape[1:]), fill).index_copy_(0, plan.idx, vals)

@@ -17,12 +17,10 @@ from __future__ import annotations
 
 import torch
 
-from grpo_lce._checks import check_chunk_size, check_head, check_targets
-from grpo_lce._deferred import defer, raise_deferred
+from grpo_lce._checks import check_chunk_size, check_head, check_targets, defer, raise_deferred
 from grpo_lce._dispatch import Path, decide
 from grpo_lce._head import HeadPass, HeadRows, gemm_weight, head_forward
-from grpo_lce._row_results import Term, grad_to_caller
-from grpo_lce._rows import RowPlan, plan_rows
+from grpo_lce._rows import RowPlan, Term, grad_to_caller, plan_rows
 from grpo_lce.kernels.scale_cast import scale_cast
 from grpo_lce.logprobs import linear_logprobs
 
@@ -36,7 +34,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         # labels: with plan.n_valid (the device-counted layout) the rows past it give 0; path
         # (_dispatch.Path) how
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
-        # (n, H); a copy of ours takes the basis's bf16 half (_head_fused)
+        # (n, H); a copy of ours takes the basis's bf16 half (_head's fused loop)
         h, owned = plan.own_rows(hidden)
         n = h.shape[0]
         # α = 1/d per row: G = (p − e_y)/d is ∂loss/∂z. d stays on device (no host read).

@@ -19,7 +19,7 @@ Extra memory: one chunk (see grpo_lce._chunks) plus the (n, H) basis of the n pr
 (the valid ones, or all N in the device-counted layout of grpo_lce._rows, where the rows are
 also gathered once into valid-first order). The basis is fp32, except on the fused path
 (Hopper, bf16): 3 bytes a value (kernels/split_float), and for a frozen head its bf16 half is
-written over the gathered rows chunk by chunk (grpo_lce._head_fused), so the forward holds
+written over the gathered rows chunk by chunk (grpo_lce._head), so the forward holds
 3 N H bytes besides one chunk.
 """
 
@@ -27,12 +27,24 @@ from __future__ import annotations
 
 import torch
 
-from grpo_lce._checks import check_chunk_size, check_head, check_targets, check_temperature
-from grpo_lce._deferred import defer, raise_deferred
+from grpo_lce._checks import (
+    check_chunk_size,
+    check_head,
+    check_targets,
+    check_temperature,
+    defer,
+    raise_deferred,
+)
 from grpo_lce._dispatch import decide
 from grpo_lce._head import HeadPass, HeadRows, gemm_weight, head_forward
-from grpo_lce._row_results import Term, grad_to_caller, indices_to_caller, values_to_caller
-from grpo_lce._rows import RowPlan, plan_rows
+from grpo_lce._rows import (
+    RowPlan,
+    Term,
+    grad_to_caller,
+    indices_to_caller,
+    plan_rows,
+    values_to_caller,
+)
 
 
 class _LinearLogprobs(torch.autograd.Function):
@@ -158,7 +170,7 @@ def linear_logprobs(
 
     No host synchronisation on the fused path (bf16 on Hopper or newer, frozen head): ignored
     rows are moved after the valid ones and the kernels read their number on the device; a
-    target out of range there gives NaN and a ValueError from a later call (grpo_lce._deferred).
+    target out of range there gives NaN and a ValueError from a later call (grpo_lce._checks).
     A trainable weight takes the same layout, and its backward reads that number on the host
     (long copied by then) to size the cuBLAS GEMMs. Otherwise one host read per call in the
     forward (the number of valid rows sizes the GEMMs).

@@ -88,7 +88,7 @@ def test_peak_memory_within_chunk_budget():
     torch.cuda.synchronize()
     extra = torch.cuda.max_memory_allocated() - base
     # chunk budget + the rows gathered valid-first (N, H) bf16 (grpo_lce/_rows.py), which the
-    # basis's bf16 half overwrites, + its (N, H) uint8 half (grpo_lce/_head_fused.py) + dh
+    # basis's bf16 half overwrites, + its (N, H) uint8 half (grpo_lce/_head.py) + dh
     # (N, H) bf16 + per-row vectors, GEMM 2's split partials + 32 MiB slack
     bound = DEFAULT_CHUNK_BUDGET_BYTES + N * H * (2 + 1 + 2) + 32 * 2**20
     assert extra <= bound, f"extra peak {extra / 2**20:.0f} MiB > bound {bound / 2**20:.0f} MiB"
@@ -112,7 +112,7 @@ def test_chunked_linear_on_gpu():
 
 
 def test_bad_target_on_gpu_is_a_deferred_error_not_a_crash(monkeypatch):
-    """The fused path checks targets without a host sync (grpo_lce/_deferred.py): the bad row
+    """The fused path checks targets without a host sync (grpo_lce/_checks.py): the bad row
     is NaN, the others exact, and a later call raises; GRPO_LCE_SYNC_CHECKS=1 (the environment
     switch itself, read by grpo_lce/_dispatch.py) and the unfused (fp16) path raise in the call
     itself."""
@@ -162,7 +162,7 @@ def test_no_host_sync_on_the_fused_path():
 
 def test_trainable_head_waits_only_on_an_event():
     """Trainable W, ignored rows: CE and log-probs forward and backward under CUDA's sync debug
-    mode set to raise. The one host read of the row count (_host_count.HostCount) is an event
+    mode set to raise. The one host read of the row count (_rows.HostCount) is an event
     wait, which that mode does not count, issued after chunk 0's GEMM 1 (test_device_rows checks
     the order); anything else that synchronised (.item(), .tolist(), nonzero) would raise."""
     h, w, y = _inputs(n_ignored=N // 3)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from grpo_lce._dispatch import HAS_TRITON
+from grpo_lce.kernels._triton import HAS_TRITON
 
 if HAS_TRITON:
     import triton

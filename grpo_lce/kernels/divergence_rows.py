@@ -44,8 +44,8 @@ import math
 
 import torch
 
-from grpo_lce._dispatch import HAS_TRITON
 from grpo_lce.kernels import _tuning
+from grpo_lce.kernels._triton import HAS_TRITON
 
 if HAS_TRITON:
     import triton

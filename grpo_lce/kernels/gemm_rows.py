@@ -1,6 +1,6 @@
 """GEMMs 2 and 3 of the fused loop, bounded by a row count that lives on the device.
 
-The fused loop (_head_fused) runs over a fixed row layout: the valid rows first, then the
+The fused loop (_head's fused loop) runs over a fixed row layout: the valid rows first, then the
 ignored ones (zero hidden states), their number `n_valid` a device tensor. Nothing on the host
 knows it, so no host sync is needed; each kernel reads it and skips the rows past it, so ignored
 rows still cost no GEMM work. For a chunk starting at row `row0` with M rows, the valid rows are
@@ -13,7 +13,7 @@ GEMM 2, the basis (M, H) = factor ∘ (G' W) − α ∘ W[y], rows ≥ m zero:
     to fill the GPU, `n_splits`); then
     `_basis_finish_kernel` sums them and applies the per-row factor and the target term (one
     fp32 pass over S · M · H, in a fixed order: deterministic, no atomics), stored in fp32 or
-    split in 3 bytes (kernels/split_float: the fused loop's basis, _head_fused).
+    split in 3 bytes (kernels/split_float: the fused loop's basis, grpo_lce._head).
 GEMM 3, dW (V, H) (+)= G'[:m]ᵀ (factor ∘ X)[:m]: `_grad_w_kernel`, whose reduction (K) loop
     stops at m. The last K block may read rows in [m, ⌈m / BK⌉ BK): the fused GEMM 1 writes zeros
     there (its row tiles are multiples of BK), and the factor ∘ X operand is zero there too.
@@ -25,9 +25,9 @@ import functools
 
 import torch
 
-from grpo_lce._dispatch import HAS_TMA, HAS_TRITON
 from grpo_lce.kernels import _tuning
 from grpo_lce.kernels._tma_common import num_programs
+from grpo_lce.kernels._triton import HAS_TMA, HAS_TRITON
 
 if HAS_TRITON:
     import triton

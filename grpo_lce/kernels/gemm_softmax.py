@@ -49,9 +49,9 @@ import math
 
 import torch
 
-from grpo_lce._dispatch import HAS_TMA
 from grpo_lce.kernels import _tuning
 from grpo_lce.kernels._tma_common import num_programs
+from grpo_lce.kernels._triton import HAS_TMA
 
 if HAS_TMA:
     import triton

@@ -4,7 +4,7 @@ relative error < 2^-15, exact for 0, ±inf and NaN.
 
 Why: the fused loop's gradient basis (N, H) is saved from the forward for the backward. In fp32
 it costs 4 N H bytes (256 MiB for llama-8b's 16384 x 4096 call); in bf16, which the same rows
-of the gathered hidden states could hold for free (grpo_lce/_head_fused), dh = g · basis would be
+of the gathered hidden states could hold for free (grpo_lce/_head), dh = g · basis would be
 rounded twice, once when the basis is stored and once when dh is cast (2^-8 relative each):
 about twice the error of one rounding, enough to put dh above the error of the bf16-logit paths
 (torch's, TRL's) that this library must beat. The bf16 half goes over those rows and the uint8
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from grpo_lce._dispatch import HAS_TRITON
+from grpo_lce.kernels._triton import HAS_TRITON
 
 if HAS_TRITON:
     import triton

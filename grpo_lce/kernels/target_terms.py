@@ -1,4 +1,4 @@
-"""The per-row terms around the fused loop's cuBLAS GEMMs 2 and 3 (grpo_lce._head_fused).
+"""The per-row terms around the fused loop's cuBLAS GEMMs 2 and 3 (grpo_lce._head).
 
 For the k valid rows of a chunk, x (k, H) bf16, factor f (k,), α (k,) (None: 1), targets y:
 
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from grpo_lce._dispatch import HAS_TRITON
+from grpo_lce.kernels._triton import HAS_TRITON
 
 if HAS_TRITON:
     import triton
