@@ -4,8 +4,8 @@ Unfused loop (grpo_lce._head), memory of one chunk of C rows (V = vocabulary):
     Z    (C, V) fp32              the logits of the chunk, one reused buffer
     G    over Z's own bytes        the gradient operand (see _head.g_over_z): free
     E    (C, V) in the GEMM dtype  the entropy operand, only for an entropy basis
-so a chunk costs C · V · (4 + 2·k) bytes, k = 1 with E, else 0. Fused loop (_head's fused loop): a
-chunk holds G' (C, V) in bf16 when a gradient is wanted (`fused_chunk_size`), otherwise only
+so a chunk costs C · V · (4 + 2·k) bytes, k = 1 with E, else 0. Fused loop (grpo_lce._head):
+a chunk holds G' (C, V) in bf16 when a gradient is wanted (`fused_chunk_size`), otherwise only
 per-tile statistics.
 
 The default chunk size fills `DEFAULT_CHUNK_BUDGET_BYTES` (256 MiB: 512 rows of a 128k
@@ -54,11 +54,11 @@ def default_chunk_size(
 def fused_chunk_size(
     vocab: int, n_parts: int, n_part_arrays: int, with_operand: bool, n_rows: int
 ) -> int:
-    """Rows per chunk of the fused loop (grpo_lce._head), in multiples of 128 rows. With a gradient
-    the chunk holds G' (C, V) in bf16 (rows padded to 16 bytes): the budget rule above with 2
-    bytes per logit instead of 4. Without one it holds only the partial statistics (n_parts per
-    row, 4 bytes each, in `n_part_arrays` arrays: ~8 KB a row at 128k), so the whole call
-    usually fits one chunk."""
+    """Rows per chunk of the fused loop (grpo_lce._head), in multiples of 128 rows. With a
+    gradient the chunk holds G' (C, V) in bf16 (rows padded to 16 bytes): the budget rule above
+    with 2 bytes per logit instead of 4. Without one it holds only the partial statistics
+    (n_parts per row, 4 bytes each, in `n_part_arrays` arrays: ~8 KB a row at 128k), so the
+    whole call usually fits one chunk."""
     if with_operand:
         return _rows_within(-(-vocab // 8) * 8 * 2, None, n_rows, _ROW_ALIGN_FUSED)
     return _rows_within(n_parts * 4 * n_part_arrays, None, None, _ROW_ALIGN_FUSED)

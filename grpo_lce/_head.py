@@ -20,7 +20,7 @@ logits; E, when asked for, takes C · V · 2 more), plus the (N, H) outputs aske
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -106,6 +106,37 @@ class HeadOut:
             self.argmax[start:].fill_(-1)
 
 
+@dataclass(frozen=True)
+class HeadCall:
+    """What every pass of one public call shares: the row plan and the processed rows' targets,
+    the head as the caller gave it, the call's Path, 1/τ and the chunk size. `run` is one pass.
+    `saved()` / `restored(...)`: the same call without / with its tensors, for an autograd
+    Function, whose tensors go through save_for_backward."""
+
+    plan: RowPlan | None
+    y: torch.Tensor | None  # (n,) int64 targets of the processed rows
+    weight: torch.Tensor | None  # (V, H)
+    bias: torch.Tensor | None  # (V,)
+    path: Path
+    inv_tau: float = 1.0
+    chunk_size: int | None = None  # None: from the memory budget (grpo_lce._chunks)
+
+    def run(self, rows: torch.Tensor, *, scratch: bool = False, **spec) -> HeadOut:
+        """One pass over `rows` (the processed rows of the plan's layout; `scratch`: the call's
+        own copy) computing what the HeadPass fields in `spec` ask for."""
+        return head_forward(HeadRows.of(self.plan, rows, self.y, scratch=scratch),
+                            gemm_weight(self.weight, self.path.backend), self.bias,
+                            HeadPass(inv_tau=self.inv_tau, chunk_size=self.chunk_size, **spec),
+                            self.path)
+
+    def saved(self) -> HeadCall:
+        return replace(self, plan=None, y=None, weight=None, bias=None)
+
+    def restored(self, plan: RowPlan, y: torch.Tensor, weight: torch.Tensor,
+                 bias: torch.Tensor | None) -> HeadCall:
+        return replace(self, plan=plan, y=y, weight=weight, bias=bias)
+
+
 def gemm_weight(weight: torch.Tensor, backend: str) -> torch.Tensor:
     """The weight as the GEMMs consume it. On CUDA the bf16/fp16 weight itself (cuBLAS writes
     fp32); on CPU, which has no mixed-dtype GEMM, one fp32 copy per call instead of per chunk
@@ -161,20 +192,12 @@ def head_forward(rows: HeadRows, w: torch.Tensor, b: torch.Tensor | None, spec: 
         n_rows = rows.count.get()
         path.note("count read", n_rows)
     # G is written over Z (see g_over_z), so only the entropy operand E costs a buffer
-    C = spec.chunk_size or default_chunk_size(V, int(spec.ebasis), w.element_size(), n_rows=N)
-    if spec.grad_weight and not spec.chunk_size:
-        C = max(C, MIN_ROWS_GRAD_WEIGHT)
-    C = max(1, min(C, n_rows))
-    z_buf = torch.empty(C, V, device=dev, dtype=torch.float32)  # (C, V) fp32 <- the big one
+    C = chunk_rows(spec, V, int(spec.ebasis), w.element_size(), n_size=N, n_rows=n_rows)
     e_buf = torch.empty(C, V, device=dev, dtype=w.dtype) if spec.ebasis else None
-    wt = w.t()
     y, alpha, beta = rows.y, spec.alpha, spec.beta
 
-    for s, e in chunk_bounds(n_rows, C):
-        n = e - s
-        z = mm_f32(h[s:e], wt, out=z_buf[:n])  # (n, V) fp32, no bias / τ yet
-        g = g_over_z(z_buf, n, w.dtype) if spec.wants_g else None
-        eo = e_buf[:n] if spec.ebasis else None
+    def softmax_rows(s: int, e: int, z: torch.Tensor, g: torch.Tensor | None) -> None:
+        eo = e_buf[:e - s] if spec.ebasis else None
         row_softmax(
             z, y[s:e], b, spec.inv_tau,
             backend=path.backend,
@@ -185,19 +208,52 @@ def head_forward(rows: HeadRows, w: torch.Tensor, b: torch.Tensor | None, spec: 
             out=(out.lse[s:e], out.z_y[s:e], out.entropy[s:e],
                  out.argmax[s:e] if spec.argmax else None),
         )
-        if spec.basis:
-            mm_f32(g, w, out=out.basis[s:e])
         if spec.ebasis:
             mm_f32(eo, w, out=out.ebasis[s:e])
-        if spec.grad_weight:
-            accumulate_mm(out.grad_weight, g.t(), h[s:e])
-        if spec.grad_bias:
-            out.grad_bias += g.float().sum(0)
+
+    chunk_loop(h[:n_rows], w, spec, out, C, softmax_rows)
     if rows.count is not None:
         out.zero_rows_from(n_rows)
     elif rows.n_valid is not None:
         _zero_past(out, rows.n_valid)
     return out
+
+
+def chunk_rows(spec: HeadPass, V: int, n_operands: int, operand_bytes: int, *, n_size: int,
+               n_rows: int) -> int:
+    """Rows per chunk of `chunk_loop`: spec.chunk_size, or the budget for Z (C, V) fp32 plus
+    `n_operands` (C, V) buffers of `operand_bytes` for a call of `n_size` rows (grpo_lce._chunks);
+    a dW pass at least MIN_ROWS_GRAD_WEIGHT (its fp32 read-modify-write is paid once a chunk);
+    at most the `n_rows` the loop runs over."""
+    C = spec.chunk_size or default_chunk_size(V, n_operands, operand_bytes, n_rows=n_size)
+    if spec.grad_weight and not spec.chunk_size:
+        C = max(C, MIN_ROWS_GRAD_WEIGHT)
+    return max(1, min(C, n_rows))
+
+
+def chunk_loop(h: torch.Tensor, w: torch.Tensor, spec: HeadPass, out, C: int, row_kernel
+               ) -> None:
+    """The unfused loop over h (n, H) in chunks of C rows, against w (V, H) in h's dtype:
+
+        Z = h Wᵀ (fp32, no bias, no τ) into one reused (C, V) buffer
+        row_kernel(s, e, Z, G)   the part that varies: per-row outputs of rows s..e, and the
+                                 operand G (C, V) written over Z's bytes when spec.wants_g
+        out.basis[s:e] = G W,  out.grad_weight += Gᵀ h,  out.grad_bias += Σ_rows G   (as spec
+                                 asks; `out` has those fields)
+    """
+    n, V = h.shape[0], w.shape[0]
+    z_buf = torch.empty(C, V, device=h.device, dtype=torch.float32)  # (C, V) fp32 <- the big one
+    wt = w.t()
+    for s, e in chunk_bounds(n, C):
+        z = mm_f32(h[s:e], wt, out=z_buf[:e - s])  # (n, V) fp32, no bias / τ yet
+        g = g_over_z(z_buf, e - s, w.dtype) if spec.wants_g else None
+        row_kernel(s, e, z, g)
+        if spec.basis:
+            mm_f32(g, w, out=out.basis[s:e])
+        if spec.grad_weight:
+            accumulate_mm(out.grad_weight, g.t(), h[s:e])
+        if spec.grad_bias:
+            out.grad_bias += g.float().sum(0)
 
 
 def _basis_buffers(h: torch.Tensor, fused: bool, over_h: bool

@@ -19,7 +19,7 @@ import torch
 
 from grpo_lce._checks import check_chunk_size, check_head, check_targets, defer, raise_deferred
 from grpo_lce._dispatch import Path, decide
-from grpo_lce._head import HeadPass, HeadRows, gemm_weight, head_forward
+from grpo_lce._head import HeadCall
 from grpo_lce._rows import RowPlan, Term, grad_to_caller, plan_rows
 from grpo_lce.kernels.scale_cast import scale_cast
 from grpo_lce.logprobs import linear_logprobs
@@ -29,10 +29,11 @@ _REDUCTIONS = ("mean", "sum", "none")
 
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, bias, y, divisor, chunk_size, want_metrics, plan, path):
-        # hidden (N, H) the caller's rows; plan (_rows.RowPlan) the rows processed, y (n,) their
-        # labels: with plan.n_valid (the device-counted layout) the rows past it give 0; path
-        # (_dispatch.Path) how
+    def forward(ctx, hidden, weight, bias, call: HeadCall, divisor, want_metrics: bool):
+        # hidden (N, H) the caller's rows; call.plan (_rows.RowPlan) the rows processed, call.y
+        # (n,) their labels: with plan.n_valid (the device-counted layout) the rows past it
+        # give 0; call.path (_dispatch.Path) how
+        plan, y, path = call.plan, call.y, call.path
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         # (n, H); a copy of ours takes the basis's bf16 half (_head's fused loop)
         h, owned = plan.own_rows(hidden)
@@ -40,12 +41,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
         # α = 1/d per row: G = (p − e_y)/d is ∂loss/∂z. d stays on device (no host read).
         need_grad = need_h or need_w or need_b
         alpha = divisor.reciprocal().expand(n).contiguous() if need_grad else None
-        out = head_forward(
-            HeadRows.of(plan, h, y, scratch=owned), gemm_weight(weight, path.backend), bias,
-            HeadPass(chunk_size=chunk_size, basis=need_h, grad_weight=need_w, grad_bias=need_b,
-                     argmax=want_metrics, entropy=want_metrics, alpha=alpha),
-            path,
-        )
+        out = call.run(h, scratch=owned, basis=need_h, grad_weight=need_w, grad_bias=need_b,
+                       argmax=want_metrics, entropy=want_metrics, alpha=alpha)
         loss = (out.lse - out.z_y).sum() / divisor
         ctx.save_for_backward(out.basis, out.basis_lo, out.grad_weight, out.grad_bias,
                               *plan.saved())
@@ -70,7 +67,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             plan, Term(basis, g, lo=basis_lo), n_all=ctx.n_all, dtype=h_dt, backend=ctx.backend)
         dw = None if gw is None else scale_cast(gw, g, w_dt, backend=ctx.backend)
         db = None if gb is None else scale_cast(gb, g, b_dt, backend=ctx.backend)
-        return dh, dw, db, None, None, None, None, None, None
+        return dh, dw, db, None, None, None
 
 
 def linear_cross_entropy(
@@ -134,9 +131,9 @@ def linear_cross_entropy(
     h, y, plan, path = _rows_and_labels(hidden, weight, bias, labels, ignore_index)
     n_valid = plan.n if plan.n_valid is None else plan.n_valid.reshape(())
     divisor = _divisor(reduction, num_items, n_valid, hidden.device)
-    loss, correct, entropy_sum = _LinearCrossEntropy.apply(
-        h, weight, bias, y, divisor, chunk_size, bool(return_metrics), plan, path
-    )
+    call = HeadCall(plan, y, weight, bias, path, chunk_size=chunk_size)
+    loss, correct, entropy_sum = _LinearCrossEntropy.apply(h, weight, bias, call, divisor,
+                                                           bool(return_metrics))
     if plan.n_bad is not None:  # a target out of range (reported by a later call): NaN
         loss = torch.where(plan.n_bad > 0, float("nan"), loss)
     defer(plan.n_bad, plan.bad_message)
@@ -182,8 +179,5 @@ def _argmax_correct(hidden, weight, bias, labels, ignore_index, chunk_size) -> t
     count)."""
     weight, bias = weight.detach(), None if bias is None else bias.detach()
     h, y, plan, path = _rows_and_labels(hidden.detach(), weight, bias, labels, ignore_index)
-    out = head_forward(
-        HeadRows.of(plan, plan.rows(h), y), gemm_weight(weight, path.backend), bias,
-        HeadPass(chunk_size=chunk_size, argmax=True, entropy=False), path,
-    )
-    return (out.argmax == y).sum()
+    call = HeadCall(plan, y, weight, bias, path, chunk_size=chunk_size)
+    return (call.run(plan.rows(h), argmax=True, entropy=False).argmax == y).sum()

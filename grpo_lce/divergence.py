@@ -38,34 +38,6 @@ g); a trainable head keeps h and g for its recompute. "chunked" holds one chunk'
 autograd graph of the row function (about eight (C, V) fp32 tensors). Rows whose `mask` is 0 are
 dropped before any GEMM (one host read a call: their number sizes the GEMMs) and get 0 in every
 output and gradient.
-
-Standalone, as a benchmark calls it (shapes of a Llama-3.2-1B student and 3B teacher):
-
-    import torch
-    from grpo_lce import linear_divergence
-    N, Hs, Ht, V = 8192, 2048, 3072, 128256
-    kw = dict(device="cuda", dtype=torch.bfloat16)
-    h = torch.randn(N, Hs, **kw, requires_grad=True)      # student hidden states
-    W = torch.randn(V, Hs, **kw) * Hs**-0.5               # student lm_head.weight (frozen)
-    g = torch.randn(N, Ht, **kw)                          # teacher hidden states
-    U = torch.randn(V, Ht, **kw) * Ht**-0.5               # teacher lm_head.weight
-    mask = torch.ones(N, dtype=torch.bool, device="cuda") # 0: an ignored position
-    d = linear_divergence(h, W, g, U, beta=0.5, temperature=1.0, mask=mask,
-                          method="basis")                 # or method="chunked"; (N,) fp32
-    d.sum().backward()
-
-The same inputs for the others: TRL's kernel is
-`trl.kernels.chunked_divergence.ChunkedDivergenceFunction.apply(h, W, None, g, U, None, beta,
-temperature)` → (D (N,), entropy (N,)), on the rows it is given (TRL drops masked rows first);
-Liger's is `liger_kernel.chunked_loss.LigerFusedLinearJSDLoss(weight_hard_loss=0.0,
-weight_soft_loss=1.0, beta=beta, temperature=temperature)(h, W, g, U, labels)` → a scalar
-averaged over the labels ≠ -100 (same β convention; its logits chunks are in the input dtype,
-i.e. rounded to bf16, before its fp32 log_softmax). TRL 1.16 keeps its logit tiles in fp32
-(torch.mm with an fp32 output) and rounds the gradient tile to the input dtype before the dh GEMM,
-as "basis" rounds G; it forms the forward KL and the entropy as differences of running sums
-near the row max (a confident row's entropy loses its digits: tests/test_divergence.py), and
-runs 2 GEMMs forward for a KL, 4 for the JSD (its second pass recomputes both projections),
-and 3 backward (4 with dW).
 """
 
 from __future__ import annotations
@@ -76,10 +48,10 @@ from dataclasses import dataclass
 import torch
 
 from grpo_lce._checks import check_chunk_size, check_head, check_temperature
-from grpo_lce._chunks import MIN_ROWS_GRAD_WEIGHT, chunk_bounds, default_chunk_size
+from grpo_lce._chunks import default_chunk_size
 from grpo_lce._dispatch import decide
-from grpo_lce._head import g_over_z, gemm_weight
-from grpo_lce._mm import accumulate_mm, mm_f32
+from grpo_lce._head import HeadPass, chunk_loop, chunk_rows, gemm_weight
+from grpo_lce._mm import mm_f32
 from grpo_lce.chunked import chunked_linear
 from grpo_lce.kernels.divergence_rows import divergence_mode, divergence_rows
 
@@ -101,63 +73,61 @@ class _PassOut:
     grad_bias: torch.Tensor | None = None  # (V,) fp32: Σ_rows G
 
 
-def _divergence_pass(h, w, b, g, u, c, beta, inv_tau, chunk_size, backend, *, basis=False,
-                     grad_weight=False, grad_bias=False, g_scale=None) -> _PassOut:
-    """One pass over the rows h (n, Hs), g (n, Ht) in chunks ("basis", module docstring).
-    G = g_scale_n / τ · ∂D/∂s (g_scale None: 1) feeds the GEMMs asked for."""
+@dataclass(frozen=True)
+class _Teacher:
+    """The teacher's side of a pass: its rows g (n, Ht) and head U (V, Ht), c (V,) or None."""
+
+    g: torch.Tensor
+    u: torch.Tensor
+    c: torch.Tensor | None
+
+
+def _divergence_pass(h, w, b, teacher: _Teacher, spec: HeadPass, beta: float, backend: str,
+                     g_scale: torch.Tensor | None = None) -> _PassOut:
+    """One pass over the student's rows h (n, Hs) and the teacher's ("basis", module docstring):
+    the head's unfused chunk loop (grpo_lce._head.chunk_loop) with the divergence row kernel.
+    G = g_scale_n / τ · ∂D/∂s (g_scale None: 1) feeds the GEMMs `spec` asks for."""
     n, Hs = h.shape
     V = w.shape[0]
     dev = h.device
-    ws, wt = gemm_weight(w, backend), gemm_weight(u, backend)
+    ws, wt = gemm_weight(w, backend), gemm_weight(teacher.u, backend)
     # on CPU a bf16 head's GEMMs run on an fp32 copy (gemm_weight): the rows follow, once
     h = h if h.dtype == ws.dtype else h.to(ws.dtype)
-    g = g if g.dtype == wt.dtype else g.to(wt.dtype)
+    g = teacher.g if teacher.g.dtype == wt.dtype else teacher.g.to(wt.dtype)
     out = _PassOut(
         d=torch.empty(n, device=dev, dtype=torch.float32),
         entropy=torch.empty(n, device=dev, dtype=torch.float32),
-        basis=torch.empty(n, Hs, device=dev, dtype=torch.float32) if basis else None,
-        grad_weight=torch.zeros(V, Hs, device=dev, dtype=torch.float32) if grad_weight else None,
-        grad_bias=torch.zeros(V, device=dev, dtype=torch.float32) if grad_bias else None,
+        basis=torch.empty(n, Hs, device=dev, dtype=torch.float32) if spec.basis else None,
+        grad_weight=torch.zeros(V, Hs, device=dev, dtype=torch.float32)
+        if spec.grad_weight else None,
+        grad_bias=torch.zeros(V, device=dev, dtype=torch.float32) if spec.grad_bias else None,
     )
     if n == 0:
         return out
-    want_g = basis or grad_weight or grad_bias
-    C = chunk_size or default_chunk_size(V, _EXTRA_ROWS[backend], 4, n_rows=n)
-    if grad_weight and not chunk_size:
-        C = max(C, MIN_ROWS_GRAD_WEIGHT)  # dW's fp32 read-modify-write is paid once per chunk
-    C = max(1, min(C, n))
-    s_buf = torch.empty(C, V, device=dev, dtype=torch.float32)  # (C, V) fp32 <- the big ones
-    t_buf = torch.empty(C, V, device=dev, dtype=torch.float32)
-    for s0, e0 in chunk_bounds(n, C):
-        k = e0 - s0
-        S = mm_f32(h[s0:e0], ws.t(), out=s_buf[:k])  # no bias, no τ: the row kernel adds them
-        T = mm_f32(g[s0:e0], wt.t(), out=t_buf[:k])
-        # G in the GEMM dtype over S's own bytes (bf16: the first half of each fp32 row)
-        G = g_over_z(s_buf, k, ws.dtype) if want_g else None
-        divergence_rows(S, T, b, c, inv_tau, beta, backend=backend, g_out=G, g_mul=inv_tau,
-                        g_scale=None if g_scale is None else g_scale[s0:e0],
-                        out=(out.d[s0:e0], out.entropy[s0:e0]))
-        if basis:
-            mm_f32(G, ws, out=out.basis[s0:e0])
-        if grad_weight:
-            accumulate_mm(out.grad_weight, G.t(), h[s0:e0])
-        if grad_bias:
-            out.grad_bias += G.float().sum(0)
+    # T is a second fp32 (C, V) buffer (and the torch row path's temporaries, _EXTRA_ROWS)
+    C = chunk_rows(spec, V, _EXTRA_ROWS[backend], 4, n_size=n, n_rows=n)
+    t_buf = torch.empty(C, V, device=dev, dtype=torch.float32)  # (C, V) fp32
+
+    def divergence_chunk(s: int, e: int, S: torch.Tensor, G: torch.Tensor | None) -> None:
+        T = mm_f32(g[s:e], wt.t(), out=t_buf[:e - s])  # the teacher's chunk, no bias / τ
+        divergence_rows(S, T, b, teacher.c, spec.inv_tau, beta, backend=backend, g_out=G,
+                        g_mul=spec.inv_tau, g_scale=None if g_scale is None else g_scale[s:e],
+                        out=(out.d[s:e], out.entropy[s:e]))
+
+    chunk_loop(h, ws, spec, out, C, divergence_chunk)
     return out
 
 
 class _LinearDivergence(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, h, w, b, g, u, c, beta, inv_tau, chunk_size, backend, frozen_basis,
-                recompute):
-        # h (n, Hs), g (n, Ht): the unmasked rows; frozen_basis: build dh's basis now (a frozen
-        # head whose hidden states need a gradient); recompute: a trainable weight or bias
-        out = _divergence_pass(h, w, b, g, u, c, beta, inv_tau, chunk_size, backend,
-                               basis=frozen_basis)
-        ctx.beta, ctx.inv_tau, ctx.chunk_size, ctx.backend = beta, inv_tau, chunk_size, backend
+    def forward(ctx, h, w, b, teacher: _Teacher, spec: HeadPass, beta, backend, recompute):
+        # h (n, Hs), teacher.g (n, Ht): the unmasked rows; spec.basis: build dh's basis now (a
+        # frozen head whose hidden states need a gradient); recompute: a trainable weight or bias
+        out = _divergence_pass(h, w, b, teacher, spec, beta, backend)
+        ctx.beta, ctx.spec, ctx.backend = beta, spec, backend
         ctx.recompute, ctx.hidden_dtype = recompute, h.dtype
         if recompute:
-            ctx.save_for_backward(h, w, b, g, u, c)
+            ctx.save_for_backward(h, w, b, teacher.g, teacher.u, teacher.c)
         else:  # the frozen head needs only the basis: h, g and the weights can be freed
             ctx.save_for_backward(out.basis)
         ctx.mark_non_differentiable(out.entropy)
@@ -166,7 +136,7 @@ class _LinearDivergence(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g_d, _g_entropy):
-        none = (None,) * 9
+        none = (None,) * 5
         if g_d is None:
             return (None, None, None) + none
         if not ctx.recompute:
@@ -177,8 +147,9 @@ class _LinearDivergence(torch.autograd.Function):
             return (basis * g_d.float()[:, None]).to(ctx.hidden_dtype), None, None, *none
         h, w, b, g, u, c = ctx.saved_tensors
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
-        out = _divergence_pass(h, w, b, g, u, c, ctx.beta, ctx.inv_tau, ctx.chunk_size,
-                               ctx.backend, basis=need_h, grad_weight=need_w, grad_bias=need_b,
+        spec = HeadPass(inv_tau=ctx.spec.inv_tau, chunk_size=ctx.spec.chunk_size, basis=need_h,
+                        grad_weight=need_w, grad_bias=need_b)
+        out = _divergence_pass(h, w, b, _Teacher(g, u, c), spec, ctx.beta, ctx.backend,
                                g_scale=g_d.float())
         return (out.basis.to(h.dtype) if need_h else None,
                 out.grad_weight.to(w.dtype) if need_w else None,
@@ -331,8 +302,9 @@ def linear_divergence(
         recompute = grad and (student_weight.requires_grad
                               or (student_bias is not None and student_bias.requires_grad))
         frozen_basis = grad and h.requires_grad and not recompute
-        d, ent = _LinearDivergence.apply(h, student_weight, student_bias, g, u, c, beta, inv_tau,
-                                         chunk_size, backend, frozen_basis, recompute)
+        spec = HeadPass(inv_tau=inv_tau, chunk_size=chunk_size, basis=frozen_basis)
+        d, ent = _LinearDivergence.apply(h, student_weight, student_bias, _Teacher(g, u, c), spec,
+                                         beta, backend, recompute)
     if idx is not None:
         # back to the caller's rows; index_copy's backward hands each row its own gradient
         d = d.new_zeros(N).index_copy(0, idx, d)

@@ -25,6 +25,8 @@ written over the gathered rows chunk by chunk (grpo_lce._head), so the forward h
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from grpo_lce._checks import (
@@ -36,7 +38,7 @@ from grpo_lce._checks import (
     raise_deferred,
 )
 from grpo_lce._dispatch import decide
-from grpo_lce._head import HeadPass, HeadRows, gemm_weight, head_forward
+from grpo_lce._head import HeadCall
 from grpo_lce._rows import (
     RowPlan,
     Term,
@@ -47,29 +49,35 @@ from grpo_lce._rows import (
 )
 
 
+@dataclass(frozen=True)
+class _Wants:
+    """What a linear_logprobs call returns besides logp, and whether the forward builds the
+    entropy's gradient basis."""
+
+    entropy: bool = False
+    argmax: bool = False
+    entropy_basis: bool = False
+
+
 class _LinearLogprobs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, bias, y, plan, path, inv_tau, chunk_size, entropy_basis,
-                want_entropy, want_argmax):
-        # hidden (N, H) all rows; plan (_rows.RowPlan) the rows processed, y (n,) their targets;
-        # path (_dispatch.Path) how
+    def forward(ctx, hidden, weight, bias, call: HeadCall, wants: _Wants):
+        # hidden (N, H) all rows; call.plan (_rows.RowPlan) the rows processed, call.y (n,)
+        # their targets; call.path (_dispatch.Path) how
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         recompute = need_w or need_b
+        plan = call.plan
         # rows of our own (a copy): the fused path writes the basis's bf16 half over them
         rows, owned = plan.own_rows(hidden)
-        out = head_forward(
-            HeadRows.of(plan, rows, y, scratch=owned), gemm_weight(weight, path.backend), bias,
-            HeadPass(inv_tau=inv_tau, chunk_size=chunk_size, basis=need_h and not recompute,
-                     ebasis=need_h and not recompute and entropy_basis, entropy=want_entropy,
-                     argmax=want_argmax),
-            path,
-        )
+        out = call.run(rows, scratch=owned, basis=need_h and not recompute,
+                       ebasis=need_h and not recompute and wants.entropy_basis,
+                       entropy=wants.entropy, argmax=wants.argmax)
         del rows  # (held by out.basis when the basis went over it)
-        ctx.inv_tau, ctx.chunk_size, ctx.recompute = inv_tau, chunk_size, recompute
-        ctx.n_rows, ctx.count, ctx.path = plan.n, plan.count, path
+        ctx.call, ctx.recompute = call.saved(), recompute
+        ctx.n_rows, ctx.count = plan.n, plan.count
         # The frozen path needs only the (n, H) bases. `hidden` is the caller's tensor (no copy),
         # kept for a recompute: a trainable head, or an entropy gradient without its basis.
-        ctx.save_for_backward(hidden, weight, bias, y, out.basis, out.basis_lo, out.ebasis,
+        ctx.save_for_backward(hidden, weight, bias, call.y, out.basis, out.basis_lo, out.ebasis,
                               *plan.saved())
         ctx.set_materialize_grads(False)
         N = hidden.shape[0]
@@ -77,7 +85,7 @@ class _LinearLogprobs(torch.autograd.Function):
         ent = out.lse.new_zeros(out.lse.shape) if out.entropy is None else out.entropy
         # the argmax rides on the same pass (read off the row maxima GEMM 1 already finds);
         # an integer output, so autograd never sends it a gradient
-        amax = indices_to_caller(plan, out.argmax, N) if want_argmax else None
+        amax = indices_to_caller(plan, out.argmax, N) if wants.argmax else None
         return (values_to_caller(plan, out.z_y - out.lse, N),
                 values_to_caller(plan, ent, N), amax)
 
@@ -85,27 +93,24 @@ class _LinearLogprobs(torch.autograd.Function):
     def backward(ctx, g_logp, g_ent, _g_argmax):
         hidden, weight, bias, y, basis, basis_lo, ebasis, *saved_plan = ctx.saved_tensors
         plan = RowPlan.from_saved(ctx.n_rows, *saved_plan, count=ctx.count)
-        path = ctx.path
+        call = ctx.call.restored(plan, y, weight, bias)
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
-        none = (None,) * 8
+        none = (None, None)
         if g_logp is None and g_ent is None:
             return (None, None, None) + none
-        s = -ctx.inv_tau
-        to_caller = {"n_all": hidden.shape[0], "dtype": hidden.dtype, "backend": path.backend}
+        s = -call.inv_tau
+        to_caller = {"n_all": hidden.shape[0], "dtype": hidden.dtype,
+                     "backend": call.path.backend}
         if ctx.recompute:
             # per processed row: α = −g/τ, β = −g^H/τ (upstream gradients of logp and entropy);
             # 0 past the valid rows of the device-counted layout
             alpha = None if g_logp is None else plan.rows(g_logp).float() * s
             beta = None if g_ent is None else plan.rows(g_ent).float() * s
             # D = α (p − e_y) + β p∘(z − z̄) is the whole ∂loss/∂(h Wᵀ) of a chunk
-            out = head_forward(
-                HeadRows.of(plan, plan.rows(hidden), y), gemm_weight(weight, path.backend), bias,
-                HeadPass(inv_tau=ctx.inv_tau, chunk_size=ctx.chunk_size, basis=need_h,
-                         grad_weight=need_w, grad_bias=need_b,
-                         alpha=torch.zeros_like(y, dtype=torch.float32) if alpha is None
-                         else alpha, beta=beta),
-                path,
-            )
+            out = call.run(plan.rows(hidden), basis=need_h, grad_weight=need_w,
+                           grad_bias=need_b,
+                           alpha=torch.zeros_like(y, dtype=torch.float32) if alpha is None
+                           else alpha, beta=beta)
             dh = grad_to_caller(plan, Term(out.basis, lo=out.basis_lo),
                                 **to_caller) if need_h else None
             dw = out.grad_weight.to(weight.dtype) if need_w else None
@@ -114,10 +119,7 @@ class _LinearLogprobs(torch.autograd.Function):
         # Frozen head: elementwise, dh = α · GW + β · EW (scaled, cast and put back in the
         # caller's row order in one pass)
         if g_ent is not None and ebasis is None:
-            ebasis = head_forward(
-                HeadRows.of(plan, plan.rows(hidden), y), gemm_weight(weight, path.backend), bias,
-                HeadPass(inv_tau=ctx.inv_tau, chunk_size=ctx.chunk_size, ebasis=True), path,
-            ).ebasis
+            ebasis = call.run(plan.rows(hidden), ebasis=True).ebasis
         if g_logp is None:
             dh = grad_to_caller(plan, Term(ebasis, g_ent, s), **to_caller)
         else:
@@ -185,10 +187,10 @@ def linear_logprobs(
     h = hidden.reshape(-1, hidden.shape[-1])
     path = decide(h, weight, bias, entropy_basis=bool(entropy_requires_grad))
     plan, y = plan_rows(targets.reshape(-1), weight.shape[0], ignore_index, "targets", path)
-    logp, ent, amax = _LinearLogprobs.apply(
-        h, weight, bias, y, plan, path, inv_tau, chunk_size, bool(entropy_requires_grad),
-        bool(return_entropy), bool(return_argmax),
-    )
+    call = HeadCall(plan, y, weight, bias, path, inv_tau, chunk_size)
+    wants = _Wants(entropy=bool(return_entropy), argmax=bool(return_argmax),
+                   entropy_basis=bool(entropy_requires_grad))
+    logp, ent, amax = _LinearLogprobs.apply(h, weight, bias, call, wants)
     defer(plan.n_bad, plan.bad_message)
     out = (logp.reshape(lead),)
     if return_entropy:
