@@ -65,7 +65,7 @@ def main() -> int:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     import bitsandbytes
-    import torch.distributed.fsdp  # noqa: F401
+    from torch.distributed import fsdp  # noqa: F401  (fails here if this torch lacks it)
 
     print(f"torch {torch.__version__}, bitsandbytes {bitsandbytes.__version__}", flush=True)
     torch.multiprocessing.spawn(_rank, args=(2, port, path), nprocs=2)
