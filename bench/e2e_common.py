@@ -78,8 +78,10 @@ def model_dir(name: str, cache: str, seed: int = 0) -> str:
     return path
 
 
-def load_model(path: str, *, device: str, quantize: bool, dtype=None, attn: str = "sdpa"):
-    """4-bit NF4 (double quant, bf16 compute) on CUDA when `quantize`, else `dtype` weights."""
+def load_model(path: str, *, device: str, quantize: bool, dtype=None, attn: str = "sdpa",
+               gpu: int = 0):
+    """4-bit NF4 (double quant, bf16 compute) on CUDA when `quantize`, else `dtype` weights;
+    on CUDA on the GPU of index `gpu`."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -89,10 +91,10 @@ def load_model(path: str, *, device: str, quantize: bool, dtype=None, attn: str 
 
         kw["quantization_config"] = nf4_config()
         kw["dtype"] = torch.bfloat16
-        kw["device_map"] = {"": 0}
+        kw["device_map"] = {"": gpu}
     else:
         kw["dtype"] = dtype or (torch.bfloat16 if device == "cuda" else torch.float32)
-        kw["device_map"] = {"": 0} if device == "cuda" else None
+        kw["device_map"] = {"": gpu} if device == "cuda" else None
     return AutoModelForCausalLM.from_pretrained(path, **kw)
 
 

@@ -131,8 +131,10 @@ def _rloo_batch(tok, tr):
     """tests/test_trainers_rloo.py's `_inputs`: what `_generate_and_score_completions` hands to
     `compute_loss`, old log-probs the current ones plus noise."""
     ids, mask = ragged_ids_and_mask(tok, P, C)  # (ROWS, P + C), ROWS = 4
+    dev = tr.accelerator.device
     with torch.no_grad():
-        lp, _, _ = tr._get_per_token_logps_and_entropies(tr.model, ids, mask, C)
+        lp, _, _ = tr._get_per_token_logps_and_entropies(tr.model, ids.to(dev), mask.to(dev), C)
+    lp = lp.cpu()
     g = torch.Generator().manual_seed(7)
     return {
         "prompt_ids": ids[:, :P], "prompt_mask": mask[:, :P],
@@ -212,10 +214,13 @@ def token_mean_loss(tr, model, inputs: dict) -> dict:
 
 
 def reference_results(name: str, tr, batch: dict) -> dict:
-    """The single-process results of the reference trainer `tr` on the global batch."""
-    res = step(tr, tr.model, batch["global"])
+    """The single-process results of the reference trainer `tr` on the global batch (moved to
+    the trainer's device)."""
+    dev = tr.accelerator.device
+    inputs = {k: v.to(dev) for k, v in batch["global"].items()}
+    res = step(tr, tr.model, inputs)
     if name == "distillation":
-        res["token_mean_loss"] = token_mean_loss(tr, tr.model, batch["global"])
+        res["token_mean_loss"] = token_mean_loss(tr, tr.model, inputs)
     return res
 
 

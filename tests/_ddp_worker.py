@@ -33,8 +33,8 @@ Scenarios:
   dpo, kto, rloo, distillation
          trainers.DPOTrainer, KTOTrainer, RLOOTrainer and DistillationTrainer (LoRA) under
          accelerate's DDP wrapper, as the `ddp` scenario (tests/_ddp_trainers.py: builders,
-         batches, step). Their batches are written by tests/test_ddp.py only (CPU; not in the
-         default list, not in `--reference`).
+         batches, step). Their batches are written by tests/test_ddp.py (CPU) or by
+         `--reference` (tests/test_multigpu.py); not in the default list.
 """
 
 from __future__ import annotations
@@ -324,9 +324,10 @@ def _run(rank, world, port, out_dir, scenarios, device):
         dist.destroy_process_group()
 
 
-def reference(out_dir, device):
-    """Single process, no process group: write DIR/inputs.pt and the reference DIR/ref.pt, as
-    the `runs` fixture of tests/test_ddp.py computes them (same builders, same order)."""
+def reference(out_dir, device, world: int):
+    """Single process, no process group: write DIR/inputs.pt (the trainers' batches split for
+    `world` ranks) and the reference DIR/ref.pt, as the `runs` fixture of tests/test_ddp.py
+    computes them (same builders, same order)."""
     warnings.filterwarnings("ignore")
     _exact_fp32(device)
     from trainers.tiny import build_tokenizer
@@ -355,6 +356,11 @@ def reference(out_dir, device):
                             loss_type="dapo")
         loss, grads = grpo_step(tr_f, tr_f.model, grpo_in)
         ref[f"fsdp2_{'lora' if peft else 'full'}"] = {"loss": loss, "grads": grads}
+    for name in _ddp_trainers.NAMES:  # same builders and order as tests/test_ddp.py's fixture
+        t = _ddp_trainers.build(name, tok, out_dir, 1, device=device)
+        batches[name] = _ddp_trainers.batches(name, tok, t, world)
+        ref[name] = _ddp_trainers.reference_results(name, t, batches[name])
+    torch.save(batches, os.path.join(out_dir, "inputs.pt"))
     torch.save(ref, os.path.join(out_dir, "ref.pt"))
 
 
@@ -371,7 +377,7 @@ def main(argv=None):
                     help="write inputs.pt and the single-process ref.pt instead")
     args = ap.parse_args(argv)
     if args.reference:
-        reference(args.out, args.device)
+        reference(args.out, args.device, args.nprocs)
         return
     if args.port is None:
         ap.error("--port is required unless --reference")

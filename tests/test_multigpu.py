@@ -1,8 +1,9 @@
 """tests/test_ddp.py on two GPUs: 2 processes (nccl, rank r on cuda:r) against 1 process on a GPU.
 
 The same scenarios and the same checks as the CPU test, run where the collectives are NCCL's
-and the head runs the Triton kernels: trainers.GRPOTrainer (loss_type dapo and grpo, LoRA) and
-trainers.SFTTrainer (LoRA) under DDP, and trainers.GRPOTrainer (dapo) under FSDP2
+and the head runs the Triton kernels: trainers.GRPOTrainer (loss_type dapo and grpo, LoRA),
+trainers.SFTTrainer, DPOTrainer, KTOTrainer, RLOOTrainer and DistillationTrainer (LoRA;
+tests/_ddp_trainers.py) under DDP, and trainers.GRPOTrainer (dapo) under FSDP2
 (`fully_shard` on a CUDA mesh) with a trainable tied head (a DTensor gathered by
 trainers.sharded, its gradient reduce-scattered) and with LoRA, and, if deepspeed is installed,
 under DeepSpeed ZeRO-3 with LoRA (frozen head, partitioned and gathered). Tiny fp32 models: this
@@ -75,10 +76,11 @@ def runs(tmp_path_factory):
               "MASTER_PORT", "TRITON_INTERPRET"):
         env.pop(k, None)
     first_gpu = env.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]
-    t_ref = _worker(["--reference", "--device", "cuda", "--out", str(out)],
-                    {**env, "CUDA_VISIBLE_DEVICES": first_gpu})
+    t_ref = _worker(["--reference", "--device", "cuda", "--nprocs", str(cpu.WORLD),
+                     "--out", str(out)], {**env, "CUDA_VISIBLE_DEVICES": first_gpu})
     t_ddp = _worker(["--device", "cuda", "--nprocs", str(cpu.WORLD), "--out", str(out),
-                     "--port", str(cpu._free_port()), "--scenarios", cpu.SCENARIOS], env)
+                     "--port", str(cpu._free_port()),
+                     "--scenarios", f"{cpu.SCENARIOS},{cpu.TRAINER_SCENARIOS}"], env)
     print(f"reference on 1 GPU: {t_ref:.1f} s; {cpu.WORLD} ranks on {cpu.WORLD} GPUs: "
           f"{t_ddp:.1f} s")
     ref = torch.load(out / "ref.pt", weights_only=False)
@@ -98,6 +100,11 @@ def test_placement(runs):
 @pytest.mark.parametrize("case", ["grpo_dapo", "grpo_grpo", "sft"])
 def test_ddp_matches_single_process_gpu(runs, case):
     cpu.test_ddp_matches_single_process(runs, case)
+
+
+@pytest.mark.parametrize("case", cpu.T.NAMES)
+def test_trainer_ddp_matches_single_process_gpu(runs, case):
+    cpu.test_trainer_ddp_matches_single_process(runs, case)
 
 
 @pytest.mark.parametrize("case", ["fsdp2_full", "fsdp2_lora"])
