@@ -102,6 +102,15 @@ def _spawned(rank: int, world: int, args, port: int, out_file: str) -> None:
         dist.destroy_process_group()
 
 
+def _spawned_one(_index: int, args, out_file: str) -> None:
+    """World size 1 in a process of its own that sees one GPU: TRL refuses a process that sees
+    several (Trainer would wrap the model in nn.DataParallel)."""
+    if args.device == "cuda":
+        os.environ["CUDA_VISIBLE_DEVICES"] = os.environ.get("CUDA_VISIBLE_DEVICES",
+                                                            "0").split(",")[0]
+    run_rank(0, 1, args, out_file)
+
+
 def summarize(recs: list[dict], warmup: int) -> dict:
     steady = [statistics.median(r["step_s"][warmup:]) for r in recs]
     first = [r["step_s"][0] for r in recs]
@@ -128,7 +137,7 @@ def main(argv=None) -> int:
         with tempfile.NamedTemporaryFile("w", suffix=".jsonl", delete=False) as f:
             out_file = f.name
         if world == 1:
-            run_rank(0, 1, args, out_file)
+            torch.multiprocessing.spawn(_spawned_one, args=(args, out_file), nprocs=1)
         else:
             torch.multiprocessing.spawn(_spawned, args=(world, args, _free_port(), out_file),
                                         nprocs=world)
