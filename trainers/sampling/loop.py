@@ -237,7 +237,7 @@ class DecodeLoop:
         st.out.scatter_(1, col, y[:, None])
         st.logp.scatter_(1, col, lp[:, None])
         st.slot.add_((~st.done).long())
-        st.done.logical_or_(torch.isin(y, eos))
+        st.done.logical_or_((y[:, None] == eos[None]).any(1))  # (B, E) compare, E EOS ids
         st.cur.copy_(y)
         st.step.add_(1)
         st.seen.scatter_(1, y[:, None], True)
@@ -283,7 +283,8 @@ class DecodeLoop:
             z1 = step_fn.decode(cache, y0, lengths)
             ids = torch.cat([input_ids, y0[:, None]], 1)
             mask = torch.cat([attention_mask, torch.ones_like(attention_mask[:, :1])], 1)
-            ref = model(input_ids=ids, attention_mask=mask, use_cache=False).logits[:, -2:]
+            ref = model(input_ids=ids, attention_mask=mask, use_cache=False,
+                        logits_to_keep=2).logits[:, -2:]
         finally:
             model.train(was_training)
         ours = torch.stack([z0, z1], 1)
