@@ -18,9 +18,10 @@ row (cumsum of the mask - 1), so the two forwards compute the same function.
     decode(tokens (B,), slots (B,))  writes slot slots_b, attends to slots <= slots_b,
         returns (B, V) fp32
 
-Attention is SDPA with a boolean mask over the whole cache (GQA through `enable_gqa`); keys
-outside a row's valid length are masked, never read into the result. A sliding window w
-(Mistral, Qwen2 / Qwen3 sliding layers) adds the condition q - k < w, as HF's sliding mask does.
+Attention is SDPA with a boolean mask over the whole cache (a decode step's GQA without
+expanding K and V, `_attention`); keys outside a row's valid length are masked, never read into
+the result. A sliding window w (Mistral, Qwen2 / Qwen3 sliding layers) adds the condition
+q - k < w, as HF's sliding mask does.
 Logits are the head's output in the model dtype, then fp32, as HF's `generate` takes them.
 """
 
@@ -90,6 +91,24 @@ def _rope(x, cos, sin):
     return x * cos[:, None] + _rotate_half(x) * sin[:, None]
 
 
+def _attention(q, K, V, mask, scale):
+    """softmax(q Kᵀ · scale, masked) V for q (B, H, S, D) over K, V (B, H_kv, M, D), query
+    head h reading kv head h // G (G = H / H_kv, HF's `repeat_kv` order).
+
+    One decode token (S = 1): the G query heads of a kv head share its mask, so they are laid out
+    as G queries of one head, q -> (B, H_kv, G, D), and attend without expanding K and V
+    (SDPA's GQA flag would take the math backend, which copies K and V G times per layer);
+    the mask (B, 1, 1, M) broadcasts over them."""
+    B, H, S, D = q.shape
+    Hkv = K.shape[1]
+    if S == 1 and Hkv != H:
+        o = F.scaled_dot_product_attention(q.reshape(B, Hkv, H // Hkv, D), K, V,
+                                           attn_mask=mask, scale=scale)
+        return o.reshape(B, H, 1, D)
+    return F.scaled_dot_product_attention(q, K, V, attn_mask=mask, scale=scale,
+                                          enable_gqa=Hkv != H)
+
+
 class ModelStep:
     """Prefill and decode over `cache` (a `trainers.sampling.cache.KVCache`) for one model."""
 
@@ -122,9 +141,7 @@ class ModelStep:
             q, k, v = self._qkv(attn, x, cos, sin)
             write(i, k, v)
             K, V = keys(i)
-            o = F.scaled_dot_product_attention(q, K, V, attn_mask=masks[self.windows[i]],
-                                               scale=attn.scaling,
-                                               enable_gqa=K.shape[1] != q.shape[1])
+            o = _attention(q, K, V, masks[self.windows[i]], attn.scaling)
             B, H, S, D = o.shape
             h = h + attn.o_proj(o.transpose(1, 2).reshape(B, S, H * D))
             h = h + layer.mlp(layer.post_attention_layernorm(h))
