@@ -499,9 +499,10 @@ def test_gpu_greedy_and_replay_after_optimizer_step(quant, tmp_path):
     assert loop.stats.host_checks <= math.ceil((N - 1) / k) + 1
     assert loop.stats.first_token_s < 10.0
     shorter = (ids[:, 5:], mask[:, 5:])  # same batch, shorter prompts: the same graph replays
-    if int(mask[:, 5:].sum(1).min()) > 0:
-        assert loop.generate(model, *shorter, gc).token_ids == hf_completions(model, *shorter, gc)
-        assert loop.stats.captures == 1
+    short_out = loop.generate(model, *shorter, gc)
+    assert loop.stats.captures == 1
+    gaps = _greedy_gap(model, *shorter, short_out.token_ids, hf_completions(model, *shorter, gc))
+    assert all(abs(gap) <= 2 * variation + 1e-2 for _, _, gap, variation in gaps), gaps
 
     # one optimizer step on the LoRA weights, large enough to change the greedy completions
     params = [p for n, p in model.named_parameters() if "lora_" in n]
