@@ -260,10 +260,13 @@ class DecodeLoop:
         torch.cuda.current_stream().wait_stream(side)
         for t, s in zip(st.tensors(), saved):
             t.copy_(s)
+        # One memory pool for all graphs: a graph's outputs live in the static state, never in
+        # the pool, so what one graph leaves there is dead at its end and another may reuse it
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
+        # thread_local: another thread's CUDA calls (a data loader's pinning) do not break it
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
             self._decode_steps(step_fn, cache, st, spec, eos, pad, self.check_every)
         torch.cuda.synchronize()
         self.stats.captures += 1
@@ -275,7 +278,7 @@ class DecodeLoop:
     @torch.no_grad()
     def _check(self, model, step_fn, cache, ids_left, lengths, input_ids, attention_mask):
         """None, or why the loop's first two logits rows differ from the eager forward's."""
-        was_training = model.training
+        modes = [(m, m.training) for m in model.modules()]  # restored module by module
         model.eval()
         try:
             z0 = step_fn.prefill(cache, ids_left, lengths)
@@ -286,7 +289,8 @@ class DecodeLoop:
             ref = model(input_ids=ids, attention_mask=mask, use_cache=False,
                         logits_to_keep=2).logits[:, -2:]
         finally:
-            model.train(was_training)
+            for m, training in modes:
+                m.training = training
         ours = torch.stack([z0, z1], 1)
         ref = ref.float()
         if not torch.isfinite(ours).all():
