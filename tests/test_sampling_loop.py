@@ -379,6 +379,29 @@ def test_config_resolves_like_generate(tok):
     assert spec.top_k == 0 and spec.top_p == 0.5
 
 
+def test_graph_key_follows_what_a_capture_bakes_in(tok):
+    """A captured graph bakes the train/eval mode, the parameter addresses and PEFT's adapter
+    switches: each change gives a new key (a new capture); an in-place optimizer step does
+    not (the replay reads the updated weights)."""
+    from trainers.sampling.loop import _fingerprint
+
+    model = build(tok, "llama", lora=True).eval()
+    key = _fingerprint(model)
+    params = [p for n, p in model.named_parameters() if "lora_" in n]
+    with torch.no_grad():
+        for p in params:
+            p.add_(1.0)
+    assert _fingerprint(model) == key
+    with model.disable_adapter():
+        assert _fingerprint(model) != key
+    assert _fingerprint(model) == key
+    model.train()
+    assert _fingerprint(model) != key
+    model.eval()
+    params[0].data = params[0].data.clone()
+    assert _fingerprint(model) != key
+
+
 def test_right_padded_batch_falls_back(tok):
     loop = cpu_loop()
     model = build(tok, "llama")

@@ -17,8 +17,9 @@ last group) write into the k spare columns and the cache's k spare slots, then a
 Off CUDA (tests) the same steps run eagerly, with the same k-step checks.
 
 A graph is captured once per (cache shape, sampling options, model state): the model state is
-its train/eval mode, the addresses of its parameters and its PEFT adapter switches, so a moved
-parameter or a disabled adapter gets a new capture instead of a replay of stale Python choices.
+the train/eval mode of each module, the addresses of its parameters and its PEFT adapter
+switches, so a moved parameter or a disabled adapter gets a new capture instead of a replay of
+stale Python choices.
 Optimizer steps update parameters in place, so replays read the current weights.
 
 Safety: the first call checks the loop's logits for the first two tokens (prefill and one
@@ -107,8 +108,8 @@ def _peft_switches(model) -> tuple:
 
 
 def _fingerprint(model) -> int:
-    return hash((model.training, tuple(p.data_ptr() for p in model.parameters()),
-                 _peft_switches(model)))
+    return hash((tuple(m.training for m in model.modules()),
+                 tuple(p.data_ptr() for p in model.parameters()), _peft_switches(model)))
 
 
 def _resolve_config(model, generation_config):
