@@ -51,6 +51,8 @@ logger = logging.get_logger(__name__)
 # check allows), still an order below what a broken cache does.
 CHECK_RTOL = {torch.float32: 1e-3}
 CHECK_RTOL_LOW = 0.1
+GRAPHS_PER_STATE = 4  # graphs kept per buffer shape (oldest dropped), model states x options
+MAX_CAPTURES = 16  # more means the model state changes at every call: replays would not pay
 
 
 @dataclasses.dataclass
@@ -386,9 +388,15 @@ class DecodeLoop:
             gkey = (spec, tuple(eos_list), pad, _fingerprint(model))
             graph = st.graphs.get(gkey)
             if graph is None:
+                if self.stats.captures >= MAX_CAPTURES:
+                    self.disable(f"{self.stats.captures} CUDA graphs captured: the model state "
+                                 "or the sampling options change from call to call")
+                    return None
                 if st.graphs:
                     self._log_once("model state or sampling options changed: new graphs "
                                    "are captured for them")
+                if len(st.graphs) >= GRAPHS_PER_STATE:
+                    st.graphs.pop(next(iter(st.graphs)))
                 graph = st.graphs[gkey] = self._capture(step_fn, cache, st, spec, eos, pad)
         t0 = time.perf_counter()
         written = 1
