@@ -9,7 +9,8 @@ every row runs to --new. Variants:
     hf_eager      model.generate, dynamic cache (TRL 1.16's own path)
     fast_sampler  trainers.generation.FastSampler (inductor, CUDA graphs "reduce-overhead")
     loop          trainers.sampling.DecodeLoop (hand-captured CUDA graphs, --check-every steps
-                  each, one host check per replay)
+                  each, one host check per replay), decode attention by masked SDPA
+    loop_triton   the same with the Triton split-K decode attention (valid keys only)
 
 Reported: the first call's wall time (compile / capture / first-call check included), the
 loop's time from its first call to its first sampled token and its capture seconds; then the
@@ -39,7 +40,7 @@ import torch
 from bench import common as bc
 from bench import e2e_common as E
 
-VARIANTS = ("hf_eager", "fast_sampler", "loop")
+VARIANTS = ("hf_eager", "fast_sampler", "loop", "loop_triton")
 
 
 def load_policy(name: str, base: str, cache_dir: str, device: str):
@@ -89,10 +90,11 @@ class Variant:
             from trainers.generation import FastSampler
 
             self.sampler = FastSampler()
-        elif name == "loop":
+        elif name.startswith("loop"):
             from trainers.sampling import DecodeLoop
 
-            self.sampler = DecodeLoop(devices=(device,), check_every=check_every)
+            self.sampler = DecodeLoop(devices=(device,), check_every=check_every,
+                                      attention="triton" if name == "loop_triton" else "sdpa")
 
     @torch.no_grad()
     def __call__(self, ids, mask, config):
@@ -147,7 +149,7 @@ def measure(variant: Variant, ids, mask, cfg, new: int, reps: int, device: str) 
     row["ms_per_token_spread"] = [min(walls) / new * 1e3, max(walls) / new * 1e3]
     if device == "cuda":
         row["peak_above_model_gib"] = (torch.cuda.max_memory_allocated() - base_mem) / 2**30
-    loop = variant.sampler if variant.name == "loop" else None
+    loop = variant.sampler if variant.name.startswith("loop") else None
     if loop is not None:
         st = loop.stats
         row.update(first_token_s=st.first_token_s, capture_s=st.capture_s,

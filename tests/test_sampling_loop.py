@@ -143,6 +143,27 @@ def test_greedy_equals_hf_generate(tok, family, lora):
     assert again.token_ids == ref and loop.stats.calls == 2 and loop.stats.growths == 0
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral"])
+def test_greedy_with_triton_decode_attention(tok, family, monkeypatch):
+    """attention="triton": decode steps read each row's valid keys only (the Triton
+    interpreter on CPU), token-identical to HF; Qwen2 / Mistral with sliding windows."""
+    from trainers.sampling import model_step
+
+    calls = []
+    real = model_step.decode_attention
+    monkeypatch.setattr(model_step, "decode_attention",
+                        lambda *a, **kw: calls.append(kw["window"]) or real(*a, **kw))
+    model = build(tok, family, lora=True)
+    ids, mask = batch(tok)
+    gc = config(tok, [len(tok) + 7], new=8)
+    loop = DecodeLoop(devices=("cpu",), check_every=4, attention="triton")
+    out = loop.generate(model, ids, mask, gc)
+    assert loop.disabled_reason is None and out is not None
+    assert out.token_ids == hf_completions(model, ids, mask, gc)
+    assert len(calls) >= 2 * 7  # 2 layers, every decode step (the kernel ran)
+    assert (6 in calls) == (family != "llama")  # the sliding layers passed their window
+
+
 def test_lora_changes_the_completions(tok):
     """The adapter is live in the loop's forward: disabling it changes the greedy tokens as
     it changes HF's."""
@@ -485,8 +506,9 @@ def _greedy_gap(model, ids, mask, ours, theirs):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("attention", ["sdpa", "triton"])
 @pytest.mark.parametrize("quant", ["bf16", "nf4"])
-def test_gpu_greedy_and_replay_after_optimizer_step(quant, tmp_path):
+def test_gpu_greedy_and_replay_after_optimizer_step(quant, attention, tmp_path):
     """Greedy completions of the captured loop against eager `generate` (bf16 / NF4 + LoRA),
     then an optimizer step on the LoRA weights: the replayed graphs (no new capture) give the
     updated policy's greedy tokens. One host check per k tokens."""
@@ -509,13 +531,13 @@ def test_gpu_greedy_and_replay_after_optimizer_step(quant, tmp_path):
     ids, mask = _gpu_prompts(512)
     N, k = 48, 16
     gc = GenerationConfig(max_new_tokens=N, do_sample=False, pad_token_id=0, eos_token_id=[1])
-    loop = DecodeLoop(check_every=k)
+    loop = DecodeLoop(check_every=k, attention=attention)
     out = loop.generate(model, ids, mask, gc)
     assert loop.disabled_reason is None and out is not None and loop.stats.captures == 1
     ref = hf_completions(model, ids, mask, gc)
     gaps = _greedy_gap(model, ids, mask, out.token_ids, ref)
-    print(f"\n{quant}: rows diverging from eager (row, step, eager logit gap, eager batch "
-          f"variation): {gaps}; capture {loop.stats.capture_s:.2f} s, first token "
+    print(f"\n{quant} {attention}: rows diverging from eager (row, step, eager logit gap, "
+          f"eager batch variation): {gaps}; capture {loop.stats.capture_s:.2f} s, first token "
           f"{loop.stats.first_token_s:.2f} s")
     for _, _, gap, variation in gaps:  # a divergence only at a near-tie of eager's own noise
         assert abs(gap) <= 2 * variation + 1e-2

@@ -39,7 +39,7 @@ from transformers.utils import logging
 
 from trainers.sampling import processors
 from trainers.sampling.cache import MAX_GROWTHS, KVCache, prompt_room
-from trainers.sampling.model_step import ModelStep, base_model, model_reason
+from trainers.sampling.model_step import ATTENTION, ModelStep, base_model, model_reason
 
 logger = logging.get_logger(__name__)
 
@@ -129,9 +129,12 @@ class DecodeLoop:
     """Samples on-policy completions with our own decode loop (module docstring)."""
 
     def __init__(self, *, devices=("cuda",), check_every: int = 16, capture: bool = True,
-                 max_prompt_length: int | None = None):
+                 max_prompt_length: int | None = None, attention: str = "sdpa"):
         if check_every < 1:
             raise ValueError(f"check_every must be >= 1, got {check_every}")
+        if attention not in ATTENTION:
+            raise ValueError(f"attention={attention!r}; choose one of {ATTENTION}")
+        self.attention = attention  # a decode step's attention (model_step.ATTENTION)
         self.devices = tuple(devices)
         self.check_every = int(check_every)
         self.capture = bool(capture)
@@ -351,7 +354,7 @@ class DecodeLoop:
         # row b's prompt moved to [0, P_b): ids_left[b, i] = input_ids[b, i + P - P_b]
         shift = (P - lengths)[:, None]
         ids_left = input_ids.gather(1, (pos[None] + shift).clamp(max=P - 1))
-        step_fn = ModelStep(model)
+        step_fn = ModelStep(model, self.attention)
         if id(model) not in self._checked:
             mismatch = self._check(model, step_fn, cache, ids_left, lengths, input_ids,
                                    attention_mask)

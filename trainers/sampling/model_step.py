@@ -20,7 +20,8 @@ row (cumsum of the mask - 1), so the two forwards compute the same function.
 
 Attention is SDPA with a boolean mask over the whole cache (a decode step's GQA without
 expanding K and V, `_attention`); keys outside a row's valid length are masked, never read into
-the result. A sliding window w (Mistral, Qwen2 / Qwen3 sliding layers) adds the condition
+the result. With attention="triton" a decode step runs `decode_attention` instead, which reads
+only each row's valid keys. A sliding window w (Mistral, Qwen2 / Qwen3 sliding layers) adds the condition
 q - k < w, as HF's sliding mask does.
 Logits are the head's output in the model dtype, then fp32, as HF's `generate` takes them.
 """
@@ -30,6 +31,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from trainers.sampling.decode_attention import decode_attention
+
+ATTENTION = ("sdpa", "triton")  # decode attention: masked SDPA over M, or decode_attention
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
 # RoPE types whose inverse frequencies are fixed at init; "dynamic" and "longrope" recompute
 # them from the sequence length at every call (a host read of the largest position).
@@ -112,7 +116,10 @@ def _attention(q, K, V, mask, scale):
 class ModelStep:
     """Prefill and decode over `cache` (a `trainers.sampling.cache.KVCache`) for one model."""
 
-    def __init__(self, model):
+    def __init__(self, model, attention: str = "sdpa"):
+        if attention not in ATTENTION:
+            raise ValueError(f"attention={attention!r}; choose one of {ATTENTION}")
+        self.attention = attention
         self.base = base_model(model)
         self.inner = self.base.model
         self.head = self.base.get_output_embeddings()
@@ -130,10 +137,10 @@ class ModelStep:
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H, S, D)
         return _rope(q, cos, sin), _rope(k, cos, sin), v
 
-    def _layers(self, h, positions, masks, write, keys):
+    def _layers(self, h, positions, attend, write, keys):
         """Runs every layer: `write(i, k, v)` stores this step's keys and values in layer i's
-        cache; `keys(i)` returns the (K, V) the queries attend to; `masks[w]` the boolean mask
-        for window w (True = attend)."""
+        cache; `keys(i)` returns the (K, V) the queries attend to; `attend(q, K, V, window,
+        scale)` the attention output (B, H, S, D)."""
         cos, sin = self.inner.rotary_emb(h, positions)  # (B, S, D) in the model dtype
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
@@ -141,7 +148,7 @@ class ModelStep:
             q, k, v = self._qkv(attn, x, cos, sin)
             write(i, k, v)
             K, V = keys(i)
-            o = _attention(q, K, V, masks[self.windows[i]], attn.scaling)
+            o = attend(q, K, V, self.windows[i], attn.scaling)
             B, H, S, D = o.shape
             h = h + attn.o_proj(o.transpose(1, 2).reshape(B, S, H * D))
             h = h + layer.mlp(layer.post_attention_layernorm(h))
@@ -175,8 +182,11 @@ class ModelStep:
         def keys(i):
             return cache.k[i, :, :, :S], cache.v[i, :, :, :S]
 
+        def attend(q, K, V, window, scale):
+            return _attention(q, K, V, masks[window], scale)
+
         h = self.inner.embed_tokens(ids)
-        h = self._layers(h, pos[None].expand(B, S), masks, write, keys)
+        h = self._layers(h, pos[None].expand(B, S), attend, write, keys)
         last = (lengths - 1).clamp(min=0)
         h = h[torch.arange(B, device=dev), last]  # (B, hidden): only these rows reach the head
         return self._logits(h)
@@ -204,6 +214,15 @@ class ModelStep:
         def keys(i):
             return cache.k[i], cache.v[i]
 
+        def attend(q, K, V, window, scale):
+            D = q.shape[-1]
+            if self.attention == "triton" and D >= 16 and not D & (D - 1):  # valid keys only
+                Hkv, G = K.shape[1], q.shape[1] // K.shape[1]
+                o = decode_attention(q.reshape(B, Hkv, G, D), K, V, slots,
+                                     scale=scale, window=window)
+                return o.reshape(B, Hkv * G, 1, -1)
+            return _attention(q, K, V, masks[window], scale)
+
         h = self.inner.embed_tokens(tokens[:, None])  # (B, 1, hidden)
-        h = self._layers(h, slots[:, None], masks, write, keys)
+        h = self._layers(h, slots[:, None], attend, write, keys)
         return self._logits(h[:, 0])
