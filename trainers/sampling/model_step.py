@@ -21,8 +21,8 @@ row (cumsum of the mask - 1), so the two forwards compute the same function.
 Attention is SDPA with a boolean mask over the whole cache (a decode step's GQA without
 expanding K and V, `_attention`); keys outside a row's valid length are masked, never read into
 the result. With attention="triton" a decode step runs `decode_attention` instead, which reads
-only each row's valid keys. A sliding window w (Mistral, Qwen2 / Qwen3 sliding layers) adds the condition
-q - k < w, as HF's sliding mask does.
+only each row's valid keys. A sliding window w (Mistral, Qwen2 / Qwen3 sliding layers) adds
+the condition q - k < w, as HF's sliding mask does.
 Logits are the head's output in the model dtype, then fp32, as HF's `generate` takes them.
 """
 
