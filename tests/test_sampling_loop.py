@@ -463,7 +463,8 @@ def test_logits_mismatch_disables(tok, caplog, monkeypatch):
 # -- GPU: captured graphs ---------------------------------------------------------------------
 
 def _gpu_llama(dtype=torch.bfloat16, *, vocab=512, seed=0):
-    """A small Llama-shaped random model (GQA 8/2 heads, head_dim 64, untied head)."""
+    """A small Llama-shaped random model (GQA 8/2 heads, head_dim 64, untied head at std 0.2:
+    logits of a few units, so greedy choices are rarely decided by bf16 rounding)."""
     config = LlamaConfig(vocab_size=vocab, hidden_size=512, intermediate_size=1024,
                          num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
                          max_position_embeddings=1024, pad_token_id=0, eos_token_id=1,
@@ -472,6 +473,7 @@ def _gpu_llama(dtype=torch.bfloat16, *, vocab=512, seed=0):
         torch.manual_seed(seed)
         model = LlamaForCausalLM(config)
         model.get_input_embeddings().weight.data.normal_(0.0, 1.0)
+        model.get_output_embeddings().weight.data.normal_(0.0, 0.2)
     return model.to("cuda", dtype).eval()
 
 

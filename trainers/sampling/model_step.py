@@ -208,8 +208,8 @@ class ModelStep:
         def write(i, k, v):
             # k (B, H_kv, 1, D) -> slot slots_b of row b; indices separated by a slice put the
             # broadcast (B,) dimension first: the target view is (B, H_kv, D)
-            cache.k[i][rows, :, slots] = k[:, :, 0]
-            cache.v[i][rows, :, slots] = v[:, :, 0]
+            cache.k[i][rows, :, slots] = k[:, :, 0].to(cache.k.dtype)
+            cache.v[i][rows, :, slots] = v[:, :, 0].to(cache.v.dtype)
 
         def keys(i):
             return cache.k[i], cache.v[i]
