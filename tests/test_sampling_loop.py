@@ -541,7 +541,9 @@ def test_gpu_greedy_and_replay_after_optimizer_step(quant, attention, tmp_path):
     print(f"\n{quant} {attention}: rows diverging from eager (row, step, eager logit gap, "
           f"eager batch variation): {gaps}; capture {loop.stats.capture_s:.2f} s, first token "
           f"{loop.stats.first_token_s:.2f} s")
-    for _, _, gap, variation in gaps:  # a divergence only at a near-tie of eager's own noise
+    # a divergence only at a near-tie within eager's own batch-size noise; + 1e-2: about one
+    # bf16 ulp (2^-7 relative) of logits of a few units
+    for _, _, gap, variation in gaps:
         assert abs(gap) <= 2 * variation + 1e-2
     assert loop.stats.host_checks <= math.ceil((N - 1) / k) + 1
     assert loop.stats.first_token_s < 10.0
