@@ -18,6 +18,7 @@ from __future__ import annotations
 import copy
 import logging
 import math
+import types
 
 import pytest
 import torch
@@ -162,6 +163,44 @@ def test_greedy_with_triton_decode_attention(tok, family, monkeypatch):
     assert out.token_ids == hf_completions(model, ids, mask, gc)
     assert len(calls) >= 2 * 7  # 2 layers, every decode step (the kernel ran)
     assert (6 in calls) == (family != "llama")  # the sliding layers passed their window
+
+
+def test_replay_path_with_a_fake_graph(tok, monkeypatch):
+    """The capture path on CPU: a warm-up step that must leave no trace, then k-step "graphs"
+    (here the captured function itself) replayed per host check, a shorter prompt reusing the
+    graph, and a new graph when the model state changes; completions equal HF's throughout."""
+    from trainers.sampling import loop as loop_module
+
+    made = []
+
+    def fake_graph(run, pool):
+        made.append(run)
+        return types.SimpleNamespace(replay=run)
+
+    monkeypatch.setattr(loop_module, "CAPTURE_DEVICES", ("cuda", "cpu"))
+    monkeypatch.setattr(loop_module, "_graph_of", fake_graph)
+    model = build(tok, "qwen2", lora=True)
+    ids, mask = batch(tok)
+    eos = mid_eos(model, tok, ids, mask)
+    gc = config(tok, [eos], repetition_penalty=1.2)
+    loop = cpu_loop()
+    for i, j in ((0, None), (0, None), (2, None)):  # full batch twice, then shorter prompts
+        out = loop.generate(model, ids[:, i:j], mask[:, i:j], gc)
+        assert out.token_ids == hf_completions(model, ids[:, i:j], mask[:, i:j], gc)
+    assert loop.stats.captures == len(made) == 1
+    with model.disable_adapter():
+        assert loop.generate(model, ids, mask, gc).token_ids == \
+            hf_completions(model, ids, mask, gc)
+    assert loop.stats.captures == 2
+    # sampling: the warm-up step leaves neither state nor random stream behind, so the seeded
+    # draws equal the eager path's
+    gs = config(tok, [eos], do_sample=True, temperature=1.0, top_k=0)
+    runs = []
+    for lp in (loop, cpu_loop(capture=False)):
+        torch.manual_seed(3)
+        runs.append(lp.generate(model, ids, mask, gs))
+    assert loop.stats.captures == 3
+    assert runs[0].token_ids == runs[1].token_ids and runs[0].logprobs == runs[1].logprobs
 
 
 def test_lora_changes_the_completions(tok):

@@ -30,6 +30,7 @@ with one logged line, and `generate` returns None.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import time
@@ -123,6 +124,34 @@ def _resolve_config(model, generation_config):
         return copy.deepcopy(generation_config)
     out = prepare(copy.deepcopy(generation_config))
     return out[0] if isinstance(out, tuple) else out
+
+
+CAPTURE_DEVICES = ("cuda",)  # where `capture` takes effect (tests add "cpu" with a fake graph)
+
+
+@contextlib.contextmanager
+def _side_stream(device):
+    """Run the block on a side stream (CUDA graph warm-up), or as it is off CUDA."""
+    if device.type != "cuda":
+        yield
+        return
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        yield
+    torch.cuda.current_stream().wait_stream(side)
+
+
+def _graph_of(run, pool):
+    """`run()` captured as a CUDA graph: `.replay()` runs its kernels on the static buffers.
+
+    One memory pool for all graphs: a graph's outputs live in the static state, never in the
+    pool, so what one graph leaves there is dead at its end and another may reuse it.
+    thread_local: another thread's CUDA calls (a data loader's pinning) do not break capture."""
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+        run()
+    return graph
 
 
 class DecodeLoop:
@@ -258,23 +287,25 @@ class DecodeLoop:
 
     def _capture(self, step_fn, cache, st, spec, eos, pad):
         t0 = time.perf_counter()
+        dev = st.cur.device
         saved = [t.clone() for t in st.tensors()]
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # warm-up: lazy inits, cuBLAS workspaces, allocator
+        rng = torch.cuda.get_rng_state(dev) if dev.type == "cuda" else torch.get_rng_state()
+        with _side_stream(dev):  # warm-up: lazy inits, cuBLAS workspaces, allocator
             self._decode_steps(step_fn, cache, st, spec, eos, pad, 1)
-        torch.cuda.current_stream().wait_stream(side)
+        # the warm-up step never happened: state and random stream as before it (its cache
+        # writes land in slots the first real step writes again before any query reads them)
         for t, s in zip(st.tensors(), saved):
             t.copy_(s)
-        # One memory pool for all graphs: a graph's outputs live in the static state, never in
-        # the pool, so what one graph leaves there is dead at its end and another may reuse it
-        if self._pool is None:
+        if dev.type == "cuda":
+            torch.cuda.set_rng_state(rng, dev)
+        else:
+            torch.set_rng_state(rng)
+        if self._pool is None and st.cur.is_cuda:
             self._pool = torch.cuda.graph_pool_handle()
-        graph = torch.cuda.CUDAGraph()
-        # thread_local: another thread's CUDA calls (a data loader's pinning) do not break it
-        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-            self._decode_steps(step_fn, cache, st, spec, eos, pad, self.check_every)
-        torch.cuda.synchronize()
+        graph = _graph_of(lambda: self._decode_steps(step_fn, cache, st, spec, eos, pad,
+                                                     self.check_every), self._pool)
+        if st.cur.is_cuda:
+            torch.cuda.synchronize()
         self.stats.captures += 1
         self.stats.capture_s += time.perf_counter() - t0
         return graph
@@ -387,7 +418,7 @@ class DecodeLoop:
         self.stats.prefill_s += time.perf_counter() - t0
 
         graph = None
-        if self.capture and dev.type == "cuda":
+        if self.capture and dev.type in CAPTURE_DEVICES:
             gkey = (spec, tuple(eos_list), pad, _fingerprint(model))
             graph = st.graphs.get(gkey)
             if graph is None:
@@ -408,7 +439,7 @@ class DecodeLoop:
             if bool(st.done.all()):  # the one device-to-host read per k tokens
                 break
             if graph is not None:
-                if self.time_graphs:
+                if self.time_graphs and dev.type == "cuda":
                     start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
                     start.record()
                     graph.replay()
