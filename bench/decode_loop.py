@@ -1,0 +1,239 @@
+"""Decode speed of `trainers.sampling.DecodeLoop` against today's `FastSampler` and eager
+`generate`, on the Llama-3.2-1B shape (random init, LoRA r=16 on all linear layers over a bf16
+or an NF4 base).
+
+Per (base, batch): random prompts of 4-40 tokens, left-padded; --new sampled tokens with TRL's
+default sampling options (temperature 1, top_p 1, top_k 0) and an EOS id no row ever draws, so
+every row runs to --new. Variants:
+
+    hf_eager      model.generate, dynamic cache (TRL 1.16's own path)
+    fast_sampler  trainers.generation.FastSampler (inductor, CUDA graphs "reduce-overhead")
+    loop          trainers.sampling.DecodeLoop (hand-captured CUDA graphs, --check-every steps
+                  each, one host check per replay), decode attention by masked SDPA
+    loop_triton   the same with the Triton split-K decode attention (valid keys only)
+
+Reported: the first call's wall time (compile / capture / first-call check included), the
+loop's time from its first call to its first sampled token and its capture seconds; then the
+median of --reps steady calls: wall ms per token (call time / new tokens, prefill included);
+for the loop also ms per token inside the graph replays (CUDA events around each replay, in a
+separate call, since reading the events syncs) and the rest ("outside": prefill, host checks,
+Python); peak memory above the loaded model. Before timing, greedy completions (--check-new
+tokens) of the loop against eager `generate`: rows token-identical.
+
+    python -m bench.decode_loop                            # bf16 and nf4, batch 8 and 64
+    python -m bench.decode_loop --bases nf4 --batches 8 --variants loop,fast_sampler
+    python -m bench.decode_loop --tiny --device cpu        # smoke run, tiny fp32 model
+
+Writes bench/results/decode_loop_<GPU>[tag].json and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from bench import common as bc
+from bench import e2e_common as E
+
+VARIANTS = ("hf_eager", "fast_sampler", "loop", "loop_triton")
+
+
+def load_policy(name: str, base: str, cache_dir: str, device: str):
+    """`base` "bf16" or "nf4" (double quant, bf16 compute) + LoRA r=16 all-linear, adapters in
+    bf16 with random B (so the adapter matters); the fp32 tiny model + LoRA on CPU."""
+    from peft import get_peft_model
+
+    cuda = device == "cuda"
+    model = E.load_model(E.model_dir(name, cache_dir), device=device,
+                         quantize=cuda and base == "nf4")
+    model = get_peft_model(model, E.lora_config())
+    g = torch.Generator(device=device).manual_seed(0)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if p.requires_grad and cuda:
+                p.data = p.data.to(torch.bfloat16)
+            if "lora_B" in n:
+                p.copy_(torch.randn(p.shape, generator=g, device=device, dtype=p.dtype) * 0.02)
+    return model.eval()
+
+
+def prompts(batch: int, V: int, device: str, seed: int = 0):
+    """Left-padded (ids, mask) of `batch` random prompts of 4-40 tokens."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(4, 41, (batch,), generator=g)
+    P = int(lengths.max())
+    ids = torch.randint(3, V, (batch, P), generator=g)
+    mask = (torch.arange(P)[None] >= (P - lengths)[:, None]).long()
+    return (ids * mask).to(device), mask.to(device)
+
+
+def generation_config(new: int, V: int, **kw):
+    """TRL 1.16's default sampling options; EOS = V, an id no row can draw."""
+    from transformers import GenerationConfig
+
+    opts = {"max_new_tokens": new, "do_sample": True, "pad_token_id": 0, "bos_token_id": 1,
+            "eos_token_id": [V], "temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": None,
+            "repetition_penalty": 1.0, **kw}
+    return GenerationConfig(**opts, disable_compile=True)
+
+
+class Variant:
+    def __init__(self, name: str, model, device: str, check_every: int):
+        self.name, self.model = name, model
+        self.sampler = None
+        if name == "fast_sampler":
+            from trainers.generation import FastSampler
+
+            self.sampler = FastSampler()
+        elif name.startswith("loop"):
+            from trainers.sampling import DecodeLoop
+
+            self.sampler = DecodeLoop(devices=(device,), check_every=check_every,
+                                      attention="triton" if name == "loop_triton" else "sdpa")
+
+    @torch.no_grad()
+    def __call__(self, ids, mask, config):
+        if self.sampler is None:
+            return self.model.generate(input_ids=ids, attention_mask=mask,
+                                       generation_config=copy.deepcopy(config))
+        out = self.sampler.generate(self.model, ids, mask, config)
+        if out is None:
+            raise RuntimeError(f"{self.name} off: {self.sampler.disabled_reason}")
+        return out
+
+
+def sync(device):
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def timed(fn, device) -> float:
+    sync(device)
+    t0 = time.perf_counter()
+    fn()
+    sync(device)
+    return time.perf_counter() - t0
+
+
+def greedy_check(model, ids, mask, new: int, V: int) -> dict:
+    from trainers.generation import trim_after_eos
+    from trainers.sampling import DecodeLoop
+
+    cfg = generation_config(new, V, do_sample=False)
+    loop = DecodeLoop(devices=(ids.device.type,))
+    ours = loop.generate(model, ids, mask, cfg)
+    if ours is None:
+        return {"error": loop.disabled_reason or "not used"}
+    with torch.no_grad():
+        ref = model.generate(input_ids=ids, attention_mask=mask, generation_config=cfg)
+    ref = trim_after_eos(ref[:, ids.shape[1]:], [V])
+    same = sum(a == b for a, b in zip(ours.token_ids, ref))
+    first = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+             for a, b in zip(ours.token_ids, ref)]
+    return {"rows": len(ref), "identical_rows": same, "first_divergence": first}
+
+
+def measure(variant: Variant, ids, mask, cfg, new: int, reps: int, device: str) -> dict:
+    row = {"variant": variant.name}
+    base_mem = torch.cuda.memory_allocated() if device == "cuda" else 0
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    row["first_call_s"] = timed(lambda: variant(ids, mask, cfg), device)
+    walls = [timed(lambda: variant(ids, mask, cfg), device) for _ in range(reps)]
+    row["ms_per_token"] = statistics.median(walls) / new * 1e3
+    row["ms_per_token_spread"] = [min(walls) / new * 1e3, max(walls) / new * 1e3]
+    if device == "cuda":
+        row["peak_above_model_gib"] = (torch.cuda.max_memory_allocated() - base_mem) / 2**30
+    loop = variant.sampler if variant.name.startswith("loop") else None
+    if loop is not None:
+        st = loop.stats
+        row.update(first_token_s=st.first_token_s, capture_s=st.capture_s,
+                   captures=st.captures, host_checks_per_call=st.host_checks / st.calls)
+        if device == "cuda":
+            loop.time_graphs, before = True, st.graph_s
+            variant(ids, mask, cfg)
+            loop.time_graphs = False
+            row["ms_in_graphs_per_token"] = (st.graph_s - before) / new * 1e3
+            row["ms_outside_per_token"] = row["ms_per_token"] - row["ms_in_graphs_per_token"]
+    elif variant.sampler is not None:
+        row["compile_s"] = variant.sampler.stats.compile_s
+    return row
+
+
+def table(rows) -> str:
+    cols = ("base", "batch", "variant", "ms_per_token", "ms_in_graphs_per_token",
+            "ms_outside_per_token", "first_call_s", "first_token_s", "capture_s",
+            "peak_above_model_gib")
+    out = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for r in rows:
+        cells = []
+        for c in cols:
+            v = r.get(c)
+            cells.append("" if v is None else f"{v:.3g}" if isinstance(v, float) else str(v))
+        out.append("| " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--bases", default="bf16,nf4", help="comma list of bf16,nf4")
+    p.add_argument("--batches", default="8,64", help="comma list of batch sizes")
+    p.add_argument("--variants", default=",".join(VARIANTS), help="comma list of " +
+                   ",".join(VARIANTS))
+    p.add_argument("--new", type=int, default=512, help="sampled tokens per call")
+    p.add_argument("--reps", type=int, default=3, help="timed steady calls per variant")
+    p.add_argument("--eager-reps", type=int, default=1, help="timed calls of hf_eager")
+    p.add_argument("--check-every", type=int, default=16, help="decode steps per graph")
+    p.add_argument("--check-new", type=int, default=64, help="tokens of the greedy check")
+    p.add_argument("--model-cache", default="/tmp/grpo_lce_e2e_models")
+    p.add_argument("--out-dir", default=str(bc.RESULTS_DIR))
+    p.add_argument("--tag", default="")
+    p.add_argument("--tiny", action="store_true", help="smoke run on the tiny offline Llama")
+    p.add_argument("--device", default="cuda", help="cuda, or cpu for the --tiny smoke run")
+    a = p.parse_args(argv)
+    name = "1b"
+    if a.tiny:
+        name, a.bases, a.new, a.check_new, a.reps = "tiny", "bf16", 16, 8, 1
+        a.tag = a.tag or "_tiny"
+    device = torch.device(a.device)
+    env = bc.env_info(device)
+    for pkg in ("transformers", "peft", "bitsandbytes", "accelerate", "trl"):
+        env[pkg] = bc.package_version(pkg)
+    res = {"env": env, "commit": bc.git_commit(), "args": vars(a), "rows": [], "checks": []}
+    path = Path(a.out_dir) / f"decode_loop_{bc.gpu_short_name(device)}{a.tag}.json"
+    for base in a.bases.split(","):
+        model = load_policy(name, base, a.model_cache, a.device)
+        V = model.get_base_model().config.vocab_size
+        for batch in map(int, a.batches.split(",")):
+            ids, mask = prompts(batch, V, a.device)
+            check = greedy_check(model, ids, mask, a.check_new, V)
+            res["checks"].append({"base": base, "batch": batch, **check})
+            print(f"{base} batch {batch}: greedy vs eager generate: {check}", flush=True)
+            cfg = generation_config(a.new, V)
+            for vname in a.variants.split(","):
+                reps = a.eager_reps if vname == "hf_eager" else a.reps
+                try:
+                    row = measure(Variant(vname, model, a.device, a.check_every), ids, mask,
+                                  cfg, a.new, reps, a.device)
+                except Exception as exc:  # noqa: BLE001 - one failed variant, the rest runs
+                    row = {"variant": vname, "error": bc.short_error(exc)}
+                row.update(base=base, batch=batch)
+                res["rows"].append(row)
+                print(row, flush=True)
+                bc.write_json(path, res)
+                bc.free_memory()
+        del model
+        bc.free_memory()
+    print(table(res["rows"]))
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

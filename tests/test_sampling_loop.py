@@ -1,0 +1,609 @@
+"""trainers.sampling: the decode loop, its functional forward and its logits processing.
+
+CPU tests run the loop eagerly (the same steps a CUDA graph captures) on tiny random fp32 Llama,
+Qwen2 (q/k/v biases, a sliding-window layer), Qwen3 (q/k norms, head_dim != hidden / heads) and
+Mistral (sliding window shorter than the prompts) models, with and without a LoRA adapter:
+greedy completions token-identical to HF `generate`, sampled log-probs equal to an fp64
+recomputation through transformers' own logits processors, the first-step logits against the
+eager forward, seeded repeatability, the unsupported cases and the one-line fallbacks.
+GPU tests (`gpu`) capture the steps as CUDA graphs: bf16 and NF4 + LoRA greedy against eager
+`generate`, replays after an optimizer step, host checks and capture time.
+
+    python -m pytest tests/test_sampling_loop.py -q            # CPU part
+    python -m pytest tests/test_sampling_loop.py -q -m gpu     # on a CUDA machine
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import math
+import types
+
+import pytest
+import torch
+from _tiny_models import with_lora
+from transformers import (
+    GenerationConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+from transformers.generation.logits_process import (
+    LogitsProcessorList,
+    MinPLogitsWarper,
+    RepetitionPenaltyLogitsProcessor,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+
+from trainers import tiny
+from trainers.generation import trim_after_eos
+from trainers.sampling import DecodeLoop, processors
+from trainers.sampling.cache import KVCache
+from trainers.sampling.model_step import ModelStep
+
+NEW = 14
+PROMPTS = ["7+5=", "hello there, general", "a", "the quick brown fox jumps over", "xy"]
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return tiny.build_tokenizer()
+
+
+FAMILIES = {
+    "llama": (LlamaConfig, LlamaForCausalLM, {}),
+    # one full and one sliding layer, a window shorter than most prompts
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM,
+              {"use_sliding_window": True, "sliding_window": 6, "max_window_layers": 1}),
+    "qwen3": (Qwen3Config, Qwen3ForCausalLM, {"head_dim": 32}),
+    "mistral": (MistralConfig, MistralForCausalLM, {"sliding_window": 6, "head_dim": 16}),
+}
+
+
+def build(tok, family, *, lora=False, seed=0):
+    """A tiny random fp32 model of `family` with a softened untied head (entropies of a few
+    nats, so greedy paths vary and sampling has choices; a tied head at this scale mostly
+    repeats the last token); biases and q/k norms randomised so they matter; with `lora`, an
+    adapter with non-zero B."""
+    config_cls, model_cls, extra = FAMILIES[family]
+    config = tiny._tiny_config(config_cls, tok, hidden_size=64, num_layers=2, num_heads=4,
+                               num_kv_heads=2, intermediate_size=128, tie_word_embeddings=False,
+                               **extra)
+    model = tiny._tiny_model(model_cls, config, tok, seed)
+    with torch.random.fork_rng(devices=[]), torch.no_grad():
+        torch.manual_seed(seed + 3)
+        model.get_output_embeddings().weight.mul_(0.5)
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "q_norm" in name or "k_norm" in name:
+                p.add_(torch.randn_like(p) * 0.3)
+    model.eval()
+    return with_lora(model, seed=seed) if lora else model
+
+
+def batch(tok, texts=PROMPTS):
+    enc = tok(texts, return_tensors="pt", padding=True, padding_side="left")
+    return enc.input_ids, enc.attention_mask
+
+
+def config(tok, eos, new=NEW, **kw):
+    kw = {"do_sample": False, **kw}
+    return GenerationConfig(max_new_tokens=new, pad_token_id=tok.pad_token_id,
+                            eos_token_id=eos, **kw)
+
+
+def hf_completions(model, ids, mask, gc):
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, attention_mask=mask, generation_config=gc)
+    return trim_after_eos(out[:, ids.shape[1]:], gc.eos_token_id)
+
+
+def mid_eos(model, tok, ids, mask):
+    """An EOS id that HF's greedy completions hit in the middle of some rows while others run
+    to max_new_tokens: the token with the most rows first hitting it at step >= 1 among those
+    that some row never emits."""
+    free = hf_completions(model, ids, mask, config(tok, [len(tok) + 7]))  # an id never drawn
+    best, score = None, -1
+    for t in {t for row in free for t in row}:
+        firsts = [row.index(t) if t in row else None for row in free]
+        hits = sum(f is not None and f >= 1 for f in firsts)
+        if None in firsts and hits > score:
+            best, score = t, hits
+    return best
+
+
+def cpu_loop(**kw):
+    return DecodeLoop(devices=("cpu",), check_every=4, **kw)
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["base", "lora"])
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_greedy_equals_hf_generate(tok, family, lora):
+    model = build(tok, family, lora=lora)
+    ids, mask = batch(tok)
+    eos = mid_eos(model, tok, ids, mask)
+    gc = config(tok, [eos])
+    ref = hf_completions(model, ids, mask, gc)
+    ends_early = [len(r) < NEW for r in ref]
+    assert any(ends_early) and not all(ends_early), ref  # EOS mid-row and max_new_tokens both
+    loop = cpu_loop()
+    out = loop.generate(model, ids, mask, gc)
+    assert loop.disabled_reason is None and out is not None and loop.stats.calls == 1
+    assert out.token_ids == ref
+    assert [len(lp) for lp in out.logprobs] == [len(r) for r in ref]
+    assert all(lp <= 0 for row in out.logprobs for lp in row)
+    # second call reuses the cache and state: same result again
+    again = loop.generate(model, ids, mask, gc)
+    assert again.token_ids == ref and loop.stats.calls == 2 and loop.stats.growths == 0
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral"])
+def test_greedy_with_triton_decode_attention(tok, family, monkeypatch):
+    """attention="triton": decode steps read each row's valid keys only (the Triton
+    interpreter on CPU), token-identical to HF; Qwen2 / Mistral with sliding windows."""
+    from trainers.sampling import model_step
+
+    calls = []
+    real = model_step.decode_attention
+    monkeypatch.setattr(model_step, "decode_attention",
+                        lambda *a, **kw: calls.append(kw["window"]) or real(*a, **kw))
+    model = build(tok, family, lora=True)
+    ids, mask = batch(tok)
+    gc = config(tok, [len(tok) + 7], new=8)
+    loop = DecodeLoop(devices=("cpu",), check_every=4, attention="triton")
+    out = loop.generate(model, ids, mask, gc)
+    assert loop.disabled_reason is None and out is not None
+    assert out.token_ids == hf_completions(model, ids, mask, gc)
+    assert len(calls) >= 2 * 7  # 2 layers, every decode step (the kernel ran)
+    assert (6 in calls) == (family != "llama")  # the sliding layers passed their window
+
+
+def test_replay_path_with_a_fake_graph(tok, monkeypatch):
+    """The capture path on CPU: a warm-up step that must leave no trace, then k-step "graphs"
+    (here the captured function itself) replayed per host check, a shorter prompt reusing the
+    graph, and a new graph when the model state changes; completions equal HF's throughout."""
+    from trainers.sampling import loop as loop_module
+
+    made = []
+
+    def fake_graph(run, pool):
+        made.append(run)
+        return types.SimpleNamespace(replay=run)
+
+    monkeypatch.setattr(loop_module, "CAPTURE_DEVICES", ("cuda", "cpu"))
+    monkeypatch.setattr(loop_module, "_graph_of", fake_graph)
+    model = build(tok, "qwen2", lora=True)
+    ids, mask = batch(tok)
+    eos = mid_eos(model, tok, ids, mask)
+    gc = config(tok, [eos], repetition_penalty=1.2)
+    loop = cpu_loop()
+    for i, j in ((0, None), (0, None), (2, None)):  # full batch twice, then shorter prompts
+        out = loop.generate(model, ids[:, i:j], mask[:, i:j], gc)
+        assert out.token_ids == hf_completions(model, ids[:, i:j], mask[:, i:j], gc)
+    assert loop.stats.captures == len(made) == 1
+    with model.disable_adapter():
+        assert loop.generate(model, ids, mask, gc).token_ids == \
+            hf_completions(model, ids, mask, gc)
+    assert loop.stats.captures == 2
+    # sampling: the warm-up step leaves neither state nor random stream behind, so the seeded
+    # draws equal the eager path's
+    gs = config(tok, [eos], do_sample=True, temperature=1.0, top_k=0)
+    runs = []
+    for lp in (loop, cpu_loop(capture=False)):
+        torch.manual_seed(3)
+        runs.append(lp.generate(model, ids, mask, gs))
+    assert loop.stats.captures == 3
+    assert runs[0].token_ids == runs[1].token_ids and runs[0].logprobs == runs[1].logprobs
+
+
+def test_lora_changes_the_completions(tok):
+    """The adapter is live in the loop's forward: disabling it changes the greedy tokens as
+    it changes HF's."""
+    model = build(tok, "llama", lora=True)
+    ids, mask = batch(tok)
+    gc = config(tok, [len(tok) + 7])
+    loop = cpu_loop()
+    with_adapter = loop.generate(model, ids, mask, gc).token_ids
+    with model.disable_adapter():
+        without = loop.generate(model, ids, mask, gc).token_ids
+        assert without == hf_completions(model, ids, mask, gc)
+    assert with_adapter != without
+
+
+def test_cache_grows_for_a_longer_prompt(tok, caplog):
+    model = build(tok, "qwen3")
+    gc = config(tok, [len(tok) + 7])
+    loop = cpu_loop()
+    short = batch(tok, ["ab", "c", "de", "f", "g"])
+    long = batch(tok, ["a much longer prompt than the first, " * 2, "c", "de", "f", "g"])
+    with caplog.at_level(logging.WARNING):
+        for ids, mask in (short, long, short):
+            assert loop.generate(model, ids, mask, gc).token_ids == \
+                hf_completions(model, ids, mask, gc)
+    assert loop.stats.growths == 1
+    assert sum("grown" in r.getMessage() for r in caplog.records) == 1
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "mistral"])
+def test_first_step_logits_match_eager_forward(tok, family):
+    """Prefill logits at each row's last prompt token and the first decode step's logits
+    against HF's eager forward of the left-padded batch (fp32). Both evaluate the same sums in
+    different orders (masked SDPA over P_max keys vs P_b, other GEMM shapes): per layer a
+    K-term fp32 dot product is off by at most K·2^-24 relative to the sum of |terms|, K <= 128
+    here (MLP inner size), through 2 layers and the head; 4·K·2^-24·max|z| bounds it."""
+    model = build(tok, family, lora=True)
+    ids, mask = batch(tok)
+    lengths = mask.sum(1)
+    P = ids.shape[1]
+    shift = (P - lengths)[:, None]
+    left = ids.gather(1, (torch.arange(P)[None] + shift).clamp(max=P - 1))
+    cache = KVCache.allocate(model.get_base_model().config, batch=len(PROMPTS), room=32,
+                             new_tokens=4, slack=4, growths=0, dtype=torch.float32,
+                             device="cpu")
+    step = ModelStep(model)
+    with torch.no_grad():
+        z0 = step.prefill(cache, left, lengths)
+        y0 = z0.argmax(-1)
+        z1 = step.decode(cache, y0, lengths)
+        ref = model(input_ids=torch.cat([ids, y0[:, None]], 1),
+                    attention_mask=torch.cat([mask, torch.ones_like(mask[:, :1])], 1)).logits
+    for ours, theirs in ((z0, ref[:, -2]), (z1, ref[:, -1])):
+        bound = 4 * 128 * 2.0**-24 * theirs.abs().max().item()
+        err = (ours - theirs).abs().max().item()
+        assert err <= bound, (err, bound)
+
+
+# -- sampling -----------------------------------------------------------------------------
+
+SAMPLING = {
+    "temperature": {"temperature": 0.7},
+    "top_k": {"top_k": 5},
+    "top_p": {"top_p": 0.8},
+    "min_p": {"min_p": 0.2, "temperature": 1.3},
+    "repetition_penalty": {"repetition_penalty": 1.3},
+    "all": {"temperature": 0.9, "top_k": 20, "top_p": 0.9, "min_p": 0.05,
+            "repetition_penalty": 1.2},
+}
+
+
+def hf_processors(opts, pad_lengths):
+    """transformers' own processors, in `generate`'s order, for the options in `opts`."""
+    out = LogitsProcessorList()
+    if opts.get("repetition_penalty", 1.0) != 1.0:
+        out.append(RepetitionPenaltyLogitsProcessor(opts["repetition_penalty"],
+                                                    prompt_ignore_length=pad_lengths))
+    if opts.get("temperature", 1.0) != 1.0:
+        out.append(TemperatureLogitsWarper(opts["temperature"]))
+    if opts.get("top_k"):
+        out.append(TopKLogitsWarper(opts["top_k"]))
+    if opts.get("top_p", 1.0) < 1.0:
+        out.append(TopPLogitsWarper(opts["top_p"]))
+    if opts.get("min_p") is not None:
+        out.append(MinPLogitsWarper(opts["min_p"]))
+    return out
+
+
+def recompute_logprobs(model, ids, mask, completions, opts, dtype):
+    """Each completion token's log-prob under the processed distribution, recomputed with
+    the model in `dtype` over the full sequences and transformers' processors."""
+    m = copy.deepcopy(model).to(dtype)
+    B, P = ids.shape
+    N = max(len(c) for c in completions)
+    comp = torch.zeros(B, N, dtype=torch.long)  # right padding, masked
+    cmask = torch.zeros(B, N, dtype=mask.dtype)
+    for b, c in enumerate(completions):
+        comp[b, :len(c)] = torch.tensor(c)
+        cmask[b, :len(c)] = 1
+    seq = torch.cat([ids, comp], 1)
+    full = torch.cat([mask, cmask], 1)
+    with torch.no_grad():  # positions as `generate` gives a left-padded row: from 0 at its start
+        logits = m(input_ids=seq, attention_mask=full,
+                   position_ids=(full.cumsum(1) - 1).clamp(min=0)).logits
+    procs = hf_processors(opts, (mask == 0).sum(1))
+    out = [[] for _ in range(B)]
+    for t in range(N):
+        z = procs(seq[:, :P + t], logits[:, P + t - 1].clone())
+        lp = torch.log_softmax(z, -1)
+        for b, c in enumerate(completions):
+            if t < len(c):
+                out[b].append(lp[b, c[t]].item())
+    return out
+
+
+@pytest.mark.parametrize("name", list(SAMPLING))
+def test_sampled_logprobs_equal_the_processed_distribution(tok, name):
+    """Three-way: |ours - fp64| <= 8·|HF fp32 recompute - fp64| + 2e-5. Ours runs the fp32
+    forward one token at a time, the fp32 recompute the whole sequence at once: both carry
+    fp32 rounding of the same size (the factor 8 covers the different summation orders;
+    2e-5 ≈ 2^-16 the floor of a log-softmax over |z| <= 16 logits in fp32)."""
+    opts = SAMPLING[name]
+    model = build(tok, "qwen2", lora=True)
+    ids, mask = batch(tok)
+    # top_k explicit, as TRL passes it: left unset, `generate` (and the loop) take
+    # transformers' default of 50, which truncates this 105-token vocabulary
+    gc = config(tok, [tok.eos_token_id], do_sample=True, **{"top_k": 0, **opts})
+    loop = cpu_loop()
+    torch.manual_seed(1)
+    out = loop.generate(model, ids, mask, gc)
+    assert loop.disabled_reason is None and out is not None
+    assert all(math.isfinite(lp) for row in out.logprobs for lp in row)
+    ref64 = recompute_logprobs(model, ids, mask, out.token_ids, opts, torch.float64)
+    ref32 = recompute_logprobs(model, ids, mask, out.token_ids, opts, torch.float32)
+    flat = lambda rows: torch.tensor([x for r in rows for x in r], dtype=torch.float64)
+    ours, r64, r32 = flat(out.logprobs), flat(ref64), flat(ref32)
+    assert torch.isfinite(r64).all()  # every sampled token is inside fp64's kept set
+    err, ref_err = (ours - r64).abs(), (r32 - r64).abs().max().item()
+    i = int(err.argmax())
+    assert err.max().item() <= 8 * ref_err + 2e-5, (i, ours[i].item(), r64[i].item(), ref_err)
+    if name in ("top_k", "top_p", "min_p"):  # truncation: log-probs over the kept set only
+        plain = recompute_logprobs(model, ids, mask, out.token_ids,
+                                   {"temperature": opts.get("temperature", 1.0)}, torch.float64)
+        assert (ours >= flat(plain) - 1e-5).all()
+        assert (ours > flat(plain) + 1e-3).any()
+
+
+def test_seeded_sampling_repeats(tok):
+    model = build(tok, "llama", lora=True)
+    ids, mask = batch(tok)
+    gc = config(tok, [tok.eos_token_id], do_sample=True, temperature=1.0)
+    loop = cpu_loop()
+    runs = []
+    for seed in (5, 5, 6):
+        torch.manual_seed(seed)
+        runs.append(loop.generate(model, ids, mask, gc))
+    assert runs[0].token_ids == runs[1].token_ids and runs[0].logprobs == runs[1].logprobs
+    assert runs[0].token_ids != runs[2].token_ids
+
+
+def test_processors_equal_transformers_processors():
+    """Our graph-safe processing against transformers' processors on random logits with ties
+    (integers / 4: many equal values at the top-k and top-p boundaries)."""
+    g = torch.Generator().manual_seed(0)
+    z = torch.randint(-20, 20, (6, 50), generator=g).float() / 4
+    prompt = torch.randint(0, 50, (6, 9), generator=g)
+    pad_lengths = torch.tensor([0, 3, 1, 0, 8, 2])
+    seen = torch.zeros(6, 50, dtype=torch.bool)
+    for b in range(6):
+        seen[b, prompt[b, pad_lengths[b]:]] = True
+    for opts in SAMPLING.values():
+        spec = processors.SamplingSpec(True, opts.get("temperature", 1.0), opts.get("top_k", 0),
+                                       opts.get("top_p", 1.0), opts.get("min_p"),
+                                       opts.get("repetition_penalty", 1.0))
+        ours = processors.process(z.clone(), spec, seen)
+        theirs = hf_processors(opts, pad_lengths)(prompt, z.clone())
+        assert torch.equal(torch.isinf(ours), torch.isinf(theirs)), opts
+        kept = ~torch.isinf(theirs)
+        assert torch.allclose(ours[kept], theirs[kept], rtol=1e-6, atol=0), opts
+
+
+def test_sample_draws_from_softmax():
+    """The exponential race draws token j with probability softmax(z)_j: 40000 draws per
+    distribution, every frequency within 5 binomial standard deviations."""
+    z = torch.tensor([[2.0, 1.0, 0.0, -1.0, float("-inf"), 0.5]])
+    n = 40000
+    spec = processors.SamplingSpec(True)
+    torch.manual_seed(0)
+    y, lp = processors.sample(z.expand(n, -1).contiguous(), spec)
+    p = torch.softmax(z[0], -1)
+    freq = torch.bincount(y, minlength=6).double() / n
+    sd = (p * (1 - p) / n).sqrt().double()
+    assert ((freq - p.double()).abs() <= 5 * sd + 1e-12).all(), (freq, p)
+    assert torch.equal(lp, torch.log_softmax(z, -1)[0, y])
+
+
+# -- refusals and failures -------------------------------------------------------------------
+
+def test_unsupported_models_and_configs_give_a_reason(tok):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    loop = cpu_loop()
+    llama = build(tok, "llama")
+    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=len(tok), n_embd=32, n_layer=1, n_head=2))
+    assert "gpt2" in loop.unsupported_reason(gpt2, config(tok, [2]))
+    assert "num_beams" in loop.unsupported_reason(llama, config(tok, [2], num_beams=2))
+    assert "no_repeat_ngram_size" in loop.unsupported_reason(
+        llama, config(tok, [2], no_repeat_ngram_size=2))
+    assert "typical_p" in loop.unsupported_reason(
+        llama, config(tok, [2], do_sample=True, typical_p=0.5))
+    assert "cuda" in DecodeLoop().unsupported_reason(llama, config(tok, [2]))
+    dyn = LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), hidden_size=32, num_hidden_layers=1,
+                                       num_attention_heads=2, intermediate_size=64,
+                                       rope_parameters={"rope_type": "dynamic", "factor": 2.0,
+                                                        "rope_theta": 10000.0}))
+    assert "dynamic" in loop.unsupported_reason(dyn, config(tok, [2]))
+    assert loop.unsupported_reason(llama, config(tok, [2], do_sample=True, top_k=4)) is None
+    ids, mask = batch(tok)
+    assert loop.generate(llama, ids, mask, config(tok, [2], num_beams=2)) is None
+    assert loop.disabled_reason is None  # a refusal is per call, not the end of the loop
+
+
+def test_config_resolves_like_generate(tok):
+    """Options the caller leaves unset take the model's generation config, then transformers'
+    defaults, as in `generate`: an unset top_k samples from the top 50."""
+    from trainers.sampling.loop import _resolve_config
+
+    llama = build(tok, "llama")
+    spec, _ = processors.spec_from_config(
+        _resolve_config(llama, config(tok, [2], do_sample=True)), len(tok))
+    assert spec.top_k == 50 and spec.temperature == 1.0
+    llama.generation_config.top_p = 0.5
+    spec, _ = processors.spec_from_config(
+        _resolve_config(llama, config(tok, [2], do_sample=True, top_k=0)), len(tok))
+    assert spec.top_k == 0 and spec.top_p == 0.5
+
+
+def test_graph_key_follows_what_a_capture_bakes_in(tok):
+    """A captured graph bakes the train/eval mode, the parameter addresses and PEFT's adapter
+    switches: each change gives a new key (a new capture); an in-place optimizer step does
+    not (the replay reads the updated weights)."""
+    from trainers.sampling.loop import _fingerprint
+
+    model = build(tok, "llama", lora=True).eval()
+    key = _fingerprint(model)
+    params = [p for n, p in model.named_parameters() if "lora_" in n]
+    with torch.no_grad():
+        for p in params:
+            p.add_(1.0)
+    assert _fingerprint(model) == key
+    with model.disable_adapter():
+        assert _fingerprint(model) != key
+    assert _fingerprint(model) == key
+    model.train()
+    assert _fingerprint(model) != key
+    model.eval()
+    params[0].data = params[0].data.clone()
+    assert _fingerprint(model) != key
+
+
+def test_right_padded_batch_falls_back(tok):
+    loop = cpu_loop()
+    model = build(tok, "llama")
+    enc = tok(PROMPTS, return_tensors="pt", padding=True, padding_side="right")
+    assert loop.generate(model, enc.input_ids, enc.attention_mask, config(tok, [2])) is None
+    assert loop.disabled_reason is None and loop.stats.calls == 0
+
+
+def test_forced_failure_disables_with_one_logged_line(tok, caplog, monkeypatch):
+    model = build(tok, "llama")
+    ids, mask = batch(tok)
+    loop = cpu_loop()
+
+    def broken(self, *args, **kwargs):
+        raise RuntimeError("forced decode failure")
+
+    monkeypatch.setattr(ModelStep, "decode", broken)
+    with caplog.at_level(logging.WARNING):
+        assert loop.generate(model, ids, mask, config(tok, [2])) is None
+        assert loop.generate(model, ids, mask, config(tok, [2])) is None
+    assert "forced decode failure" in loop.disabled_reason
+    lines = [r for r in caplog.records if "decode loop off" in r.getMessage()]
+    assert len(lines) == 1
+
+
+def test_logits_mismatch_disables(tok, caplog, monkeypatch):
+    model = build(tok, "llama")
+    ids, mask = batch(tok)
+    loop = cpu_loop()
+    real = ModelStep._logits
+    monkeypatch.setattr(ModelStep, "_logits", lambda self, h: real(self, h) * 1.01)
+    with caplog.at_level(logging.WARNING):
+        assert loop.generate(model, ids, mask, config(tok, [2])) is None
+    assert "differ from the eager forward" in loop.disabled_reason
+    assert sum("decode loop off" in r.getMessage() for r in caplog.records) == 1
+
+
+# -- GPU: captured graphs ---------------------------------------------------------------------
+
+def _gpu_llama(dtype=torch.bfloat16, *, vocab=512, seed=0):
+    """A small Llama-shaped random model (GQA 8/2 heads, head_dim 64, untied head at std 0.2:
+    logits of a few units, so greedy choices are rarely decided by bf16 rounding)."""
+    config = LlamaConfig(vocab_size=vocab, hidden_size=512, intermediate_size=1024,
+                         num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
+                         max_position_embeddings=1024, pad_token_id=0, eos_token_id=1,
+                         bos_token_id=2, tie_word_embeddings=False)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(config)
+        model.get_input_embeddings().weight.data.normal_(0.0, 1.0)
+        model.get_output_embeddings().weight.data.normal_(0.0, 0.2)
+    return model.to("cuda", dtype).eval()
+
+
+def _gpu_prompts(vocab, batch=6, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(4, 40, (batch,), generator=g)
+    P = int(lengths.max())
+    ids = torch.randint(3, vocab, (batch, P), generator=g)
+    mask = (torch.arange(P)[None] >= (P - lengths)[:, None]).long()
+    return (ids * mask).cuda(), mask.cuda()
+
+
+def _greedy_gap(model, ids, mask, ours, theirs):
+    """For rows whose greedy tokens diverge: the eager logit gap between the two choices at the
+    first divergence, and eager's own change of those logits between batch 1 and the batch."""
+    report = []
+    for b, (o, t) in enumerate(zip(ours, theirs)):
+        if o == t:
+            continue
+        k = next((i for i, (x, y) in enumerate(zip(o, t)) if x != y), min(len(o), len(t)))
+        if k >= min(len(o), len(t)):
+            report.append((b, k, 0.0, 0.0))
+            continue
+        prefix = torch.tensor(t[:k], device=ids.device, dtype=ids.dtype)
+        row = torch.cat([ids[b][mask[b].bool()], prefix])[None]
+        with torch.no_grad():
+            z1 = model(input_ids=row).logits[0, -1].float()
+            zb = model(input_ids=row.expand(ids.shape[0], -1)).logits[-1, -1].float()
+        report.append((b, k, (z1[t[k]] - z1[o[k]]).item(), (z1 - zb).abs().max().item()))
+    return report
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("attention", ["sdpa", "triton"])
+@pytest.mark.parametrize("quant", ["bf16", "nf4"])
+def test_gpu_greedy_and_replay_after_optimizer_step(quant, attention, tmp_path):
+    """Greedy completions of the captured loop against eager `generate` (bf16 / NF4 + LoRA),
+    then an optimizer step on the LoRA weights: the replayed graphs (no new capture) give the
+    updated policy's greedy tokens. One host check per k tokens."""
+    from peft import LoraConfig, get_peft_model
+
+    model = _gpu_llama()
+    if quant == "nf4":
+        from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+        model.save_pretrained(tmp_path)
+        model = AutoModelForCausalLM.from_pretrained(tmp_path, quantization_config=(
+            BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                               bnb_4bit_compute_dtype=torch.bfloat16)),
+            dtype=torch.bfloat16, device_map={"": 0}).eval()
+    torch.manual_seed(1)
+    model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules="all-linear"))
+    for name, p in model.named_parameters():
+        if "lora_B" in name:
+            p.data.normal_(0.0, 0.02)
+    ids, mask = _gpu_prompts(512)
+    N, k = 48, 16
+    gc = GenerationConfig(max_new_tokens=N, do_sample=False, pad_token_id=0, eos_token_id=[1])
+    loop = DecodeLoop(check_every=k, attention=attention)
+    out = loop.generate(model, ids, mask, gc)
+    assert loop.disabled_reason is None and out is not None and loop.stats.captures == 1
+    ref = hf_completions(model, ids, mask, gc)
+    gaps = _greedy_gap(model, ids, mask, out.token_ids, ref)
+    print(f"\n{quant} {attention}: rows diverging from eager (row, step, eager logit gap, "
+          f"eager batch variation): {gaps}; capture {loop.stats.capture_s:.2f} s, first token "
+          f"{loop.stats.first_token_s:.2f} s")
+    # a divergence only at a near-tie within eager's own batch-size noise; + 1e-2: about one
+    # bf16 ulp (2^-7 relative) of logits of a few units
+    for _, _, gap, variation in gaps:
+        assert abs(gap) <= 2 * variation + 1e-2
+    assert loop.stats.host_checks <= math.ceil((N - 1) / k) + 1
+    assert loop.stats.first_token_s < 10.0
+    shorter = (ids[:, 5:], mask[:, 5:])  # same batch, shorter prompts: the same graph replays
+    short_out = loop.generate(model, *shorter, gc)
+    assert loop.stats.captures == 1
+    gaps = _greedy_gap(model, *shorter, short_out.token_ids, hf_completions(model, *shorter, gc))
+    assert all(abs(gap) <= 2 * variation + 1e-2 for _, _, gap, variation in gaps), gaps
+
+    # one optimizer step on the LoRA weights, large enough to change the greedy completions
+    params = [p for n, p in model.named_parameters() if "lora_" in n]
+    opt = torch.optim.SGD(params, lr=5.0)
+    seq = torch.cat([ids, torch.randint(3, 512, (ids.shape[0], 8), device="cuda")], 1)
+    loss = model(input_ids=seq, attention_mask=torch.ones_like(seq), labels=seq).loss
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    after_ref = hf_completions(model, ids, mask, gc)
+    assert after_ref != ref
+    after = loop.generate(model, ids, mask, gc)
+    assert loop.stats.captures == 1  # replayed, not recaptured
+    gaps = _greedy_gap(model, ids, mask, after.token_ids, after_ref)
+    assert all(abs(gap) <= 2 * variation + 1e-2 for _, _, gap, variation in gaps), gaps
+    assert sum(a == b for a, b in zip(after.token_ids, after_ref)) >= len(after_ref) // 2

@@ -1,0 +1,116 @@
+"""Split-K decode attention over the static cache that reads each row's valid keys only.
+
+One new token per row: q (B, H_kv, G, D) (the G = H / H_kv query heads of kv head h), the cache
+K, V (B, H_kv, M, D), and `last` (B,): row b attends to keys j with lo_b <= j <= last_b, where
+lo_b = max(0, last_b - w + 1) under a sliding window w, else 0.
+
+    o[b, h, g] = Σ_j softmax_j(q[b, h, g] · K[b, h, j] · scale) V[b, h, j]
+
+The keys [0, M) are cut into S splits of SPLIT_N; program (b·H_kv + h, s) runs the online softmax
+over the valid keys of split s only (a split past last_b returns at once, so the work and the
+bytes read follow the row's length, not M) and writes its partial max m_s (G,), sum
+l_s = Σ exp(z - m_s) (G,) and acc_s = Σ exp(z - m_s) V (G, D), all fp32. The combine,
+in torch: m = max_s m_s, o = Σ_s e^{m_s - m} acc_s / Σ_s e^{m_s - m} l_s (an empty split has
+m_s = -inf, l_s = 0, acc_s = 0 and weighs 0). Static shapes throughout: capturable.
+reads: the valid keys and values once, q once; writes S·G·(D + 2) fp32 per (b, h).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+SPLIT_N = 128  # keys per split
+BLOCK_N = 32  # keys per inner step
+
+
+@triton.jit
+def _decode_attention_split_kernel(
+    q_ptr, k_ptr, v_ptr, last_ptr, m_ptr, l_ptr, acc_ptr,
+    stride_qb, stride_qh, stride_qg,
+    stride_kb, stride_kh, stride_km,
+    stride_vb, stride_vh, stride_vm,
+    HKV, G, S, scale, window,
+    D: tl.constexpr, BLOCK_G: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, IEEE: tl.constexpr,
+):
+    bh = tl.program_id(0)
+    s = tl.program_id(1)
+    b = bh // HKV
+    h = bh % HKV
+    last = tl.load(last_ptr + b)
+    lo = 0
+    if HAS_WINDOW:
+        lo = tl.maximum(last - window + 1, 0)
+    start = tl.maximum(s * SPLIT, lo)
+    end = tl.minimum(s * SPLIT + SPLIT, last + 1)
+
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, D)
+    g_ok = offs_g < G
+    q = tl.load(q_ptr + b * stride_qb + h * stride_qh + offs_g[:, None] * stride_qg
+                + offs_d[None, :], mask=g_ok[:, None], other=0.0)  # (BLOCK_G, D)
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, D], tl.float32)
+    k_base = k_ptr + b * stride_kb + h * stride_kh
+    v_base = v_ptr + b * stride_vb + h * stride_vh
+    for n0 in range(start, end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        ok = offs_n < end
+        k = tl.load(k_base + offs_n[:, None] * stride_km + offs_d[None, :], mask=ok[:, None],
+                    other=0.0)  # (BLOCK_N, D)
+        if IEEE:
+            z = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            z = tl.dot(q, tl.trans(k))
+        z = tl.where(ok[None, :], z * scale, float("-inf"))  # (BLOCK_G, BLOCK_N) fp32
+        # every block holds a valid key (n0 < end), so m_new is finite and alpha = e^{-inf} = 0
+        # on the first block
+        m_new = tl.maximum(m_i, tl.max(z, 1))
+        p = tl.exp(z - m_new[:, None])
+        alpha = tl.exp(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_base + offs_n[:, None] * stride_vm + offs_d[None, :], mask=ok[:, None],
+                    other=0.0)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    row = (bh * S + s) * BLOCK_G
+    tl.store(m_ptr + row + offs_g, m_i)
+    tl.store(l_ptr + row + offs_g, l_i)
+    tl.store(acc_ptr + (row + offs_g[:, None]) * D + offs_d[None, :], acc)
+
+
+def decode_attention(q, K, V, last, *, scale: float, window: int | None = None):
+    """o (B, H_kv, G, D) in q's dtype for q (B, H_kv, G, D), K / V (B, H_kv, M, D) (last dim
+    contiguous), last (B,) int: the module docstring's attention over keys lo_b..last_b."""
+    B, HKV, G, D = q.shape
+    M = K.shape[2]
+    if K.stride(-1) != 1 or V.stride(-1) != 1 or D & (D - 1) or D < 16:
+        raise ValueError(f"decode_attention needs contiguous rows and a power-of-2 head dim "
+                         f">= 16, got K strides {K.stride()}, D={D}")
+    q = q.contiguous()
+    S = triton.cdiv(M, SPLIT_N)
+    BLOCK_G = max(16, triton.next_power_of_2(G))
+    m = torch.empty(B * HKV * S * BLOCK_G, dtype=torch.float32, device=q.device)
+    l = torch.empty_like(m)
+    acc = torch.empty(B * HKV * S * BLOCK_G, D, dtype=torch.float32, device=q.device)
+    _decode_attention_split_kernel[(B * HKV, S)](
+        q, K, V, last, m, l, acc,
+        q.stride(0), q.stride(1), q.stride(2),
+        K.stride(0), K.stride(1), K.stride(2),
+        V.stride(0), V.stride(1), V.stride(2),
+        HKV, G, S, scale, window or 0,
+        D=D, BLOCK_G=BLOCK_G, SPLIT=SPLIT_N, BLOCK_N=BLOCK_N,
+        HAS_WINDOW=window is not None, IEEE=q.dtype == torch.float32,
+    )
+    m = m.view(B, HKV, S, BLOCK_G)[..., :G]
+    l = l.view(B, HKV, S, BLOCK_G)[..., :G]
+    acc = acc.view(B, HKV, S, BLOCK_G, D)[..., :G, :]
+    w = torch.exp(m - m.amax(2, keepdim=True))  # (B, H_kv, S, G): e^{m_s - m}, 0 if empty
+    o = (w[..., None] * acc).sum(2) / (w * l).sum(2)[..., None]
+    return o.to(q.dtype)

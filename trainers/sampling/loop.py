@@ -1,0 +1,462 @@
+"""The decode loop: prefill, then decode steps captured k at a time as one CUDA graph.
+
+Device-side state of one call, in static buffers per (batch, cache capacity, vocabulary):
+
+    cur (B,) the last sampled token     slot (B,) where it is written (= its position)
+    done (B,) bool                      step (1,) the output column the next token goes to
+    out (B, N + k) int64, logp (B, N + k) fp32: the tokens and their log-probs by step
+    seen (B, V + 1) bool: the ids the repetition penalty applies to (column V: padding)
+
+One decode step: logits = decode(cur at slot) → process → sample (y, log p_y);
+y <- pad where done (a finished row emits padding and its slot stops advancing); write y and
+log p_y at column `step`; done |= y ∈ EOS; cur <- y; slot += ¬done_before; step += 1.
+No value reaches the host inside a step. On CUDA with capture, k = `check_every` steps are one
+graph, replayed until N tokens are written; after each replay the host reads `done.all()` once
+(the only sync per k tokens) and stops early when every row has finished. Steps past N (the
+last group) write into the k spare columns and the cache's k spare slots, then are trimmed.
+Off CUDA (tests) the same steps run eagerly, with the same k-step checks.
+
+A graph is captured once per (cache shape, sampling options, model state): the model state is
+the train/eval mode of each module, the addresses of its parameters and its PEFT adapter
+switches, so a moved parameter or a disabled adapter gets a new capture instead of a replay of
+stale Python choices.
+Optimizer steps update parameters in place, so replays read the current weights.
+
+Safety: the first call checks the loop's logits for the first two tokens (prefill and one
+decode step) against the model's own eager forward on the same prompts, in eval mode; a
+mismatch beyond the dtype's noise, or any exception, turns the loop off for the rest of the run
+with one logged line, and `generate` returns None.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import time
+
+import torch
+from transformers.utils import logging
+
+from trainers.sampling import processors
+from trainers.sampling.cache import MAX_GROWTHS, KVCache, prompt_room
+from trainers.sampling.model_step import ATTENTION, ModelStep, base_model, model_reason
+
+logger = logging.get_logger(__name__)
+
+# First-call check: mean |ours - eager| <= RTOL · mean |eager| over the two tokens' logits.
+# fp32: both forwards sum the same products in different orders (SDPA backends, batch shapes);
+# the relative error of a K-term fp32 dot product is below K·2^-24 (~1e-4 for K = 2048), far
+# below 1e-3, while a wrong position, mask or cache slot moves logits by their own size.
+# bf16 / fp16: through a deep stack rounding moves logits by a few per cent (as FastSampler's
+# check allows), still an order below what a broken cache does.
+CHECK_RTOL = {torch.float32: 1e-3}
+CHECK_RTOL_LOW = 0.1
+GRAPHS_PER_STATE = 4  # graphs kept per buffer shape (oldest dropped), model states x options
+MAX_CAPTURES = 16  # more means the model state changes at every call: replays would not pay
+
+
+@dataclasses.dataclass
+class LoopStats:
+    calls: int = 0  # calls served by the loop
+    captures: int = 0  # CUDA graphs captured
+    capture_s: float = 0.0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    steps: int = 0  # decode steps run (k per replay)
+    host_checks: int = 0  # reads of done.all()
+    first_token_s: float | None = None  # first call's start to its first sampled token
+    growths: int = 0  # caches grown for a longer prompt
+    graph_s: float = 0.0  # inside graph replays, by CUDA events (only with time_graphs)
+
+
+@dataclasses.dataclass
+class Completions:
+    token_ids: list[list[int]]  # each row up to and including its first EOS
+    logprobs: list[list[float]]  # fp32 log p of each token under its processed distribution
+
+
+@dataclasses.dataclass
+class _State:
+    cur: torch.Tensor
+    slot: torch.Tensor
+    done: torch.Tensor
+    step: torch.Tensor
+    out: torch.Tensor
+    logp: torch.Tensor
+    seen: torch.Tensor
+    graphs: dict = dataclasses.field(default_factory=dict)  # (spec, fingerprint) -> CUDAGraph
+
+    def tensors(self):
+        return (self.cur, self.slot, self.done, self.step, self.out, self.logp, self.seen)
+
+
+def _eos_ids(config) -> list[int]:
+    eos = config.eos_token_id
+    if eos is None:
+        return []
+    return [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])]
+
+
+def _peft_switches(model) -> tuple:
+    """The adapter choices PEFT makes in Python at every forward (captured graphs bake them)."""
+    out = []
+    for m in model.modules():
+        if hasattr(m, "active_adapters") and hasattr(m, "disable_adapters") and \
+                hasattr(m, "scaling"):
+            out.append((bool(m.disable_adapters), tuple(m.active_adapters),
+                        tuple(getattr(m, "merged_adapters", ())),
+                        tuple(sorted(m.scaling.items()))))
+    return tuple(out)
+
+
+def _fingerprint(model) -> int:
+    return hash((tuple(m.training for m in model.modules()),
+                 tuple(p.data_ptr() for p in model.parameters()), _peft_switches(model)))
+
+
+def _resolve_config(model, generation_config):
+    """The generation config HF's `generate` would run with (the model's own generation config
+    and transformers' defaults fill what the caller left unset)."""
+    base = base_model(model)
+    prepare = getattr(base, "_prepare_generation_config", None)
+    if prepare is None:
+        return copy.deepcopy(generation_config)
+    out = prepare(copy.deepcopy(generation_config))
+    return out[0] if isinstance(out, tuple) else out
+
+
+CAPTURE_DEVICES = ("cuda",)  # where `capture` takes effect (tests add "cpu" with a fake graph)
+
+
+@contextlib.contextmanager
+def _side_stream(device):
+    """Run the block on a side stream (CUDA graph warm-up), or as it is off CUDA."""
+    if device.type != "cuda":
+        yield
+        return
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        yield
+    torch.cuda.current_stream().wait_stream(side)
+
+
+def _graph_of(run, pool):
+    """`run()` captured as a CUDA graph: `.replay()` runs its kernels on the static buffers.
+
+    One memory pool for all graphs: a graph's outputs live in the static state, never in the
+    pool, so what one graph leaves there is dead at its end and another may reuse it.
+    thread_local: another thread's CUDA calls (a data loader's pinning) do not break capture."""
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+        run()
+    return graph
+
+
+class DecodeLoop:
+    """Samples on-policy completions with our own decode loop (module docstring)."""
+
+    def __init__(self, *, devices=("cuda",), check_every: int = 16, capture: bool = True,
+                 max_prompt_length: int | None = None, attention: str = "sdpa"):
+        if check_every < 1:
+            raise ValueError(f"check_every must be >= 1, got {check_every}")
+        if attention not in ATTENTION:
+            raise ValueError(f"attention={attention!r}; choose one of {ATTENTION}")
+        self.attention = attention  # a decode step's attention (model_step.ATTENTION)
+        self.devices = tuple(devices)
+        self.check_every = int(check_every)
+        self.capture = bool(capture)
+        self.max_prompt_length = max_prompt_length  # first prompt room of a cache, when known
+        self.time_graphs = False  # CUDA events around replays (stats.graph_s); costs a sync
+        self.disabled_reason: str | None = None
+        self.stats = LoopStats()
+        self._caches: dict[tuple, KVCache] = {}  # (batch, new tokens) -> cache
+        self._states: dict[tuple, _State] = {}  # (batch, capacity, vocab) -> state
+        self._checked: set[int] = set()  # id(model) whose first call passed the check
+        self._logged: set[str] = set()
+        self._pool = None
+
+    # -- policy -----------------------------------------------------------------------------
+
+    def _log_once(self, message: str) -> None:
+        if message not in self._logged:
+            self._logged.add(message)
+            logger.warning(f"grpo_lce decode loop: {message}")
+
+    def disable(self, reason: str) -> None:
+        if self.disabled_reason is None:
+            self.disabled_reason = reason
+            logger.warning(f"grpo_lce decode loop off ({reason}); sampling with the fallback "
+                           "path for the rest of the run.")
+        self._caches.clear()
+        self._states.clear()
+
+    def unsupported_reason(self, model, generation_config) -> str | None:
+        """Why this loop cannot sample from `model` with `generation_config`, or None."""
+        param = next(model.parameters(), None)
+        if param is None or param.device.type not in self.devices:
+            where = None if param is None else param.device.type
+            return f"the model is on {where!r}; the loop runs on {' / '.join(self.devices)}"
+        reason = model_reason(model)
+        if reason is not None:
+            return reason
+        base = base_model(model)
+        quantizer = getattr(base, "hf_quantizer", None)
+        if quantizer is not None:
+            qc = getattr(quantizer, "quantization_config", None)
+            method = getattr(qc, "quant_method", "")
+            method = getattr(method, "value", method)
+            if method != "bitsandbytes" or not getattr(qc, "load_in_4bit", False):
+                return f"quantization {method!r} (only bitsandbytes 4-bit is covered)"
+        try:
+            config = _resolve_config(model, generation_config)
+        except Exception as exc:  # noqa: BLE001 - a config HF itself rejects
+            return f"generation_config does not resolve: {type(exc).__name__}: {exc}"
+        _, reason = processors.spec_from_config(config, base.config.vocab_size)
+        return reason
+
+    # -- buffers ----------------------------------------------------------------------------
+
+    def _cache_for(self, model, batch, prompt_len, new_tokens) -> KVCache | None:
+        key = (batch, new_tokens)
+        cache = self._caches.get(key)
+        if cache is not None and prompt_len <= cache.room:
+            return cache
+        base = base_model(model)
+        if cache is None:
+            room = prompt_room(max(prompt_len, self.max_prompt_length or 0))
+            growths = 0
+        elif cache.growths >= MAX_GROWTHS:
+            self._log_once(f"a {prompt_len}-token prompt does not fit the cache ({cache.room} "
+                           f"prompt tokens, grown {MAX_GROWTHS} times); such batches fall back")
+            return None
+        else:
+            room, growths = prompt_room(prompt_len, cache.room), cache.growths + 1
+            self.stats.growths += 1
+            logger.warning(f"grpo_lce decode loop: cache for batch {batch} grown to {room} prompt "
+                           f"tokens for a {prompt_len}-token prompt ({growths} of {MAX_GROWTHS} "
+                           "growths; a new graph is captured)")
+        self._caches.pop(key, None)
+        self._states = {k: s for k, s in self._states.items() if k[0] != batch}
+        emb = base.get_input_embeddings().weight
+        dtype = emb.dtype if emb.dtype.is_floating_point else torch.bfloat16
+        cache = KVCache.allocate(base.config, batch=batch, room=room, new_tokens=new_tokens,
+                                 slack=self.check_every, growths=growths, dtype=dtype,
+                                 device=emb.device)
+        self._caches[key] = cache
+        return cache
+
+    def _state_for(self, cache, batch, vocab, device) -> _State:
+        key = (batch, cache.capacity, vocab)
+        state = self._states.get(key)
+        if state is None:
+            width = cache.new_tokens + self.check_every
+            state = self._states[key] = _State(
+                cur=torch.zeros(batch, dtype=torch.long, device=device),
+                slot=torch.zeros(batch, dtype=torch.long, device=device),
+                done=torch.zeros(batch, dtype=torch.bool, device=device),
+                step=torch.zeros(1, dtype=torch.long, device=device),
+                out=torch.zeros(batch, width, dtype=torch.long, device=device),
+                logp=torch.zeros(batch, width, dtype=torch.float32, device=device),
+                seen=torch.zeros(batch, vocab + 1, dtype=torch.bool, device=device))
+        return state
+
+    # -- the steps --------------------------------------------------------------------------
+
+    def _record(self, st, y, lp, eos, pad):
+        """Write token y (B,) and log p_y at column `step`, then advance the row state."""
+        y = torch.where(st.done, pad, y)
+        lp = torch.where(st.done, torch.zeros_like(lp), lp)
+        col = st.step.view(1, 1).expand(y.shape[0], 1)
+        st.out.scatter_(1, col, y[:, None])
+        st.logp.scatter_(1, col, lp[:, None])
+        st.slot.add_((~st.done).long())
+        st.done.logical_or_((y[:, None] == eos[None]).any(1))  # (B, E) compare, E EOS ids
+        st.cur.copy_(y)
+        st.step.add_(1)
+        st.seen.scatter_(1, y[:, None], True)
+
+    def _decode_steps(self, step_fn, cache, st, spec, eos, pad, n):
+        for _ in range(n):
+            # slot: where `cur` is written; its slot advanced when it was recorded, so it is
+            # one past the last written slot of a live row: cur sits at slot - 1
+            z = step_fn.decode(cache, st.cur, st.slot - 1)
+            y, lp = processors.sample(processors.process(z, spec, st.seen[:, :-1]), spec)
+            self._record(st, y, lp, eos, pad)
+
+    def _capture(self, step_fn, cache, st, spec, eos, pad):
+        t0 = time.perf_counter()
+        dev = st.cur.device
+        saved = [t.clone() for t in st.tensors()]
+        rng = torch.cuda.get_rng_state(dev) if dev.type == "cuda" else torch.get_rng_state()
+        with _side_stream(dev):  # warm-up: lazy inits, cuBLAS workspaces, allocator
+            self._decode_steps(step_fn, cache, st, spec, eos, pad, 1)
+        # the warm-up step never happened: state and random stream as before it (its cache
+        # writes land in slots the first real step writes again before any query reads them)
+        for t, s in zip(st.tensors(), saved):
+            t.copy_(s)
+        if dev.type == "cuda":
+            torch.cuda.set_rng_state(rng, dev)
+        else:
+            torch.set_rng_state(rng)
+        if self._pool is None and st.cur.is_cuda:
+            self._pool = torch.cuda.graph_pool_handle()
+        graph = _graph_of(lambda: self._decode_steps(step_fn, cache, st, spec, eos, pad,
+                                                     self.check_every), self._pool)
+        if st.cur.is_cuda:
+            torch.cuda.synchronize()
+        self.stats.captures += 1
+        self.stats.capture_s += time.perf_counter() - t0
+        return graph
+
+    # -- the call ---------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def _check(self, model, step_fn, cache, ids_left, lengths, input_ids, attention_mask):
+        """None, or why the loop's first two logits rows differ from the eager forward's."""
+        modes = [(m, m.training) for m in model.modules()]  # restored module by module
+        model.eval()
+        try:
+            z0 = step_fn.prefill(cache, ids_left, lengths)
+            y0 = z0.argmax(-1)
+            z1 = step_fn.decode(cache, y0, lengths)
+            ids = torch.cat([input_ids, y0[:, None]], 1)
+            mask = torch.cat([attention_mask, torch.ones_like(attention_mask[:, :1])], 1)
+            ref = model(input_ids=ids, attention_mask=mask, use_cache=False,
+                        logits_to_keep=2).logits[:, -2:]
+        finally:
+            for m, training in modes:
+                m.training = training
+        ours = torch.stack([z0, z1], 1)
+        ref = ref.float()
+        if not torch.isfinite(ours).all():
+            return "non-finite logits in the first-call check"
+        err = (ours - ref).abs().mean().item()
+        scale = ref.abs().mean().item()
+        rtol = CHECK_RTOL.get(cache.k.dtype, CHECK_RTOL_LOW)
+        if not err <= rtol * scale:
+            return (f"first-call logits differ from the eager forward: mean |diff| {err:.3g} "
+                    f"against mean |logit| {scale:.3g} (tolerance {rtol:g} of it)")
+        return None
+
+    @torch.no_grad()
+    def generate(self, model, input_ids, attention_mask, generation_config):
+        """Completions of the left-padded prompts, or None (see `disabled_reason`, or the one
+        logged line of an unsupported model, config or prompt)."""
+        if self.disabled_reason is not None:
+            return None
+        reason = self.unsupported_reason(model, generation_config)
+        if reason is not None:
+            self._log_once(f"not used ({reason})")
+            return None
+        try:
+            return self._generate(model, input_ids, attention_mask, generation_config)
+        except Exception as exc:  # noqa: BLE001 - any failure falls back, with its reason
+            self.disable(f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+                         if str(exc) else type(exc).__name__)
+            return None
+
+    def _generate(self, model, input_ids, attention_mask, generation_config):
+        t_call = time.perf_counter()
+        first_call = self.stats.calls == 0
+        if input_ids.dim() != 2 or attention_mask.shape != input_ids.shape:
+            raise ValueError(f"input_ids {tuple(input_ids.shape)} and attention_mask "
+                             f"{tuple(attention_mask.shape)} must be one (B, P) shape")
+        config = _resolve_config(model, generation_config)
+        base = base_model(model)
+        spec, _ = processors.spec_from_config(config, base.config.vocab_size)
+        B, P = input_ids.shape
+        dev = input_ids.device
+        lengths = attention_mask.long().sum(1)  # (B,) prompt lengths P_b
+        pos = torch.arange(P, device=dev)
+        left_padded = attention_mask.bool() == (pos[None] >= (P - lengths)[:, None])
+        if not bool(left_padded.all()) or int(lengths.min()) < 1:
+            self._log_once("a batch whose prompts are not left-padded or are empty falls back")
+            return None
+        N = config.max_new_tokens
+        if N is None:
+            N = config.max_length - P
+        if N < 1:
+            raise ValueError(f"max_new_tokens={N}: nothing to generate")
+        cache = self._cache_for(model, B, P, N)
+        if cache is None:
+            return None
+        # row b's prompt moved to [0, P_b): ids_left[b, i] = input_ids[b, i + P - P_b]
+        shift = (P - lengths)[:, None]
+        ids_left = input_ids.gather(1, (pos[None] + shift).clamp(max=P - 1))
+        step_fn = ModelStep(model, self.attention)
+        if id(model) not in self._checked:
+            mismatch = self._check(model, step_fn, cache, ids_left, lengths, input_ids,
+                                   attention_mask)
+            if mismatch is not None:
+                self.disable(mismatch)
+                return None
+            self._checked.add(id(model))
+
+        t0 = time.perf_counter()
+        eos_list = _eos_ids(config)
+        eos = torch.tensor(eos_list or [-1], dtype=torch.long, device=dev)
+        pad = config.pad_token_id if config.pad_token_id is not None else (eos_list or [0])[0]
+        z = step_fn.prefill(cache, ids_left, lengths)  # (B, V) fp32
+        V = z.shape[1]
+        st = self._state_for(cache, B, V, dev)
+        st.done.zero_()
+        st.step.zero_()
+        st.out.fill_(pad)
+        st.logp.zero_()
+        st.seen.zero_()
+        if spec.repetition_penalty != 1.0:  # the prompt's ids, padding to the spare column V
+            st.seen.scatter_(1, torch.where(pos[None] < lengths[:, None], ids_left, V), True)
+        st.slot.copy_(lengths)
+        y, lp = processors.sample(processors.process(z, spec, st.seen[:, :-1]), spec)
+        self._record(st, y, lp, eos, pad)
+        if first_call:
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
+            self.stats.first_token_s = time.perf_counter() - t_call
+        self.stats.prefill_s += time.perf_counter() - t0
+
+        graph = None
+        if self.capture and dev.type in CAPTURE_DEVICES:
+            gkey = (spec, tuple(eos_list), pad, _fingerprint(model))
+            graph = st.graphs.get(gkey)
+            if graph is None:
+                if self.stats.captures >= MAX_CAPTURES:
+                    self.disable(f"{self.stats.captures} CUDA graphs captured: the model state "
+                                 "or the sampling options change from call to call")
+                    return None
+                if st.graphs:
+                    self._log_once("model state or sampling options changed: new graphs "
+                                   "are captured for them")
+                if len(st.graphs) >= GRAPHS_PER_STATE:
+                    st.graphs.pop(next(iter(st.graphs)))
+                graph = st.graphs[gkey] = self._capture(step_fn, cache, st, spec, eos, pad)
+        t0 = time.perf_counter()
+        written = 1
+        while written < N:
+            self.stats.host_checks += 1
+            if bool(st.done.all()):  # the one device-to-host read per k tokens
+                break
+            if graph is not None:
+                if self.time_graphs and dev.type == "cuda":
+                    start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+                    start.record()
+                    graph.replay()
+                    end.record()
+                    end.synchronize()
+                    self.stats.graph_s += start.elapsed_time(end) / 1e3
+                else:
+                    graph.replay()
+            else:
+                self._decode_steps(step_fn, cache, st, spec, eos, pad, self.check_every)
+            written += self.check_every
+            self.stats.steps += self.check_every
+        out = st.out[:, :N].cpu()
+        logp = st.logp[:, :N].cpu()
+        self.stats.decode_s += time.perf_counter() - t0
+        self.stats.calls += 1
+        is_eos = torch.isin(out, torch.tensor(eos_list or [-1]))
+        ends = torch.where(is_eos.any(1), is_eos.int().argmax(1) + 1, N).tolist()
+        return Completions([r[:n].tolist() for r, n in zip(out, ends)],
+                           [r[:n].tolist() for r, n in zip(logp, ends)])

@@ -1,0 +1,228 @@
+"""A functional forward of a Llama-family decoder over our static KV cache.
+
+The forward reads the model's own modules at every call: the embedding, each layer's
+`input_layernorm`, `self_attn.{q,k,v,o}_proj` (Qwen2's q/k/v biases and Qwen3's `q_norm` /
+`k_norm` come with the modules), `post_attention_layernorm` and `mlp`, the final `norm` and the
+LM head. A bitsandbytes 4-bit base layer or a PEFT LoRA wrapper therefore runs as it is, reading
+its weights live, so a replay after an optimizer step sees the updated policy. RoPE is the
+model's own `rotary_emb(x, position_ids)` (Llama-3 scaling included); the attention scale is the
+module's own `scaling` (head_dim ** -0.5).
+
+Layout: row b's prompt of P_b tokens occupies cache slots [0, P_b), its t-th new token slot
+P_b + t, and the position id of every token is its slot: the positions HF assigns a left-padded
+row (cumsum of the mask - 1), so the two forwards compute the same function.
+
+    prefill(ids (B, S) left-aligned, lengths (B,))  writes slots [0, S), returns the logits at
+        slot lengths_b - 1 (B, V) fp32; slots >= lengths_b hold garbage that decoding overwrites
+        before any query can see it
+    decode(tokens (B,), slots (B,))  writes slot slots_b, attends to slots <= slots_b,
+        returns (B, V) fp32
+
+Attention is SDPA with a boolean mask over the whole cache (a decode step's GQA without
+expanding K and V, `_attention`); keys outside a row's valid length are masked, never read into
+the result. With attention="triton" a decode step runs `decode_attention` instead, which reads
+only each row's valid keys. A sliding window w (Mistral, Qwen2 / Qwen3 sliding layers) adds
+the condition q - k < w, as HF's sliding mask does.
+Logits are the head's output in the model dtype, then fp32, as HF's `generate` takes them.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from trainers.sampling.decode_attention import decode_attention
+
+ATTENTION = ("sdpa", "triton")  # decode attention: masked SDPA over M, or decode_attention
+FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
+# RoPE types whose inverse frequencies are fixed at init; "dynamic" and "longrope" recompute
+# them from the sequence length at every call (a host read of the largest position).
+STATIC_ROPE = ("default", "linear", "llama3", "yarn")
+
+
+def base_model(model):
+    """The transformers causal LM under a PEFT wrapper (or `model` itself)."""
+    get_base = getattr(model, "get_base_model", None)
+    return get_base() if callable(get_base) else model
+
+
+def model_reason(model) -> str | None:
+    """Why `model` is not a decoder this forward computes, or None."""
+    base = base_model(model)
+    config = getattr(base, "config", None)
+    family = getattr(config, "model_type", None)
+    if family not in FAMILIES:
+        return f"model type {family!r} (the decode loop covers {', '.join(FAMILIES)})"
+    inner = getattr(base, "model", None)
+    for name in ("embed_tokens", "layers", "norm", "rotary_emb"):
+        if not hasattr(inner, name):
+            return f"{type(base).__name__}.model has no {name!r}"
+    if base.get_output_embeddings() is None:
+        return f"{type(base).__name__} has no output embeddings"
+    rope = getattr(inner.rotary_emb, "rope_type", "default")
+    if rope not in STATIC_ROPE:
+        return f"rope_type {rope!r} (supported: {', '.join(STATIC_ROPE)})"
+    for i, layer in enumerate(inner.layers):
+        attn = getattr(layer, "self_attn", None)
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj", "scaling", "head_dim"):
+            if not hasattr(attn, name):
+                return f"layer {i} attention has no {name!r}"
+    if getattr(config, "attn_logit_softcapping", None):
+        return "attention logit softcapping"
+    return None
+
+
+def sliding_windows(base) -> list[int | None]:
+    """Each layer's sliding window w (keys with q - k >= w are hidden), or None for full."""
+    config = base.config
+    out = []
+    for layer in base.model.layers:
+        attn = layer.self_attn
+        if config.model_type == "mistral":
+            out.append(getattr(config, "sliding_window", None))
+        else:  # qwen2 / qwen3 store the window on sliding layers only; llama has none
+            out.append(getattr(attn, "sliding_window", None))
+    return out
+
+
+def _rotate_half(x):
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _rope(x, cos, sin):
+    # x (B, H, S, D), cos / sin (B, S, D): x·cos + rotate_half(x)·sin, per position
+    return x * cos[:, None] + _rotate_half(x) * sin[:, None]
+
+
+def _attention(q, K, V, mask, scale):
+    """softmax(q Kᵀ · scale, masked) V for q (B, H, S, D) over K, V (B, H_kv, M, D), query
+    head h reading kv head h // G (G = H / H_kv, HF's `repeat_kv` order).
+
+    One decode token (S = 1): the G query heads of a kv head share its mask, so they are laid out
+    as G queries of one head, q -> (B, H_kv, G, D), and attend without expanding K and V
+    (SDPA's GQA flag would take the math backend, which copies K and V G times per layer);
+    the mask (B, 1, 1, M) broadcasts over them."""
+    B, H, S, D = q.shape
+    Hkv = K.shape[1]
+    if S == 1 and Hkv != H:
+        o = F.scaled_dot_product_attention(q.reshape(B, Hkv, H // Hkv, D), K, V,
+                                           attn_mask=mask, scale=scale)
+        return o.reshape(B, H, 1, D)
+    return F.scaled_dot_product_attention(q, K, V, attn_mask=mask, scale=scale,
+                                          enable_gqa=Hkv != H)
+
+
+class ModelStep:
+    """Prefill and decode over `cache` (a `trainers.sampling.cache.KVCache`) for one model."""
+
+    def __init__(self, model, attention: str = "sdpa"):
+        if attention not in ATTENTION:
+            raise ValueError(f"attention={attention!r}; choose one of {ATTENTION}")
+        self.attention = attention
+        self.base = base_model(model)
+        self.inner = self.base.model
+        self.head = self.base.get_output_embeddings()
+        self.layers = list(self.inner.layers)
+        self.windows = sliding_windows(self.base)
+
+    def _qkv(self, attn, x, cos, sin):
+        B, S, _ = x.shape
+        D = attn.head_dim
+        q = attn.q_proj(x).view(B, S, -1, D)
+        k = attn.k_proj(x).view(B, S, -1, D)
+        v = attn.v_proj(x).view(B, S, -1, D)
+        if hasattr(attn, "q_norm"):  # qwen3: RMSNorm over the head dim, before RoPE
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H, S, D)
+        return _rope(q, cos, sin), _rope(k, cos, sin), v
+
+    def _layers(self, h, positions, attend, write, keys):
+        """Runs every layer: `write(i, k, v)` stores this step's keys and values in layer i's
+        cache; `keys(i)` returns the (K, V) the queries attend to; `attend(q, K, V, window,
+        scale)` the attention output (B, H, S, D)."""
+        cos, sin = self.inner.rotary_emb(h, positions)  # (B, S, D) in the model dtype
+        for i, layer in enumerate(self.layers):
+            attn = layer.self_attn
+            x = layer.input_layernorm(h)
+            q, k, v = self._qkv(attn, x, cos, sin)
+            write(i, k, v)
+            K, V = keys(i)
+            o = attend(q, K, V, self.windows[i], attn.scaling)
+            B, H, S, D = o.shape
+            h = h + attn.o_proj(o.transpose(1, 2).reshape(B, S, H * D))
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        return h
+
+    def _logits(self, h):
+        return self.head(self.inner.norm(h)).float()
+
+    def prefill(self, cache, ids, lengths):
+        """ids (B, S) with row b's prompt in [0, lengths_b); returns the logits (B, V) fp32 at
+        slot lengths_b - 1 and writes slots [0, S) of every layer."""
+        B, S = ids.shape
+        dev = ids.device
+        pos = torch.arange(S, device=dev)
+        causal = pos[None, :] <= pos[:, None]  # (S_q, S_k)
+        valid = pos[None, None, :] < lengths[:, None, None]  # (B, 1, S_k)
+        # A query past its row's prompt (its output is never used) still sees its own key, so no
+        # softmax row is empty (an empty row would put NaN into the garbage slots).
+        diag = torch.eye(S, dtype=torch.bool, device=dev)
+        masks = {}
+        for w in set(self.windows):
+            m = causal & valid
+            if w is not None:
+                m = m & (pos[:, None] - pos[None, :] < w)
+            masks[w] = (m | diag)[:, None]  # (B, 1, S, S)
+
+        def write(i, k, v):
+            cache.k[i, :, :, :S] = k
+            cache.v[i, :, :, :S] = v
+
+        def keys(i):
+            return cache.k[i, :, :, :S], cache.v[i, :, :, :S]
+
+        def attend(q, K, V, window, scale):
+            return _attention(q, K, V, masks[window], scale)
+
+        h = self.inner.embed_tokens(ids)
+        h = self._layers(h, pos[None].expand(B, S), attend, write, keys)
+        last = (lengths - 1).clamp(min=0)
+        h = h[torch.arange(B, device=dev), last]  # (B, hidden): only these rows reach the head
+        return self._logits(h)
+
+    def decode(self, cache, tokens, slots):
+        """tokens (B,) at positions `slots` (B,); writes them to the cache, returns (B, V) fp32."""
+        B = tokens.shape[0]
+        M = cache.k.shape[3]
+        dev = tokens.device
+        kpos = torch.arange(M, device=dev)
+        rows = torch.arange(B, device=dev)
+        masks = {}
+        for w in set(self.windows):
+            m = kpos[None, :] <= slots[:, None]  # (B, M)
+            if w is not None:
+                m = m & (slots[:, None] - kpos[None, :] < w)
+            masks[w] = m[:, None, None, :]  # (B, 1, 1, M)
+
+        def write(i, k, v):
+            # k (B, H_kv, 1, D) -> slot slots_b of row b; indices separated by a slice put the
+            # broadcast (B,) dimension first: the target view is (B, H_kv, D)
+            cache.k[i][rows, :, slots] = k[:, :, 0].to(cache.k.dtype)
+            cache.v[i][rows, :, slots] = v[:, :, 0].to(cache.v.dtype)
+
+        def keys(i):
+            return cache.k[i], cache.v[i]
+
+        def attend(q, K, V, window, scale):
+            D = q.shape[-1]
+            if self.attention == "triton" and D >= 16 and not D & (D - 1):  # valid keys only
+                Hkv, G = K.shape[1], q.shape[1] // K.shape[1]
+                o = decode_attention(q.reshape(B, Hkv, G, D), K, V, slots,
+                                     scale=scale, window=window)
+                return o.reshape(B, Hkv * G, 1, -1)
+            return _attention(q, K, V, masks[window], scale)
+
+        h = self.inner.embed_tokens(tokens[:, None])  # (B, 1, hidden)
+        h = self._layers(h, slots[:, None], attend, write, keys)
+        return self._logits(h[:, 0])
