@@ -1,0 +1,1 @@
+"""Our own on-policy sampler: the decode loop and its kernels."""
