@@ -13,17 +13,16 @@ import triton.language as tl
 
 from grpo_lce._dispatch import interpreting
 
-__all__ = ["interpreting", "to_dtype", "dot"]
+__all__ = ["dot", "interpreting", "to_dtype"]
 
 
 @triton.jit
 def to_dtype(v, dtype: tl.constexpr, INTERP: tl.constexpr):
     """v (fp32) cast to dtype, rounding to nearest even also under the interpreter."""
-    if INTERP:
-        if dtype == tl.bfloat16:
-            bits = v.to(tl.uint32, bitcast=True)
-            bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-            v = bits.to(tl.float32, bitcast=True)
+    if INTERP and dtype == tl.bfloat16:
+        bits = v.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        v = bits.to(tl.float32, bitcast=True)
     return v.to(dtype)
 
 

@@ -79,7 +79,7 @@ def _epilogue(acc, offs_m, offs_n, M, N, R, SPLIT_T, scaling,
     if HAS_LORA:
         offs_r = tl.arange(0, BLOCK_R)
         t = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-        for s in range(0, SPLIT_T):
+        for s in range(SPLIT_T):
             t += tl.load(t_ptr + s * stride_ts + offs_m[:, None] * stride_tm + offs_r[None, :],
                          mask=m_ok[:, None], other=0.0)
         b = tl.load(b_ptr + offs_n[:, None] * stride_bn + offs_r[None, :],
@@ -179,7 +179,7 @@ def _split_k_reduce_kernel(
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for s in range(0, SPLIT_K):
+    for s in range(SPLIT_K):
         acc += tl.load(part_ptr + s * stride_ps + offs_m[:, None] * stride_pm + offs_n[None, :],
                        mask=mask, other=0.0)
     _epilogue(acc, offs_m, offs_n, M, N, R, SPLIT_T, scaling, t_ptr, b_ptr, bias_ptr, y_ptr,
@@ -223,7 +223,7 @@ class Packed4bit:
         if packed.numel() != n * k // 2:
             raise ValueError(f"packed weight has {packed.numel()} bytes, expected N·K/2 = "
                              f"{n * k // 2} for shape {(n, k)}")
-        common = dict(packed=packed, code=qs.code.float(), blocksize=bs, shape=(n, k))
+        common = {"packed": packed, "code": qs.code.float(), "blocksize": bs, "shape": (n, k)}
         if not qs.nested:
             return cls(absmax=qs.absmax.reshape(-1).float(), **common)
         s2 = qs.state2
@@ -255,7 +255,7 @@ def pick_config(m: int, n: int, k: int, blocksize: int, num_sms: int) -> dict:
     tiles = triton.cdiv(k, block_k)
     mn_progs = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
     split = max(1, min(triton.cdiv(num_sms, mn_progs), tiles, 16))
-    return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split)
+    return {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "SPLIT_K": split}
 
 
 def lora_t(x: torch.Tensor, a: torch.Tensor, *, k_per_split: int = 1024):
@@ -337,3 +337,122 @@ def linear4bit_lora(x: torch.Tensor, w: Packed4bit, *, bias: torch.Tensor | None
             y.stride(0), SPLIT_K=split_k, HAS_LORA=has_lora, HAS_BIAS=bias is not None,
             BLOCK_M=bm, BLOCK_N=bn, BLOCK_R=block_r, INTERP=interp)
     return y
+
+
+class UnsupportedLinear(ValueError):
+    """The module has no decode path here; the message says why (the caller falls back to the
+    module's own forward and logs this message once)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _Resolved:
+    base: torch.nn.Module  # bnb.nn.Linear4bit or nn.Linear
+    lora_a: torch.Tensor | None  # (r, K), the adapter's live Parameter
+    lora_b: torch.Tensor | None  # (N, r)
+    scaling: float
+
+
+def _resolve_lora(module: torch.nn.Module) -> _Resolved:
+    """The base layer and the one active LoRA adapter of a PEFT LoRA layer (or the module itself
+    when it is no PEFT layer). Raises UnsupportedLinear for what the fused path does not compute
+    as PEFT does."""
+    try:
+        from peft.tuners.lora import LoraLayer
+    except ImportError:  # no PEFT installed: no PEFT layers either
+        LoraLayer = ()
+    if not isinstance(module, LoraLayer):
+        return _Resolved(module, None, None, 0.0)
+    name = type(module).__name__
+    base = module.get_base_layer()
+    if module.disable_adapters or module.merged:
+        # the base layer alone is the forward (a merged adapter lives in the base weight)
+        return _Resolved(base, None, None, 0.0)
+    if getattr(module, "fan_in_fan_out", False):
+        raise UnsupportedLinear(f"{name} has fan_in_fan_out=True (Conv1D weight layout)")
+    active = [a for a in module.active_adapters if a in module.lora_A]
+    if len(active) > 1:
+        raise UnsupportedLinear(f"{name} has {len(active)} active adapters {active}; the fused "
+                                "path takes one")
+    if not active:
+        return _Resolved(base, None, None, 0.0)
+    (a,) = active
+    if a in getattr(module, "lora_variant", {}) or getattr(module, "use_dora", {}).get(a):
+        raise UnsupportedLinear(f"{name} adapter {a!r} is a LoRA variant (DoRA or other)")
+    if module.lora_B[a].bias is not None:
+        raise UnsupportedLinear(f"{name} adapter {a!r} has a lora_B bias (lora_bias=True)")
+    drop = module.lora_dropout[a]
+    if drop.training and getattr(drop, "p", 0.0) > 0:
+        raise UnsupportedLinear(f"{name} adapter {a!r} has dropout p={drop.p} in train mode "
+                                "(the fused path computes eval mode, dropout = identity)")
+    return _Resolved(base, module.lora_A[a].weight, module.lora_B[a].weight,
+                     float(module.scaling[a]))
+
+
+def _is_linear4bit(base: torch.nn.Module) -> bool:
+    try:
+        import bitsandbytes as bnb
+    except ImportError:
+        return False
+    return isinstance(base, bnb.nn.Linear4bit)
+
+
+def unsupported_reason(module: torch.nn.Module) -> str | None:
+    """None if `decode_linear(x, module)` computes this module's forward, else why not."""
+    try:
+        res = _resolve_lora(module)
+        if _is_linear4bit(res.base):
+            _packed_weight(res.base)
+        elif type(res.base) is not torch.nn.Linear:
+            raise UnsupportedLinear(f"base layer is {type(res.base).__name__}, expected "
+                                    "bitsandbytes Linear4bit or torch.nn.Linear")
+    except UnsupportedLinear as e:
+        return str(e)
+    return None
+
+
+def _packed_weight(base: torch.nn.Module) -> Packed4bit:
+    qs = getattr(base.weight, "quant_state", None)
+    if qs is None:
+        raise UnsupportedLinear("Linear4bit weight is not quantized yet (no quant_state: "
+                                "the module was never moved to its device)")
+    try:
+        return Packed4bit.from_quant_state(base.weight.data, qs)
+    except ValueError as e:
+        raise UnsupportedLinear(f"Linear4bit weight: {e}") from None
+
+
+def decode_linear(x: torch.Tensor, module: torch.nn.Module) -> torch.Tensor:
+    """module(x) for x (..., K), in eval-mode semantics, through the fused 4-bit + LoRA kernel:
+
+    - bitsandbytes `Linear4bit` (x cast to its compute_dtype, the result back to x's dtype),
+    - PEFT `lora.Linear4bit` / `lora.Linear` with one active adapter (dropout is the identity:
+      eval mode, or p = 0), scaling read from the layer,
+    - torch.nn.Linear (+ LoRA): cuBLAS GEMMs in PEFT's order, no kernel of ours.
+
+    Reads every weight, LoRA factor and scale from the module's storage at this call.
+    Raises UnsupportedLinear (a ValueError) with the reason for anything else.
+    """
+    res = _resolve_lora(module)
+    base = res.base
+    if _is_linear4bit(base):
+        w = _packed_weight(base)
+        cd = base.compute_dtype or x.dtype
+        if cd not in (torch.bfloat16, torch.float16):
+            raise UnsupportedLinear(f"Linear4bit compute dtype is {cd}, the kernel takes "
+                                    "bfloat16 or float16")
+        if base.weight.device != x.device:
+            raise ValueError(f"x is on {x.device} but the weight is on {base.weight.device}")
+        x2 = x.reshape(-1, x.shape[-1]).to(cd)  # (M, K)
+        bias = None if base.bias is None else base.bias.to(cd)
+        y = linear4bit_lora(x2, w, bias=bias, lora_a=res.lora_a, lora_b=res.lora_b,
+                            scaling=res.scaling)
+        return y.to(x.dtype).reshape(*x.shape[:-1], w.shape[0])
+    if type(base) is not torch.nn.Linear:
+        raise UnsupportedLinear(f"base layer is {type(base).__name__}, expected bitsandbytes "
+                                "Linear4bit or torch.nn.Linear")
+    y = torch.nn.functional.linear(x, base.weight, base.bias)
+    if res.lora_a is None:
+        return y
+    xa = x.to(res.lora_a.dtype)
+    lora = torch.nn.functional.linear(torch.nn.functional.linear(xa, res.lora_a), res.lora_b)
+    return (y + lora * res.scaling).to(y.dtype)  # PEFT's lora.Linear order and roundings
