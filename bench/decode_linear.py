@@ -40,7 +40,9 @@ SHAPES = {
     "8b": {"q/o": (4096, 4096), "k/v": (1024, 4096), "gate/up": (14336, 4096),
            "down": (4096, 14336)},
 }
-SMOKE_SHAPES = {"tiny": {"q": (128, 256), "down": (64, 512)}}
+SMOKE_SHAPES = {"tiny": {"q/o": (128, 256), "down": (64, 512)}}
+# how many projections of a decoder layer have each shape (q and o; k and v; gate and up; down)
+PER_LAYER = {"q/o": 2, "k/v": 2, "gate/up": 2, "down": 1}
 GRAPH_CALLS = 20
 
 
@@ -123,6 +125,27 @@ def graph_ms(fn, device):
     return {k: (v / GRAPH_CALLS if k in ("ms", "p20", "p80") else v) for k, v in t.items()}, None
 
 
+def layer_summary(results) -> list[dict]:
+    """Per model and M: the seven projections of one decoder layer (PER_LAYER), summed: ours and
+    bnb+peft (graph times where captured) against the summed floor."""
+    out = []
+    for model in dict.fromkeys(r["model"] for r in results):
+        for m in dict.fromkeys(r["M"] for r in results):
+            rs = [r for r in results if r["model"] == model and r["M"] == m]
+            mult = [PER_LAYER.get(r["layer"], 1) for r in rs]
+            best = lambda r, key: (r[key + "_graph"] or r[key])["ms"]
+            floor = sum(c * r["floor_ms"] for c, r in zip(mult, rs))
+            ours = sum(c * best(r, "ours") for c, r in zip(mult, rs))
+            ref = sum(c * best(r, "bnb_peft") for c, r in zip(mult, rs))
+            out.append({"model": model, "M": m, "floor_ms": floor, "ours_ms": ours,
+                        "bnb_peft_ms": ref, "ours_over_floor": ours / floor,
+                        "speedup": ref / ours})
+            print(f"{model:5} one decoder layer's projections, M={m:3}: floor {floor:.4f} ms, "
+                  f"ours {ours:.4f} ms ({ours / floor:.2f}x floor), bnb+peft {ref:.4f} ms "
+                  f"({ref / ours:.2f}x ours)")
+    return out
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--models", default="1b,8b", help="comma list of 1b, 8b")
@@ -182,9 +205,11 @@ def main():
                       f"{g_ref['ms'] if g_ref else float('nan'):7.4f} | {rec['speedup']:7.2f}")
             del mod
             bc.free_memory()
+    summary = layer_summary(results)
     path = bc.RESULTS_DIR / f"bench_decode_linear_{bc.gpu_short_name(device)}.json"
     bc.write_json(path, {"env": env, "bandwidth_Bps": bw, "graph_calls": GRAPH_CALLS,
-                         "rank": args.rank, "results": results})
+                         "rank": args.rank, "results": results,
+                         "per_decoder_layer": summary})
     print(f"x floor and speedup use the graph times where captured; wrote {path}")
 
 

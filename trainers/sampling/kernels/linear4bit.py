@@ -34,6 +34,7 @@ loop is split over programs, the partial outputs (SPLIT_K, M, N) fp32.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 import triton
@@ -144,10 +145,11 @@ def _linear4bit_kernel(
         q_hi = (p >> 4).to(tl.int32)
         q_lo = (p & 15).to(tl.int32)
         # code · absmax in fp32, then rounded to x's dtype: bitsandbytes' dequantized weight
-        w_hi = to_dtype(tl.load(code_ptr + q_hi) * scale[:, :, None], x_ptr.dtype.element_ty,
-                        INTERP)
-        w_lo = to_dtype(tl.load(code_ptr + q_lo) * scale[:, :, None], x_ptr.dtype.element_ty,
-                        INTERP)
+        # the 16-entry table stays in L1: a gather per code
+        c_hi = tl.load(code_ptr + q_hi, eviction_policy="evict_last")
+        c_lo = tl.load(code_ptr + q_lo, eviction_policy="evict_last")
+        w_hi = to_dtype(c_hi * scale[:, :, None], x_ptr.dtype.element_ty, INTERP)
+        w_lo = to_dtype(c_lo * scale[:, :, None], x_ptr.dtype.element_ty, INTERP)
         w_hi = tl.reshape(w_hi, (BLOCK_N, BLOCK_K // 2))
         w_lo = tl.reshape(w_lo, (BLOCK_N, BLOCK_K // 2))
         k_even = tile * BLOCK_K + 2 * offs_j
@@ -240,6 +242,7 @@ class Packed4bit:
         return self.code2 is not None
 
 
+@functools.cache
 def _num_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return 1
@@ -247,14 +250,16 @@ def _num_sms(device: torch.device) -> int:
 
 
 def pick_config(m: int, n: int, k: int, blocksize: int, num_sms: int) -> dict:
-    """Tile sizes and the split of the K loop: BLOCK_K a multiple of the absmax block, split-K
-    only while the (m, n) tiles alone leave SMs idle."""
+    """Tile sizes and the split of the K loop. BLOCK_K is a multiple of the absmax block (128
+    elements = 64 packed bytes per row: 4 KiB of weight per tile, few enough registers for the
+    unpacked codes); the K loop is split until about two programs per SM are running, so that a
+    small-M, small-N layer still streams its weight from every SM."""
     block_m = min(64, max(16, triton.next_power_of_2(m)))
     block_n = 64
-    block_k = max(blocksize, 256)
+    block_k = max(blocksize, 128)
     tiles = triton.cdiv(k, block_k)
     mn_progs = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
-    split = max(1, min(triton.cdiv(num_sms, mn_progs), tiles, 16))
+    split = max(1, min(triton.cdiv(2 * num_sms, mn_progs), tiles, 16))
     return {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "SPLIT_K": split}
 
 
