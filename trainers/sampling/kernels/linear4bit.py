@@ -99,12 +99,12 @@ def _linear4bit_kernel(
     M, N, K, R, SPLIT_T, TILES_PER_SPLIT, scaling,
     stride_xm, stride_ts, stride_tm, stride_bn, stride_ym, stride_ps, stride_pm,
     BS: tl.constexpr, BS2: tl.constexpr, NESTED: tl.constexpr,
-    HAS_LORA: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr,
+    HAS_LORA: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
     INTERP: tl.constexpr,
 ):
     """acc = x[m-block] @ round(W[n-block])ᵀ over this program's K tiles; then the epilogue, or
-    the fp32 partial to part[pid_k] when the K loop is split (SPLIT_K > 1).
+    the fp32 partial to part[pid_k] when the K loop is split over programs (SPLIT).
 
     A K tile of BLOCK_K elements is NB = BLOCK_K / BS absmax blocks of HB = BS / 2 bytes: the
     packed bytes load as (BLOCK_N, NB, HB), so one scale per (n, block) broadcasts over HB.
@@ -125,8 +125,7 @@ def _linear4bit_kernel(
     offs_b = tl.arange(0, NB)
     offs_h = tl.arange(0, HB)
     offs_j = tl.arange(0, BLOCK_K // 2)
-    if NESTED:
-        offset = tl.load(offset_ptr)
+    offset = tl.load(offset_ptr)  # the double-quant offset (a code entry, unused, otherwise)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     tile_lo = pid_k * TILES_PER_SPLIT
     for tile in range(tile_lo, tile_lo + TILES_PER_SPLIT):
@@ -160,7 +159,7 @@ def _linear4bit_kernel(
                         mask=x_mask, other=0.0)
         acc += dot(x_even, tl.trans(w_hi), INTERP)
         acc += dot(x_odd, tl.trans(w_lo), INTERP)
-    if SPLIT_K == 1:
+    if not SPLIT:
         _epilogue(acc, offs_m, offs_n, M, N, R, SPLIT_T, scaling, t_ptr, b_ptr, bias_ptr, y_ptr,
                   stride_ts, stride_tm, stride_bn, stride_ym, HAS_LORA, HAS_BIAS, BLOCK_M,
                   BLOCK_R, INTERP)
@@ -171,9 +170,9 @@ def _linear4bit_kernel(
 
 @triton.jit
 def _split_k_reduce_kernel(
-    part_ptr, t_ptr, b_ptr, bias_ptr, y_ptr, M, N, R, SPLIT_T, scaling,
+    part_ptr, t_ptr, b_ptr, bias_ptr, y_ptr, M, N, R, SPLIT_T, SPLIT_K, scaling,
     stride_ps, stride_pm, stride_ts, stride_tm, stride_bn, stride_ym,
-    SPLIT_K: tl.constexpr, HAS_LORA: tl.constexpr, HAS_BIAS: tl.constexpr,
+    HAS_LORA: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, INTERP: tl.constexpr,
 ):
     """acc = Σ_s part[s] in a fixed order (deterministic), then the same epilogue."""
@@ -328,7 +327,7 @@ def linear4bit_lora(x: torch.Tensor, w: Packed4bit, *, bias: torch.Tensor | None
         x.stride(0), t.stride(0), t.stride(1), lora_b.stride(0), y.stride(0),
         part.stride(0) if split_k > 1 else 0, part.stride(1) if split_k > 1 else 0,
         BS=w.blocksize, BS2=w.blocksize2, NESTED=nested, HAS_LORA=has_lora,
-        HAS_BIAS=bias is not None, SPLIT_K=split_k, BLOCK_M=cfg["BLOCK_M"],
+        HAS_BIAS=bias is not None, SPLIT=split_k > 1, BLOCK_M=cfg["BLOCK_M"],
         BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], BLOCK_R=block_r, INTERP=interp,
         # no FMA contraction: the double-quant scale code2·absmax2 + offset is then formed with
         # the same two roundings as bitsandbytes' (a product, then an add)
@@ -337,9 +336,9 @@ def linear4bit_lora(x: torch.Tensor, w: Packed4bit, *, bias: torch.Tensor | None
     if split_k > 1:
         bm, bn = cfg["BLOCK_M"], 64
         _split_k_reduce_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn))](
-            part, t, lora_b, bias_arg, y, m, n, r, t.shape[0], float(scaling),
+            part, t, lora_b, bias_arg, y, m, n, r, t.shape[0], split_k, float(scaling),
             part.stride(0), part.stride(1), t.stride(0), t.stride(1), lora_b.stride(0),
-            y.stride(0), SPLIT_K=split_k, HAS_LORA=has_lora, HAS_BIAS=bias is not None,
+            y.stride(0), HAS_LORA=has_lora, HAS_BIAS=bias is not None,
             BLOCK_M=bm, BLOCK_N=bn, BLOCK_R=block_r, INTERP=interp)
     return y
 
