@@ -113,6 +113,19 @@ def test_weight_is_bitsandbytes_dequantized_exactly(quant_type, double, blocksiz
     assert torch.equal(y, w_ref.T), (y.float() - w_ref.T.float()).abs().max()
 
 
+@pytest.mark.parametrize("quant_type", ["nf4", "fp4"])
+def test_fp16_input_gets_fp16_rounded_weight(quant_type):
+    """x in fp16: the weight is code · absmax rounded to fp16, as bitsandbytes dequantizes to
+    fp16 (identity rows: exact)."""
+    n, k = 32, 128
+    packed, qs = _quantize(n, k, quant_type=quant_type, double=False)
+    eye = torch.eye(k, dtype=torch.float16)
+    y = linear4bit_lora(eye, Packed4bit.from_quant_state(packed, qs))
+    w_ref = torch.ops.bitsandbytes.dequantize_4bit.default(
+        packed, qs.absmax, qs.blocksize, qs.quant_type, qs.shape, torch.float16)
+    assert y.dtype == torch.float16 and torch.equal(y, w_ref.T)
+
+
 @pytest.mark.parametrize("quant_type,double", [("nf4", True), ("fp4", False), ("nf4", False)])
 @pytest.mark.parametrize("n,k", CPU_SHAPES)
 @pytest.mark.parametrize("m", [1, 3, 8, 17, 64, 255])

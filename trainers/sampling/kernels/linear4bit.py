@@ -185,7 +185,7 @@ def _split_k_reduce_kernel(
                        mask=mask, other=0.0)
     _epilogue(acc, offs_m, offs_n, M, N, R, SPLIT_T, scaling, t_ptr, b_ptr, bias_ptr, y_ptr,
               stride_ts, stride_tm, stride_bn, stride_ym, HAS_LORA, HAS_BIAS, BLOCK_M,
-                  BLOCK_R, INTERP)
+              BLOCK_R, INTERP)
 
 
 @dataclasses.dataclass(frozen=True)
