@@ -166,8 +166,6 @@ def _lora_module(n, k, *, quant_type="nf4", double=True, bias=True, r=16, alpha=
     w = (torch.randn(n, k, generator=g) * 0.05).to(torch.bfloat16)
     base.weight = bnb.nn.Params4bit(w, requires_grad=False, quant_type=quant_type,
                                     compress_statistics=double)
-    if device == "cpu":
-        base.weight = base.weight._quantize("cpu")
     if bias:
         base.bias = torch.nn.Parameter(torch.randn(n, generator=g).to(torch.bfloat16))
     cfg = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout)

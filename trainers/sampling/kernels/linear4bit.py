@@ -433,7 +433,8 @@ def decode_linear(x: torch.Tensor, module: torch.nn.Module) -> torch.Tensor:
       eval mode, or p = 0), scaling read from the layer,
     - torch.nn.Linear (+ LoRA): cuBLAS GEMMs in PEFT's order, no kernel of ours.
 
-    Reads every weight, LoRA factor and scale from the module's storage at this call.
+    Reads every weight, LoRA factor and scale from the module's storage at this call. No
+    autograd (the output has no grad_fn): this is the sampler's forward.
     Raises UnsupportedLinear (a ValueError) with the reason for anything else.
     """
     res = _resolve_lora(module)
