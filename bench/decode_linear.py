@@ -11,15 +11,18 @@ and M = 1, 8, 64, 256 rows of bf16 x:
               + fp32 second-level scales) + A, B (r·(K + N)·2) + x and y; the bandwidth is
               measured in the same run by a 1 GiB device-to-device copy (read + write)
 
-each timed eagerly (`triton.testing.do_bench`, L2 flushed) and as a replay of a CUDA graph that
-holds 20 calls (what the decode loop runs; launch overhead amortized), median ms with the 20-80 %
-spread. Before timing, ours is checked against bnb+peft within the bound of linear4bit's
+each timed eagerly (`triton.testing.do_bench`, L2 flushed) and as a replay of a CUDA graph of
+at least 20 calls (what the decode loop runs; launch overhead amortized) that cycle through
+copies of the layer holding more than twice the L2 (so the weights come from HBM, as in a
+decode step), median ms with the 20-80 % spread. Before timing, ours is checked against bnb+peft within the bound of linear4bit's
 docstring; the run aborts if it is off.
 
 GPU (from the project root, `.whl/` filled by ../shared/gpu/wheels.sh and carried):
 
     python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl; export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1; python3 -m bench.decode_linear
 
+Tile sweep (graph-replay ms of the kernel over BLOCK_N × BLOCK_K × SPLIT_K × num_warps, ~5 min):
+`python3 -m bench.decode_linear --sweep --rows 8`.
 CPU smoke run (Triton's interpreter, tiny shapes): `python -m bench.decode_linear --smoke`.
 Writes bench/results/bench_decode_linear_<GPU>.json and prints the table.
 """
@@ -27,6 +30,7 @@ Writes bench/results/bench_decode_linear_<GPU>.json and prints the table.
 from __future__ import annotations
 
 import argparse
+import copy
 import functools
 import os
 
@@ -104,25 +108,38 @@ def check(ours, ref, x, mod):
                          f"worst err/tol {(err / tol).max().item():.3g}")
 
 
-def graph_ms(fn, device):
-    """Median ms of one call inside a replayed CUDA graph of GRAPH_CALLS calls (None off CUDA
-    or if capture fails, with the reason)."""
+def graph_ms(fns, device):
+    """Median ms of one call inside a replayed CUDA graph of max(GRAPH_CALLS, len(fns)) calls
+    that cycle through `fns` (None off CUDA or if capture fails, with the reason)."""
     if device.type != "cuda":
         return None, "no CUDA"
+    calls = [fns[i % len(fns)] for i in range(max(GRAPH_CALLS, len(fns)))]
     try:
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            fn()
+            for fn in fns:
+                fn()
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            for _ in range(GRAPH_CALLS):
+            for fn in calls:
                 fn()
     except Exception as e:  # noqa: BLE001 (a competitor that can't be captured is an n/a row)
         return None, f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
     t = bc.time_ms(graph.replay, device)
-    return {k: (v / GRAPH_CALLS if k in ("ms", "p20", "p80") else v) for k, v in t.items()}, None
+    return {k: (v / len(calls) if k in ("ms", "p20", "p80") else v) for k, v in t.items()}, None
+
+
+def cold_copies(mod, device):
+    """`mod` and deep copies of it, enough that the graph's calls stream more than twice the L2
+    from HBM (as a decode step does: a whole model's weights never stay in L2), at most 256."""
+    if device.type != "cuda":
+        return [mod]
+    l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 50 * 2**20)
+    packed = mod.get_base_layer().weight.data.numel()
+    n = min(256, max(1, -(-2 * l2 // packed)))
+    return [mod] + [copy.deepcopy(mod) for _ in range(n - 1)]
 
 
 def layer_summary(results) -> list[dict]:
@@ -146,12 +163,71 @@ def layer_summary(results) -> list[dict]:
     return out
 
 
+def sweep_configs(k, blocksize=64):
+    """The tile grid `--sweep` times: BLOCK_N × BLOCK_K × SPLIT_K × num_warps."""
+    import triton
+
+    for bn in (32, 64, 128):
+        for bk in (128, 256):
+            for split in sorted({1, 2, 4, 8, 16} & set(range(1, triton.cdiv(k, bk) + 1))):
+                for warps in (4, 8):
+                    yield {"BLOCK_N": bn, "BLOCK_K": max(bk, blocksize), "SPLIT_K": split,
+                           "num_warps": warps}
+
+
+def sweep(shapes, rows, rank, device, bw):
+    """Graph-replay ms of linear4bit_lora under every config of `sweep_configs`, per shape and
+    M; prints the chosen config (pick_config) and the three fastest."""
+    import triton
+
+    from trainers.sampling.kernels.linear4bit import Packed4bit, linear4bit_lora, pick_config
+
+    out = []
+    for model, layers in shapes.items():
+        for layer, (n, k) in layers.items():
+            mod = make_module(n, k, rank, device)
+            base = mod.get_base_layer()
+            copies = [(Packed4bit.from_quant_state(c.get_base_layer().weight.data,
+                                                   c.get_base_layer().weight.quant_state),
+                       c.lora_A["default"].weight, c.lora_B["default"].weight)
+                      for c in cold_copies(mod, device)]
+            w = copies[0][0]
+            for m in rows:
+                x = torch.randn(m, k, device=device).to(torch.bfloat16)
+                floor_ms = floor_bytes(m, n, k, rank, base.weight.quant_state) / bw * 1e3
+                bm = min(64, max(16, triton.next_power_of_2(m)))
+                chosen = pick_config(m, n, k, w.blocksize, torch.cuda.get_device_properties(
+                    device).multi_processor_count if device.type == "cuda" else 1)
+                times = []
+                for cfg in [chosen, *sweep_configs(k, w.blocksize)]:
+                    cfg = {"BLOCK_M": bm, **cfg}
+                    fns = [functools.partial(linear4bit_lora, x, cw, lora_a=ca, lora_b=cb,
+                                             scaling=2.0, config=cfg) for cw, ca, cb in copies]
+                    t, _ = graph_ms(fns, device)
+                    t = t or bc.time_ms(fns[0], device)
+                    times.append((t["ms"], cfg))
+                t_chosen = times[0][0]
+                times.sort(key=lambda v: v[0])
+                rec = {"model": model, "layer": layer, "N": n, "K": k, "M": m,
+                       "floor_ms": floor_ms, "chosen": chosen, "chosen_ms": t_chosen,
+                       "best": [{"ms": ms, "config": c} for ms, c in times[:3]]}
+                out.append(rec)
+                print(f"{model:5} {layer:8} M={m:3} floor {floor_ms:.4f}  chosen "
+                      f"{t_chosen:.4f} ({t_chosen / floor_ms:.2f}x)  best {times[0][0]:.4f} "
+                      f"({times[0][0] / floor_ms:.2f}x) {times[0][1]}")
+            del mod, copies
+            bc.free_memory()
+    return out
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--models", default="1b,8b", help="comma list of 1b, 8b")
     p.add_argument("--rows", default="1,8,64,256", help="comma list of M")
     p.add_argument("--rank", type=int, default=16, help="LoRA r")
     p.add_argument("--smoke", action="store_true", help="tiny shapes (CPU interpreter run)")
+    p.add_argument("--sweep", action="store_true",
+                   help="time our kernel over a grid of tile configs instead (use with --rows 8)")
     args = p.parse_args()
     if not torch.cuda.is_available():
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before our kernels import triton
@@ -166,6 +242,13 @@ def main():
     for pkg in ("bitsandbytes", "peft", "transformers"):
         env[pkg] = bc.package_version(pkg)
     print(f"{env['gpu'] or 'cpu'}  copy bandwidth {bw / 1e9:.0f} GB/s  commit {env['commit']}")
+    if args.sweep:
+        res = sweep(shapes, rows, args.rank, device, bw)
+        path = bc.RESULTS_DIR / f"bench_decode_linear_sweep_{bc.gpu_short_name(device)}.json"
+        bc.write_json(path, {"env": env, "bandwidth_Bps": bw, "rank": args.rank,
+                             "results": res})
+        print(f"wrote {path}")
+        return
     hdr = (f"{'model':5} {'layer':8} {'N':>6} {'K':>6} {'M':>4} {'floor':>7} | "
            f"{'ours':>14} {'graph':>7} {'x floor':>7} | {'bnb+peft':>14} {'graph':>7} | "
            f"{'speedup':>7}")
@@ -174,6 +257,7 @@ def main():
     for model, layers in shapes.items():
         for layer, (n, k) in layers.items():
             mod = make_module(n, k, args.rank, device)
+            mods = cold_copies(mod, device)
             qs = mod.get_base_layer().weight.quant_state
             for m in rows:
                 x = torch.randn(m, k, device=device).to(torch.bfloat16)
@@ -183,8 +267,9 @@ def main():
                     check(ours_fn(), ref_fn(), x, mod)
                     t_ours = bc.time_ms(ours_fn, device)
                     t_ref = bc.time_ms(ref_fn, device)
-                    g_ours, why_o = graph_ms(ours_fn, device)
-                    g_ref, why_r = graph_ms(ref_fn, device)
+                    g_ours, why_o = graph_ms(
+                        [functools.partial(decode_linear, x, c) for c in mods], device)
+                    g_ref, why_r = graph_ms([functools.partial(c, x) for c in mods], device)
                 fb = floor_bytes(m, n, k, args.rank, qs)
                 floor_ms = fb / bw * 1e3
                 best_ours = (g_ours or t_ours)["ms"]
@@ -203,7 +288,7 @@ def main():
                       f"{fmt(t_ours):>14} {g_ours['ms'] if g_ours else float('nan'):7.4f} "
                       f"{rec['ours_over_floor']:7.2f} | {fmt(t_ref):>14} "
                       f"{g_ref['ms'] if g_ref else float('nan'):7.4f} | {rec['speedup']:7.2f}")
-            del mod
+            del mod, mods
             bc.free_memory()
     summary = layer_summary(results)
     path = bc.RESULTS_DIR / f"bench_decode_linear_{bc.gpu_short_name(device)}.json"

@@ -281,7 +281,8 @@ def linear4bit_lora(x: torch.Tensor, w: Packed4bit, *, bias: torch.Tensor | None
                     scaling: float = 1.0, config: dict | None = None) -> torch.Tensor:
     """y (M, N) in x's dtype = x @ round(W)ᵀ + bias + scaling · (x @ lora_aᵀ) @ lora_bᵀ
     (module docstring for the bound). x (M, K) bf16/fp16; lora_a (r, K), lora_b (N, r) any
-    float dtype, read at this call."""
+    float dtype, read at this call. `config`: BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K and optionally
+    num_warps, num_stages (default `pick_config`)."""
     n, k = w.shape
     if x.dim() != 2 or x.shape[1] != k:
         raise ValueError(f"x has shape {tuple(x.shape)}, expected (M, {k}) for weight {(n, k)}")
@@ -331,7 +332,8 @@ def linear4bit_lora(x: torch.Tensor, w: Packed4bit, *, bias: torch.Tensor | None
         BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], BLOCK_R=block_r, INTERP=interp,
         # no FMA contraction: the double-quant scale code2·absmax2 + offset is then formed with
         # the same two roundings as bitsandbytes' (a product, then an add)
-        enable_fp_fusion=False,
+        enable_fp_fusion=False, num_warps=cfg.get("num_warps", 4),
+        num_stages=cfg.get("num_stages", 3),
     )
     if split_k > 1:
         bm, bn = cfg["BLOCK_M"], 64
