@@ -21,7 +21,7 @@ GPU (from the project root, `.whl/` filled by ../shared/gpu/wheels.sh and carrie
 
     python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl; export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1; python3 -m bench.decode_linear
 
-Tile sweep (graph-replay ms of the kernel over BLOCK_N × BLOCK_K × SPLIT_K × num_warps, ~5 min):
+Tile sweep (graph-replay ms of the kernel over BLOCK_N × SPLIT_K × num_warps × num_stages):
 `python3 -m bench.decode_linear --sweep --rows 8`.
 CPU smoke run (Triton's interpreter, tiny shapes): `python -m bench.decode_linear --smoke`.
 Writes bench/results/bench_decode_linear_<GPU>.json and prints the table.
@@ -164,15 +164,18 @@ def layer_summary(results) -> list[dict]:
 
 
 def sweep_configs(k, blocksize=64):
-    """The tile grid `--sweep` times: BLOCK_N × BLOCK_K × SPLIT_K × num_warps."""
+    """The tile grid `--sweep` times: BLOCK_N × SPLIT_K × num_warps × num_stages at BLOCK_K 128
+    (the unpacked codes and their gather pointers already take ~250 registers a thread at
+    BLOCK_N 64 with 4 warps; BLOCK_K 256 spills)."""
     import triton
 
+    bk = max(128, blocksize)
     for bn in (32, 64, 128):
-        for bk in (128, 256):
-            for split in sorted({1, 2, 4, 8, 16} & set(range(1, triton.cdiv(k, bk) + 1))):
-                for warps in (4, 8):
-                    yield {"BLOCK_N": bn, "BLOCK_K": max(bk, blocksize), "SPLIT_K": split,
-                           "num_warps": warps}
+        for split in sorted({1, 2, 4, 8, 16} & set(range(1, triton.cdiv(k, bk) + 1))):
+            for warps in (4, 8):
+                for stages in (2, 3):
+                    yield {"BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split, "num_warps": warps,
+                           "num_stages": stages}
 
 
 def sweep(shapes, rows, rank, device, bw):
