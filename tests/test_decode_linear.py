@@ -288,6 +288,28 @@ def test_bad_inputs_name_the_argument():
 
 
 @pytest.mark.slow
+def test_kernels_compile_for_sm90():
+    """The interpreter runs Python, not the compiler: compile every kernel variant for sm_90 on
+    the CPU (Triton's front end and ptxas) in a subprocess with the interpreter off."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import triton
+
+    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    if not ptxas.exists():
+        pytest.skip(f"no ptxas at {ptxas}")
+    root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": str(root)}
+    proc = subprocess.run([sys.executable, str(root / "tests" / "_compile_decode_kernels.py")],
+                          cwd=root, env=env, capture_output=True, text=True, timeout=900,
+                          check=False)
+    assert proc.returncode == 0 and "all compiled" in proc.stdout, proc.stderr[-3000:]
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("n,k", [(128, 896), (896, 896), (512, 2048)])
 def test_real_small_shapes_cpu(n, k):
     """Real k/v and q shapes of Qwen2.5-0.5B and Llama-3.2-1B in the interpreter."""
