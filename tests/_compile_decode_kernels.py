@@ -1,0 +1,59 @@
+"""Compile the decode kernels for an H100 (sm_90) without a GPU: Triton's front end, its
+optimizer and ptxas all run on the CPU, so a kernel that the interpreter accepts but the compiler
+rejects fails here. Run by tests/test_decode_linear.py in a subprocess (the interpreter must be
+off: TRITON_INTERPRET=0); prints one line per kernel with its registers and shared memory.
+
+    TRITON_INTERPRET=0 python tests/_compile_decode_kernels.py
+"""
+
+import itertools
+import sys
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from trainers.sampling.kernels import linear4bit as L
+from trainers.sampling.kernels import rmsnorm as R
+
+TARGET = GPUTarget("cuda", 90, 32)
+
+
+def compile_kernel(fn, types: dict, consts: dict, **options):
+    sig = {n: ("constexpr" if n in consts else types.get(n, "i32")) for n in fn.arg_names}
+    src = ASTSource(fn, sig, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})
+    kernel = triton.compile(src, target=TARGET, options=options)
+    print(f"{fn.__name__} {consts}: shared {kernel.metadata.shared} B")
+    return kernel
+
+
+def main():
+    for nested, split, lora, bs in itertools.product((False, True), (False, True), (False, True),
+                                                     (64, 128)):
+        types = {"x_ptr": "*bf16", "w_ptr": "*u8", "code_ptr": "*fp32",
+                 "absmax_ptr": "*u8" if nested else "*fp32", "code2_ptr": "*fp32",
+                 "absmax2_ptr": "*fp32", "offset_ptr": "*fp32", "t_ptr": "*fp32",
+                 "b_ptr": "*bf16", "bias_ptr": "*bf16", "y_ptr": "*bf16", "part_ptr": "*fp32",
+                 "scaling": "fp32"}
+        consts = {"BS": bs, "BS2": 256, "NESTED": nested, "HAS_LORA": lora, "HAS_BIAS": True,
+                  "SPLIT": split, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "BLOCK_R": 16,
+                  "INTERP": False}
+        compile_kernel(L._linear4bit_kernel, types, consts, enable_fp_fusion=False)
+    compile_kernel(L._split_k_reduce_kernel,
+                   {"part_ptr": "*fp32", "t_ptr": "*fp32", "b_ptr": "*fp32", "bias_ptr": "*bf16",
+                    "y_ptr": "*bf16", "scaling": "fp32"},
+                   {"HAS_LORA": True, "HAS_BIAS": True, "BLOCK_M": 16, "BLOCK_N": 64,
+                    "BLOCK_R": 16, "INTERP": False})
+    compile_kernel(L._lora_t_kernel, {"x_ptr": "*bf16", "a_ptr": "*bf16", "t_ptr": "*fp32"},
+                   {"BLOCK_M": 16, "BLOCK_R": 16, "BLOCK_K": 64})
+    for has_res in (False, True):
+        compile_kernel(R._add_rmsnorm_kernel,
+                       {"x_ptr": "*bf16", "r_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16",
+                        "rout_ptr": "*bf16", "eps": "fp32"},
+                       {"HAS_RESIDUAL": has_res, "BLOCK_H": 4096, "INTERP": False}, num_warps=8)
+    print("all compiled")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

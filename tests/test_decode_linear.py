@@ -1,0 +1,377 @@
+"""trainers.sampling.kernels.linear4bit: the 4-bit + LoRA decode linear against bitsandbytes
+dequantize + matmul + PEFT's LoRA and against the same sum in fp64.
+
+CPU: the kernel runs in Triton's interpreter (conftest sets TRITON_INTERPRET), on the real layer
+shapes' N/K ratios at small K, a few real shapes marked `slow`; bitsandbytes quantizes on CPU.
+GPU (`-m gpu`): every real Llama / Qwen2.5 / Mistral layer shape at 1B and 8B against the
+modules' own CUDA forward, and a captured CUDA graph that sees in-place LoRA updates.
+
+    python -m pytest -q tests/test_decode_linear.py            # CPU
+    python -m pytest -q -m gpu tests/test_decode_linear.py     # H100
+
+Tolerances (module docstring of linear4bit): u = 2⁻⁸ (bf16 unit roundoff), S = |x| @ |round(W)|ᵀ
++ |s| · (|x| @ |A|ᵀ) @ |B|ᵀ, K_eff = K + r + 4 the length of the fp32 sums (the r LoRA terms, bias,
+the LoRA add, the split-K partials' adds):
+    ours vs fp64 of the same bf16 operands:  u·|y| + 2·K_eff·2⁻²⁴·S   (one output rounding; fp32
+                                             sums, the factor 2 covers (1+u) and |acc| ≤ |y|+γS)
+    ours vs bitsandbytes + PEFT in bf16:     4u·|y| + (4u + 2·K_eff·2⁻²⁴)·S
+The first is tight (a wrong nibble, scale or block index is off by ~|x||w|·√K ≫ K·2⁻²⁴·S); the
+second is the contract "equal within bf16 rounding".
+"""
+
+import copy
+
+import pytest
+import torch
+
+bnb = pytest.importorskip("bitsandbytes")
+peft = pytest.importorskip("peft")
+
+from bitsandbytes import functional as bnbF
+from peft import LoraConfig
+from peft.tuners.lora.bnb import Linear4bit as LoraLinear4bit
+from peft.tuners.lora.layer import Linear as LoraLinear
+
+from trainers.sampling.kernels.linear4bit import (
+    Packed4bit,
+    UnsupportedLinear,
+    decode_linear,
+    linear4bit_lora,
+    unsupported_reason,
+)
+
+U = 2.0**-8
+U32 = 2.0**-24
+
+# (name, N, K, bias): every distinct projection shape of the model (q, k/v, o, gate/up, down)
+REAL_SHAPES = {
+    "llama-3.2-1b": [(2048, 2048), (512, 2048), (8192, 2048), (2048, 8192)],
+    "llama-3.1-8b": [(4096, 4096), (1024, 4096), (14336, 4096), (4096, 14336)],
+    "mistral-7b": [(4096, 4096), (1024, 4096), (14336, 4096), (4096, 14336)],
+    "qwen2.5-0.5b": [(896, 896), (128, 896), (4864, 896), (896, 4864)],
+    "qwen2.5-1.5b": [(1536, 1536), (256, 1536), (8960, 1536), (1536, 8960)],
+    "qwen2.5-7b": [(3584, 3584), (512, 3584), (18944, 3584), (3584, 18944)],
+}
+# the same N/K ratios (1, 1/4, 4 and 1/4 with K = 4N for down, 1/7 for Qwen2.5-0.5B's k/v) at
+# a K the interpreter runs in seconds; K a multiple of every blocksize tested
+CPU_SHAPES = [(256, 256), (64, 256), (512, 128), (128, 512), (64, 448), (96, 192)]
+
+
+def _quantize(n, k, *, quant_type, double, blocksize=64, device="cpu", seed=0):
+    """A Params4bit-format weight of std 0.05, as bitsandbytes.functional.quantize_4bit packs it."""
+    g = torch.Generator().manual_seed(seed)
+    w = (torch.randn(n, k, generator=g) * 0.05).to(torch.bfloat16).to(device)
+    return bnbF.quantize_4bit(w, blocksize=blocksize, quant_type=quant_type,
+                              compress_statistics=double)
+
+
+def _inputs(m, n, k, r, *, seed=1, device="cpu", lora_dtype=torch.bfloat16):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g).to(torch.bfloat16)
+    a = (torch.randn(r, k, generator=g) / k**0.5).to(lora_dtype)
+    b = (torch.randn(n, r, generator=g) * 0.1).to(lora_dtype)
+    bias = torch.randn(n, generator=g).to(torch.bfloat16)
+    return [t.to(device) for t in (x, a, b, bias)]
+
+
+def _fp64(x, w_bf16, bias, a, b, s):
+    """(y*, S): the sum in fp64 of the bf16 operands, and the absolute-value sum of the bound."""
+    x, w = x.double(), w_bf16.double()
+    y = x @ w.T
+    big_s = x.abs() @ w.abs().T
+    if bias is not None:
+        y = y + bias.double()
+    if a is not None:
+        a, b = a.double(), b.double()
+        y = y + s * (x @ a.T) @ b.T
+        big_s = big_s + abs(s) * (x.abs() @ a.abs().T) @ b.abs().T
+    return y, big_s
+
+
+def _check(ours, y, big_s, *, k_eff, rel_u, s_u, what):
+    err = (ours.double() - y).abs()
+    tol = rel_u * U * y.abs() + (s_u * U + 2 * k_eff * U32) * big_s + 1e-30
+    worst = (err / tol).argmax()
+    i, j = divmod(worst.item(), err.shape[1])
+    assert (err <= tol).all(), (
+        f"{what}: worst [{i},{j}] ours={ours[i, j].item():.6g} ref={y[i, j].item():.6g} "
+        f"err={err[i, j].item():.3g} > tol={tol[i, j].item():.3g}")
+
+
+@pytest.mark.parametrize("quant_type", ["nf4", "fp4"])
+@pytest.mark.parametrize("double", [False, True])
+@pytest.mark.parametrize("blocksize", [32, 64, 128, 256])
+def test_weight_is_bitsandbytes_dequantized_exactly(quant_type, double, blocksize):
+    """x = the identity: y = round(W)ᵀ exactly (one nonzero product per output, exact in fp32 and
+    in bf16), so every dequantized weight equals bitsandbytes' `dequantize_4bit`, bit for bit."""
+    n, k = 48, 256
+    packed, qs = _quantize(n, k, quant_type=quant_type, double=double, blocksize=blocksize)
+    eye = torch.eye(k, dtype=torch.bfloat16)  # M = 256 rows
+    y = linear4bit_lora(eye, Packed4bit.from_quant_state(packed, qs))
+    w_ref = bnbF.dequantize_4bit(packed, qs)  # (N, K) bf16
+    assert w_ref.dtype == torch.bfloat16
+    assert torch.equal(y, w_ref.T), (y.float() - w_ref.T.float()).abs().max()
+
+
+@pytest.mark.parametrize("quant_type", ["nf4", "fp4"])
+def test_fp16_input_gets_fp16_rounded_weight(quant_type):
+    """x in fp16: the weight is code · absmax rounded to fp16, as bitsandbytes dequantizes to
+    fp16 (identity rows: exact)."""
+    n, k = 32, 128
+    packed, qs = _quantize(n, k, quant_type=quant_type, double=False)
+    eye = torch.eye(k, dtype=torch.float16)
+    y = linear4bit_lora(eye, Packed4bit.from_quant_state(packed, qs))
+    w_ref = torch.ops.bitsandbytes.dequantize_4bit.default(
+        packed, qs.absmax, qs.blocksize, qs.quant_type, qs.shape, torch.float16)
+    assert y.dtype == torch.float16 and torch.equal(y, w_ref.T)
+
+
+@pytest.mark.parametrize("quant_type,double", [("nf4", True), ("fp4", False), ("nf4", False)])
+@pytest.mark.parametrize("n,k", CPU_SHAPES)
+@pytest.mark.parametrize("m", [1, 3, 8, 17, 64, 255])
+def test_matches_fp64(quant_type, double, n, k, m):
+    """Odd M (one row, a partial 16-row tile, several 64-row tiles) × the layers' N/K ratios;
+    LoRA r = 16, s = α/r = 2, bias."""
+    packed, qs = _quantize(n, k, quant_type=quant_type, double=double)
+    x, a, b, bias = _inputs(m, n, k, 16)
+    w = Packed4bit.from_quant_state(packed, qs)
+    ours = linear4bit_lora(x, w, bias=bias, lora_a=a, lora_b=b, scaling=2.0)
+    y, big_s = _fp64(x, bnbF.dequantize_4bit(packed, qs), bias, a, b, 2.0)
+    _check(ours, y, big_s, k_eff=k + 16 + 4, rel_u=1, s_u=0, what=f"M={m} N={n} K={k}")
+
+
+@pytest.mark.parametrize("split_k,block_n,block_k", [(1, 32, 64), (2, 64, 128), (3, 16, 64),
+                                                     (8, 64, 256)])
+@pytest.mark.parametrize("lora", [False, True])
+def test_tile_configs_and_split_k(split_k, block_n, block_k, lora):
+    """Every tiling computes the same sum: split-K (with an uneven last split, and more splits
+    than tiles), BLOCK_N not dividing N, BLOCK_K from one to four absmax blocks."""
+    n, k, m = 80, 384, 5
+    packed, qs = _quantize(n, k, quant_type="nf4", double=True)
+    x, a, b, bias = _inputs(m, n, k, 8)
+    cfg = {"BLOCK_M": 16, "BLOCK_N": block_n, "BLOCK_K": block_k, "SPLIT_K": split_k}
+    kw = {"lora_a": a, "lora_b": b, "scaling": 0.5} if lora else {}
+    ours = linear4bit_lora(x, Packed4bit.from_quant_state(packed, qs), bias=bias, config=cfg, **kw)
+    y, big_s = _fp64(x, bnbF.dequantize_4bit(packed, qs), bias, *((a, b) if lora else (None,
+                     None)), 0.5)
+    _check(ours, y, big_s, k_eff=k + 8 + 4, rel_u=1, s_u=0, what=f"config {cfg}")
+
+
+def _lora_module(n, k, *, quant_type="nf4", double=True, bias=True, r=16, alpha=32,
+                 dropout=0.05, lora_dtype=torch.bfloat16, seed=0, device="cpu"):
+    """PEFT lora.Linear4bit over a bitsandbytes Linear4bit (bf16 compute), B nonzero, eval;
+    bitsandbytes quantizes the weight when it reaches `device`."""
+    base = bnb.nn.Linear4bit(k, n, bias=bias, compute_dtype=torch.bfloat16, quant_type=quant_type)
+    g = torch.Generator().manual_seed(seed)
+    w = (torch.randn(n, k, generator=g) * 0.05).to(torch.bfloat16)
+    base.weight = bnb.nn.Params4bit(w, requires_grad=False, quant_type=quant_type,
+                                    compress_statistics=double)
+    if bias:
+        base.bias = torch.nn.Parameter(torch.randn(n, generator=g).to(torch.bfloat16))
+    cfg = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout)
+    mod = LoraLinear4bit(base, "default", cfg, r=r, lora_alpha=alpha)
+    mod.lora_A["default"].to(lora_dtype)
+    mod.lora_B["default"].to(lora_dtype)
+    with torch.no_grad():
+        mod.lora_B["default"].weight.copy_(torch.randn(n, r, generator=g) * 0.1)
+    return mod.to(device).eval()
+
+
+def _module_bound_check(ours, mod, x, ref, what):
+    """ours vs the module's own forward `ref`, within the bf16 contract."""
+    base = mod.get_base_layer()
+    qs = base.weight.quant_state
+    w_bf16 = bnbF.dequantize_4bit(base.weight.data, qs)
+    a, b = mod.lora_A["default"].weight, mod.lora_B["default"].weight
+    s = mod.scaling["default"]
+    _, big_s = _fp64(x, w_bf16, base.bias, a, b, s)
+    k = x.shape[1]
+    _check(ours, ref.double(), big_s, k_eff=k + a.shape[0] + 4, rel_u=4, s_u=4, what=what)
+
+
+@pytest.mark.parametrize("quant_type,double", [("nf4", True), ("fp4", True), ("nf4", False)])
+@pytest.mark.parametrize("lora_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("m", [1, 8, 17])
+def test_module_matches_bitsandbytes_and_peft(quant_type, double, lora_dtype, m):
+    """decode_linear(x, lora.Linear4bit) against the module's forward (bitsandbytes' dequantize +
+    bf16 matmul, PEFT's LoRA with its casts; dropout in eval mode), and bit for bit the kernel
+    (so the fused path is what ran). fp32 LoRA factors: what prepare_model_for_kbit_training
+    leaves."""
+    n, k = 96, 256
+    mod = _lora_module(n, k, quant_type=quant_type, double=double, lora_dtype=lora_dtype)
+    x = _inputs(m, n, k, 16)[0]
+    assert unsupported_reason(mod) is None
+    ours = decode_linear(x, mod)
+    base = mod.get_base_layer()
+    direct = linear4bit_lora(x, Packed4bit.from_quant_state(base.weight.data,
+                                                            base.weight.quant_state),
+                             bias=base.bias, lora_a=mod.lora_A["default"].weight,
+                             lora_b=mod.lora_B["default"].weight, scaling=mod.scaling["default"])
+    assert torch.equal(ours, direct)
+    # bitsandbytes' CPU forward may repack the weight in place (AVX512): reference on a copy
+    with torch.no_grad():
+        ref = copy.deepcopy(mod)(x)
+    assert ours.dtype == ref.dtype == torch.bfloat16
+    _module_bound_check(ours, mod, x, ref, f"{quant_type} double={double} {lora_dtype} M={m}")
+
+
+def test_lora_factors_are_read_live():
+    """An in-place optimizer-style update of A and B changes the next call's output to the new
+    values' result (nothing cached between calls)."""
+    mod = _lora_module(64, 128)
+    x = _inputs(4, 64, 128, 16)[0]
+    before = decode_linear(x, mod)
+    with torch.no_grad():
+        mod.lora_A["default"].weight.mul_(-2.0)
+        mod.lora_B["default"].weight.add_(0.3)
+    after = decode_linear(x, mod)
+    assert not torch.equal(before, after)
+    with torch.no_grad():
+        ref = copy.deepcopy(mod)(x)
+    _module_bound_check(after, mod, x, ref, "after the update")
+
+
+def test_plain_linear4bit_and_3d_input():
+    """A bare bitsandbytes Linear4bit (no LoRA), x (B, T, K)."""
+    mod = _lora_module(64, 128).get_base_layer()
+    x = _inputs(6, 64, 128, 16)[0].reshape(2, 3, 128)
+    ours = decode_linear(x, mod)
+    w_bf16 = bnbF.dequantize_4bit(mod.weight.data, mod.weight.quant_state)
+    y, big_s = _fp64(x.reshape(6, 128), w_bf16, mod.bias, None, None, 0.0)
+    assert ours.shape == (2, 3, 64)
+    _check(ours.reshape(6, 64), y, big_s, k_eff=128 + 4, rel_u=1, s_u=0, what="plain")
+
+
+def test_dense_linear_with_lora_is_peft():
+    """bf16 nn.Linear + PEFT lora.Linear: the plain-GEMM path in PEFT's order, bit for bit."""
+    torch.manual_seed(0)
+    base = torch.nn.Linear(128, 64, dtype=torch.bfloat16)
+    mod = LoraLinear(base, "default", LoraConfig(r=8, lora_alpha=16, lora_dropout=0.1), r=8,
+                     lora_alpha=16)
+    mod.lora_B["default"].weight.data.normal_(0, 0.1)
+    mod.eval()
+    x = torch.randn(5, 128, dtype=torch.bfloat16)
+    with torch.no_grad():
+        assert torch.equal(decode_linear(x, mod), mod(x))
+
+
+def test_unsupported_modules_say_why():
+    mod = _lora_module(64, 128, dropout=0.1).train()
+    assert "dropout p=0.1 in train mode" in unsupported_reason(mod)
+    with pytest.raises(UnsupportedLinear, match="dropout"):
+        decode_linear(_inputs(2, 64, 128, 16)[0], mod)
+    mod.eval()
+    assert unsupported_reason(mod) is None
+    mod.update_layer("second", 4, lora_alpha=8, config=LoraConfig(r=4, lora_alpha=8))
+    mod.set_adapter(["default", "second"])
+    assert "2 active adapters" in unsupported_reason(mod)
+    assert "Conv2d" in unsupported_reason(torch.nn.Conv2d(3, 3, 1))
+    dora = LoraLinear(torch.nn.Linear(32, 16), "default",
+                      LoraConfig(r=4, lora_alpha=8, use_dora=True), r=4, lora_alpha=8,
+                      use_dora=True)
+    assert "variant" in unsupported_reason(dora)
+
+
+def test_bad_inputs_name_the_argument():
+    packed, qs = _quantize(32, 128, quant_type="nf4", double=False)
+    w = Packed4bit.from_quant_state(packed, qs)
+    with pytest.raises(ValueError, match=r"x has shape \(2, 64\)"):
+        linear4bit_lora(torch.zeros(2, 64, dtype=torch.bfloat16), w)
+    with pytest.raises(ValueError, match="x has dtype torch.float32"):
+        linear4bit_lora(torch.zeros(2, 128), w)
+    with pytest.raises(ValueError, match="lora_a"):
+        linear4bit_lora(torch.zeros(2, 128, dtype=torch.bfloat16), w,
+                        lora_a=torch.zeros(4, 64), lora_b=torch.zeros(32, 4))
+    _, qs_odd = _quantize(32, 96, quant_type="nf4", double=False, blocksize=64)
+    with pytest.raises(ValueError, match="K=96 is not a multiple of blocksize=64"):
+        Packed4bit.from_quant_state(packed, qs_odd)
+
+
+@pytest.mark.slow
+def test_kernels_compile_for_sm90():
+    """The interpreter runs Python, not the compiler: compile every kernel variant for sm_90 on
+    the CPU (Triton's front end and ptxas) in a subprocess with the interpreter off."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import triton
+
+    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    if not ptxas.exists():
+        pytest.skip(f"no ptxas at {ptxas}")
+    root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": str(root)}
+    proc = subprocess.run([sys.executable, str(root / "tests" / "_compile_decode_kernels.py")],
+                          cwd=root, env=env, capture_output=True, text=True, timeout=900,
+                          check=False)
+    assert proc.returncode == 0 and "all compiled" in proc.stdout, proc.stderr[-3000:]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("n,k", [(128, 896), (896, 896), (512, 2048)])
+def test_real_small_shapes_cpu(n, k):
+    """Real k/v and q shapes of Qwen2.5-0.5B and Llama-3.2-1B in the interpreter."""
+    packed, qs = _quantize(n, k, quant_type="nf4", double=True)
+    x, a, b, bias = _inputs(8, n, k, 16)
+    ours = linear4bit_lora(x, Packed4bit.from_quant_state(packed, qs), bias=bias, lora_a=a,
+                           lora_b=b, scaling=2.0)
+    y, big_s = _fp64(x, bnbF.dequantize_4bit(packed, qs), bias, a, b, 2.0)
+    _check(ours, y, big_s, k_eff=k + 20, rel_u=1, s_u=0, what=f"N={n} K={k}")
+
+
+# ---------------------------------------------------------------------------------------- GPU
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("model", sorted(REAL_SHAPES))
+@pytest.mark.parametrize("quant_type,double", [("nf4", True), ("fp4", True), ("nf4", False)])
+def test_real_shapes_gpu(model, quant_type, double):
+    """Every real projection shape, M in {1, 3, 8, 64, 255}, against the modules' CUDA forward
+    (bitsandbytes' gemv_4bit at M = 1, dequantize + cuBLAS above) and against fp64; Qwen's
+    projections with a bias, the others without, as in the models."""
+    bias = model.startswith("qwen")
+    for n, k in REAL_SHAPES[model]:
+        mod = _lora_module(n, k, quant_type=quant_type, double=double, bias=bias,
+                           device="cuda")
+        base = mod.get_base_layer()
+        w_bf16 = bnbF.dequantize_4bit(base.weight.data, base.weight.quant_state)
+        a, b = mod.lora_A["default"].weight, mod.lora_B["default"].weight
+        for m in (1, 3, 8, 64, 255):
+            x = _inputs(m, n, k, 16, device="cuda")[0]
+            ours = decode_linear(x, mod)
+            with torch.no_grad():
+                ref = mod(x)
+            y, big_s = _fp64(x, w_bf16, base.bias, a, b, mod.scaling["default"])
+            what = f"{model} N={n} K={k} M={m} {quant_type} double={double}"
+            _check(ours, y, big_s, k_eff=k + 20, rel_u=1, s_u=0, what=what + " vs fp64")
+            _check(ours, ref.double(), big_s, k_eff=k + 20, rel_u=4, s_u=4, what=what + " vs bnb")
+
+
+@pytest.mark.gpu
+def test_weight_exact_gpu():
+    for quant_type in ("nf4", "fp4"):
+        for double in (False, True):
+            packed, qs = _quantize(64, 256, quant_type=quant_type, double=double, device="cuda")
+            eye = torch.eye(256, dtype=torch.bfloat16, device="cuda")
+            y = linear4bit_lora(eye, Packed4bit.from_quant_state(packed, qs))
+            assert torch.equal(y, bnbF.dequantize_4bit(packed, qs).T), (quant_type, double)
+
+
+@pytest.mark.gpu
+def test_cuda_graph_sees_lora_updates():
+    """Captured once; A and B updated in place (as an optimizer step does); the replay equals a
+    fresh eager call with the new values, bit for bit (the same kernels on the same inputs)."""
+    mod = _lora_module(2048, 2048, double=True, bias=False, device="cuda")
+    x = _inputs(8, 2048, 2048, 16, device="cuda")[0]
+    decode_linear(x, mod)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y_graph = decode_linear(x, mod)
+    with torch.no_grad():
+        mod.lora_A["default"].weight.mul_(-1.5)
+        mod.lora_B["default"].weight.add_(0.05)
+    graph.replay()
+    eager = decode_linear(x, mod)
+    assert torch.equal(y_graph, eager)

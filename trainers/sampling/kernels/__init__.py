@@ -1,0 +1,1 @@
+"""Triton kernels of one decode step: the 4-bit + LoRA linear, RMSNorm with the residual add."""

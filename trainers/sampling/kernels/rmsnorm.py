@@ -1,0 +1,114 @@
+"""RMSNorm with the residual add fused, in transformers' LlamaRMSNorm semantics.
+
+x (M, H), residual r (M, H) in the model dtype (bf16), weight w (H,):
+
+    r' = round(r + x)                                  (the decoder layer's bf16 residual add)
+    n  = round(r' · (mean_h r'² + ε)^(-1/2))           (fp32, rounded to x's dtype)
+    y  = round(w · n)                                  (in the promoted dtype of w and x)
+
+which is `LlamaRMSNorm` (and Qwen2RMSNorm, Qwen3RMSNorm, MistralRMSNorm: the same forward)
+applied to `residual + hidden_states`, as each decoder layer does twice. Returns (y, r').
+Memory: one read of x, r and w, one write of y and r'; r' may overwrite r (`residual_out`).
+
+Exactness: r' is bit for bit torch's (one fp32 add, one rounding). The mean and the inverse
+square root differ from torch's only by fp32 summation order and the rsqrt's few fp32 ulps
+(relative H · 2⁻²⁴ at most), which can move n across a bf16 rounding boundary: n is then one
+bf16 ulp (≤ 2⁻⁷ |n|) off, and y ≤ (2⁻⁷ + 2 · 2⁻⁸)(1 + 2⁻⁷) |y| off. Elsewhere y equals torch's.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from trainers.sampling.kernels._interp import interpreting, to_dtype
+
+# norms whose forward is LlamaRMSNorm's (fp32 statistics, cast, then weight ·), read by name so
+# that transformers need not be imported here
+LLAMA_STYLE_NORMS = ("LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "MistralRMSNorm")
+
+
+@triton.jit
+def _add_rmsnorm_kernel(
+    x_ptr, r_ptr, w_ptr, y_ptr, rout_ptr, H, eps,
+    stride_x, stride_r, stride_y, stride_ro,
+    HAS_RESIDUAL: tl.constexpr, BLOCK_H: tl.constexpr, INTERP: tl.constexpr,
+):
+    """One row per program: the whole row is loaded before r' is stored, so rout may be r."""
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK_H)
+    mask = offs < H
+    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
+    s = x.to(tl.float32)
+    if HAS_RESIDUAL:
+        r = tl.load(r_ptr + row * stride_r + offs, mask=mask, other=0.0).to(tl.float32)
+        s = to_dtype(s + r, rout_ptr.dtype.element_ty, INTERP)  # r', as torch's bf16 add
+        tl.store(rout_ptr + row * stride_ro + offs, s, mask=mask)
+        s = s.to(tl.float32)
+    var = tl.sum(s * s, axis=0) / H  # masked lanes are 0
+    n = to_dtype(s * tl.rsqrt(var + eps), x_ptr.dtype.element_ty, INTERP).to(tl.float32)
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(y_ptr + row * stride_y + offs, to_dtype(w * n, y_ptr.dtype.element_ty, INTERP),
+             mask=mask)
+
+
+def add_rmsnorm_torch(x, residual, weight, eps):
+    """The same in torch ops, as transformers' decoder layer and LlamaRMSNorm compute it."""
+    r_new = x if residual is None else residual + x
+    h = r_new.to(torch.float32)
+    var = h.pow(2).mean(-1, keepdim=True)
+    return weight * (h * torch.rsqrt(var + eps)).to(r_new.dtype), r_new
+
+
+def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                eps: float, *, residual_out: torch.Tensor | None = None):
+    """(y, r') for x (..., H): r' = residual + x (x itself if residual is None), y = the
+    LlamaRMSNorm of r' with `weight` and `eps` (module docstring). `residual_out` receives r'
+    (it may be `residual`, for an in-place update). Triton on CUDA and under the interpreter,
+    the torch ops elsewhere."""
+    h = x.shape[-1]
+    if weight.shape != (h,):
+        raise ValueError(f"weight has shape {tuple(weight.shape)}, expected ({h},) for x of "
+                         f"shape {tuple(x.shape)}")
+    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
+        raise ValueError(f"residual is {tuple(residual.shape)} {residual.dtype}, expected x's "
+                         f"{tuple(x.shape)} {x.dtype}")
+    if not (x.is_cuda or interpreting()):
+        y, r_new = add_rmsnorm_torch(x, residual, weight, eps)
+        if residual_out is not None and residual is not None:
+            residual_out.copy_(r_new)
+            r_new = residual_out
+        return y, r_new
+    x2 = x.reshape(-1, h)  # (M, H)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    m = x2.shape[0]
+    y = torch.empty(m, h, device=x.device, dtype=torch.promote_types(weight.dtype, x.dtype))
+    if residual is None:
+        r2, rout = x2, x2  # never read or written (HAS_RESIDUAL=False)
+    else:
+        r2 = residual.reshape(-1, h)
+        if r2.stride(-1) != 1:
+            r2 = r2.contiguous()
+        rout = (residual_out.view(m, h) if residual_out is not None
+                else torch.empty_like(x2))
+    block_h = triton.next_power_of_2(h)
+    _add_rmsnorm_kernel[(m,)](
+        x2, r2, weight, y, rout, h, float(eps),
+        x2.stride(0), r2.stride(0), y.stride(0), rout.stride(0),
+        HAS_RESIDUAL=residual is not None, BLOCK_H=block_h, INTERP=interpreting(),
+        num_warps=min(16, max(1, block_h // 512)),
+    )
+    r_new = x if residual is None else (residual_out if residual_out is not None
+                                        else rout.view(x.shape))
+    return y.view(*x.shape[:-1], h), r_new
+
+
+def rmsnorm_params(norm: torch.nn.Module) -> tuple[torch.Tensor, float]:
+    """(weight, eps) of a transformers norm whose forward is LlamaRMSNorm's; ValueError for
+    others (Gemma's 1 + w, LayerNorm, ...), whose math differs."""
+    name = type(norm).__name__
+    if name not in LLAMA_STYLE_NORMS:
+        raise ValueError(f"norm is {name}, expected one of {LLAMA_STYLE_NORMS}")
+    return norm.weight, float(norm.variance_epsilon)
