@@ -60,6 +60,8 @@ def _holds_results(output_dir: str) -> bool:
 
 def differences(old: dict, new: dict, ignore=frozenset()) -> list[str]:
     """'name old -> new' for every recorded setting that differs."""
+    if old.get("script") != new.get("script"):  # another script's run: that says it all
+        return [f"script {old.get('script')!r} -> {new.get('script')!r}"]
     keys = [k for k in dict.fromkeys([*old, *new]) if k not in ignore]
     return [f"{k} {old.get(k)!r} -> {new.get(k)!r}" for k in keys if old.get(k) != new.get(k)]
 

@@ -208,10 +208,10 @@ def grpo_trainer(model, tokenizer, train, cfg, args):
 def run(args) -> dict:
     t0 = time.perf_counter()
     _rundir.check_writable(args.output_dir)
+    ckpt = C.latest_checkpoint(args.output_dir) if args.resume else None
     _rundir.claim(args.output_dir, train_sft.run_record("train_grpo.py", args, GRPO_RECORD),
                   resume=args.resume, overwrite=args.overwrite_output_dir)
     C.setup_process(args)
-    ckpt = C.latest_checkpoint(args.output_dir) if args.resume else None
     C.resume_save_steps(args, ckpt)
     from trainers import GRPOConfig
 

@@ -28,7 +28,6 @@ entropy per step).
 
 from __future__ import annotations
 
-import os
 import sys
 from dataclasses import dataclass, field
 
@@ -156,10 +155,10 @@ def time_line(this: float, whole: float, ckpt: str | None) -> str:
 
 def run(args) -> dict:
     _rundir.check_writable(args.output_dir)
+    ckpt = C.latest_checkpoint(args.output_dir) if args.resume else None
     _rundir.claim(args.output_dir, run_record("train_sft.py", args), resume=args.resume,
                   overwrite=args.overwrite_output_dir)
     C.setup_process(args)
-    ckpt = C.latest_checkpoint(args.output_dir) if args.resume else None
     C.resume_save_steps(args, ckpt)
     from trl import SFTConfig
 

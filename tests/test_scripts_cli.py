@@ -206,7 +206,7 @@ def test_quiet_third_party_hides_the_bitsandbytes_notice():
                           text=True, timeout=300, check=False)
     assert proc.returncode == 0, proc.stderr
     assert "gemm_4bit" not in proc.stdout + proc.stderr, proc.stderr
-    import bitsandbytes.backends.cpu.ops as ops  # the notice's logger is this module's
+    from bitsandbytes.backends.cpu import ops  # the notice's logger is this module's
 
     assert ops.logger.name == "bitsandbytes.backends.cpu.ops"
 
@@ -295,11 +295,15 @@ def test_run_dir_errors_come_before_the_model(tmp_path, monkeypatch, capsys):
     R.claim(str(out), {"script": "train_grpo.py", "model": "tiny"}, resume=False,
             overwrite=False)
     (out / "metrics.json").write_text("[]")
+    (out / "checkpoint-1").mkdir()
+    (out / "checkpoint-1" / "trainer_state.json").write_text('{"global_step": 1}')
     cases = [
         (train_grpo, ["--output_dir", str(blocker / "out")], "cannot write there"),
         (train_sft, ["--output_dir", str(blocker / "out")], "cannot write there"),
         (train_grpo, ["--output_dir", str(out)], "holds another run"),
-        (train_grpo, ["--output_dir", str(out), "--resume"], "--resume: "),
+        (train_grpo, ["--output_dir", str(out), "--resume"], "holds a run made with other"),
+        (train_sft, ["--output_dir", str(out), "--resume"],
+         "script 'train_grpo.py' -> 'train_sft.py'"),
     ]
     for script, argv, message in cases:
         with pytest.raises(SystemExit) as exc:
@@ -321,10 +325,10 @@ def test_resume_with_other_settings_is_one_line(tmp_path):
     proc = _run("train_grpo.py", [*GRPO_FAST, "--max_steps", "2", "--output_dir", out,
                                   "--resume", "--learning_rate", "0.001"])
     assert proc.returncode == 2
-    assert proc.stderr.strip().splitlines() == [
-        f"train_grpo.py: error: --resume: {out} holds a run made with other settings: "
-        "learning_rate 0.0003 -> 0.001 (run.json); resume with that run's settings, or start "
-        "a new run in another --output_dir"], proc.stderr
+    expected = (f"train_grpo.py: error: --resume: {out} holds a run made with other settings: "
+                "learning_rate 0.0003 -> 0.001 (run.json); resume with that run's settings, or "
+                "start a new run in another --output_dir")
+    assert proc.stderr.strip().splitlines() == [expected], proc.stderr
 
 
 # --------------------------------------------------------------------------- plot and names
