@@ -124,7 +124,10 @@ def check_common_args(args: argparse.Namespace) -> None:
 def check_model_fields(args: argparse.Namespace) -> None:
     """Refuse ModelConfig settings that `load_model` would not apply (see MODEL_FIELDS_FIXED;
     the dtype is bf16 on CUDA and fp32 on CPU)."""
-    fixed = {**MODEL_FIELDS_FIXED, "dtype": "bfloat16" if args.bf16 else "float32"}
+    import torch
+
+    fixed = {**MODEL_FIELDS_FIXED,
+             "dtype": "bfloat16" if torch.cuda.is_available() else "float32"}
     for name, value in fixed.items():
         if getattr(args, name, value) != value:
             raise UserError(f"--{name} {getattr(args, name)!r}: these scripts load models with "

@@ -240,6 +240,7 @@ def _bad_inputs(tmp_path):
         (train_grpo, ["--resume", "--output-dir", str(empty_dir)], "no complete checkpoint"),
         (train_grpo, ["--reward", "bogus"], "--reward 'bogus': unknown ['bogus']"),
         (train_grpo, ["--bnb_4bit_quant_type", "fp4"], "--bnb_4bit_quant_type 'fp4'"),
+        (train_grpo, ["--dtype", "float16"], "--dtype 'float16'"),
         (train_grpo, ["--config", str(tmp_path / "none.yaml")], "--config"),
         (train_sft, ["--model", str(tmp_path / "no_such_model"), *out], "no such directory"),
         (train_sft, ["--dataset", no_cols, *out], "SFT needs 'messages'"),

@@ -7,7 +7,8 @@ runs one step; one output directory per model by default, run.json, refusal of a
 directory, --resume naming a settings mismatch, and an unwritable --output_dir, each in one
 line before any model loads; the metrics plot (title, KL and completion-length panels, EMA);
 importing `trainers` and `grpo_lce` prints nothing and the scripts hide bitsandbytes' CPU
-notice; `linear_cross_entropy`'s metric names match the README's.
+notice; `linear_cross_entropy`'s metric names match the README's. On CUDA (`gpu`): the
+device's defaults and two steps of the tiny model.
 
     python -m pytest tests/test_scripts_cli.py -q
 """
@@ -391,3 +392,25 @@ def test_metric_names_match_the_readme():
         assert f"`{key}`" in readme or key in line, key
     assert "mean_token_accuracy" in readme
     assert not re.search(r"return_metrics.*\baccuracy\b(?!`)", line), line
+
+
+# --------------------------------------------------------------------------- GPU
+
+
+@pytest.mark.gpu
+def test_cuda_defaults_and_a_tiny_run(tmp_path):
+    # On CUDA: bf16 everywhere; a hub model gets a 4-bit base and activation checkpointing,
+    # the built-in tiny model neither; fast generation on. Then two GRPO steps of the tiny
+    # model through the parser's defaults (compiles the decode step once).
+    real = train_grpo.parse(["--model", "org/some-model"])
+    assert (real.bf16, real.use_cpu, real.dtype) == (True, False, "bfloat16")
+    assert real.load_in_4bit and real.activation_checkpointing and real.fast_generation
+    tiny = train_grpo.parse([])
+    assert not tiny.load_in_4bit and not tiny.activation_checkpointing and tiny.fast_generation
+    out = tmp_path / "run"
+    assert train_grpo.main([*GRPO_FAST, "--max_steps", "2", "--output_dir", str(out)]) == 0
+    with open(out / "metrics.json") as f:
+        hist = json.load(f)
+    assert [h["step"] for h in hist] == [1, 2] and all("peak_mem_gib" in h for h in hist)
+    with open(out / "summary.json") as f:
+        assert json.load(f)["args"]["bf16"] is True
