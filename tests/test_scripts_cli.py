@@ -92,6 +92,18 @@ def test_flags_any_spelling_and_aliases():
         "q_proj,v_proj")
     assert args.load_in_4bit is False and args.num_generations == 4
     assert (args.sft_learning_rate, args.sft_max_length) == (0.1, 64)
+    # the dashed flags of earlier versions, as the README documented them
+    args = train_grpo.parse(["--lora-r", "8", "--lora-alpha", "4", "--dataset-split", "dev",
+                             "--output-dir", "o", "--save-steps", "3", "--seed", "5",
+                             "--max-completion-length", "12", "--loss-type", "grpo",
+                             "--no-fast-generation", "--sft-warmup-steps", "4",
+                             "--sft-batch-size", "2", "--eval-size", "0", "--max-operand", "19",
+                             "--no-gradient-checkpointing", "--load-in-4bit", "--resume"])
+    assert (args.lora_r, args.lora_alpha, args.dataset_split, args.output_dir, args.save_steps,
+            args.seed, args.max_completion_length, args.loss_type, args.fast_generation,
+            args.sft_warmup_steps, args.sft_batch_size, args.eval_size, args.max_operand,
+            args.activation_checkpointing, args.load_in_4bit, args.resume) == (
+        8, 4, "dev", "o", 3, 5, 12, "grpo", False, 4, 2, 0, 19, False, True, True)
     # --lora_r 0 is full fine-tuning
     assert train_grpo.parse(["--lora_r", "0"]).use_peft is False
     # an abbreviation is an error, not a silent match of a longer flag
