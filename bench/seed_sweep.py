@@ -69,21 +69,26 @@ def machine() -> dict:
             **{p: ver(p) for p in ("torch", "transformers", "trl", "peft")}}
 
 
-def commit() -> str | None:
-    """The checkout's commit, with "+dirty" when tracked files differ from it."""
+def commit() -> dict:
+    """{"commit": HEAD's hash, "tree_modified": whether `git status --porcelain` lists any
+    change, untracked files included}: the runs measured that commit plus those changes. Both
+    None outside a git checkout."""
+    def git(*args):
+        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True,
+                              check=True).stdout
+
     try:
-        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
-                              text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
-                               cwd=ROOT, capture_output=True, text=True, check=True).stdout
+        return {"commit": git("rev-parse", "HEAD").strip(),
+                "tree_modified": bool(git("status", "--porcelain").strip())}
     except (OSError, subprocess.CalledProcessError):
-        return None
-    return head + ("+dirty" if dirty.strip() else "")
+        return {"commit": None, "tree_modified": None}
 
 
 def run_seed(seed: int, work_dir: str, extra: list[str]) -> dict:
     out = os.path.join(work_dir, f"seed{seed}")
-    cmd = [sys.executable, TRAIN, "--seed", str(seed), "--output-dir", out, *extra]
+    # the sweep owns its work dir: a rerun with other arguments replaces the earlier runs
+    cmd = [sys.executable, TRAIN, "--seed", str(seed), "--output_dir", out,
+           "--overwrite_output_dir", *extra]
     os.makedirs(out, exist_ok=True)
     t0 = time.perf_counter()
     with open(os.path.join(work_dir, f"seed{seed}.log"), "w") as log:
@@ -148,7 +153,7 @@ def main(argv=None) -> int:
     os.makedirs(args.work_dir, exist_ok=True)
     with ThreadPoolExecutor(args.jobs) as pool:
         rows = list(pool.map(lambda s: run_seed(s, args.work_dir, extra), seeds))
-    result = {"command": ["python", "-m", "bench.seed_sweep", *argv], "commit": measured,
+    result = {"command": ["python", "-m", "bench.seed_sweep", *argv], **measured,
               "train_args": extra, "seeds": seeds, "jobs": args.jobs, "machine": info, "runs": rows,
               "ranges": ranges(rows)}
     slug = re.sub(r"[^A-Za-z0-9]+", "_", info["cpu"]).strip("_")[:40]

