@@ -83,18 +83,18 @@ def test_auto_prefers_the_loop(tok, model):
 def test_loop_passed_over_once_per_reason_then_compiled(tok, model, caplog, how):
     """Three calls; each way the loop cannot serve logs one line, once, naming the reason and
     FastSampler; the compiled sampler serves every call the loop does not."""
-    kw = {"unsupported": dict(unsupported="Gemma2 is not a supported family"),
-          "turned_off": dict(decline_after=1),
-          "raises": dict(raises=RuntimeError("capture failed\nsecond line")),
-          "malformed": dict(drop_last_logprob=True),
+    kw = {"unsupported": {"unsupported": "Gemma2 is not a supported family"},
+          "turned_off": {"decline_after": 1},
+          "raises": {"raises": RuntimeError("capture failed\nsecond line")},
+          "malformed": {"drop_last_logprob": True},
           "absent": None}[how]
     if kw is None:
         def factory(devices):
             raise ModuleNotFoundError("No module named 'trainers.sampling.loop'")
-        loop, s_kw = None, dict(loop_factory=factory)
+        loop, s_kw = None, {"loop_factory": factory}
     else:
         loop = FakeDecodeLoop(**kw)
-        s_kw = dict(loop=loop)
+        s_kw = {"loop": loop}
     compiled = FakeCompiled()
     s = Samplers("auto", compiled=compiled, **s_kw)
     with caplog.at_level(logging.WARNING):

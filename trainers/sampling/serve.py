@@ -189,15 +189,16 @@ class Samplers:
     # ------------------------------------------------------------------ reporting
 
     def metrics(self) -> dict[str, float]:
-        """`fast_generation/*` metrics: calls served by each sampler so far, and the one-time
-        costs (the loop's captures, FastSampler's compiles) and their wall time."""
-        out = {f"fast_generation/{k}_calls": float(v) for k, v in self.served.items()}
-        loop = self._loop
-        if loop is not None:
-            st = loop.stats
-            out["fast_generation/captures"] = float(st.captures)
-            out["fast_generation/capture_s"] = float(st.capture_s)
+        """`fast_generation/*` metrics once a fast sampler has served a call or compiled: the
+        calls each sampler served so far, and the one-time costs (the loop's captures,
+        FastSampler's compiles) with their wall time; {} before that."""
         st = self.compiled.stats
+        if not (self.served["loop"] or self.served["compiled"] or st.compiles):
+            return {}
+        out = {f"fast_generation/{k}_calls": float(v) for k, v in self.served.items()}
+        if self._loop is not None:
+            out["fast_generation/captures"] = float(self._loop.stats.captures)
+            out["fast_generation/capture_s"] = float(self._loop.stats.capture_s)
         if st.calls or st.compiles:
             out["fast_generation/compiles"] = float(st.compiles)
             out["fast_generation/compile_s"] = float(st.compile_s)
