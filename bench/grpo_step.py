@@ -430,6 +430,8 @@ def one_time(r: dict) -> str:
         out.append(f"{s['compiles']} compiles ({s['compile_s']:.0f} s)")
     if lp.get("captures"):
         out.append(f"{lp['captures']} captures ({lp['capture_s']:.1f} s)")
+    if lp.get("first_token_s") is not None:
+        out.append(f"first token after {lp['first_token_s']:.1f} s")
     if s.get("off") and r["system"] == "ours":
         out.append(f"FastSampler off: {s['off']}")
     if lp.get("off") and r["system"] == "ours_loop":

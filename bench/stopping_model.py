@@ -332,8 +332,8 @@ def timed_call(sampler: Sampler, model, ids, mask, cfg, device) -> dict | None:
         return None
     lens = [len(r) for r in token_ids]
     after = sampler.stats()
-    delta = {k: after[k] - before.get(k, 0) for k in after
-             if isinstance(after[k], (int, float))}
+    delta = {k: after[k] - (before.get(k) or 0) for k in after
+             if isinstance(after[k], (int, float)) and not isinstance(after[k], bool)}
     return {"wall_s": wall, "steps": max(lens), "tokens": sum(lens),
             "mean_len": statistics.mean(lens), "max_len": max(lens),
             "eos_share": sum(r[-1] == EOS for r in token_ids if r) / len(lens),

@@ -17,6 +17,9 @@ import copy
 import dataclasses
 
 import torch
+from transformers.utils import logging
+
+logger = logging.get_logger(__name__)
 
 
 @dataclasses.dataclass
@@ -43,7 +46,8 @@ def _eos_ids(config) -> list[int]:
 
 class FakeDecodeLoop:
     """See the module docstring. `unsupported`: what `unsupported_reason` answers;
-    `decline_after`: calls served before `generate` returns None and sets `disabled_reason`;
+    `decline_after`: calls served before `generate` returns None, sets `disabled_reason` and
+    logs one line (as DecodeLoop does);
     `raises`: an exception `generate` raises; `drop_last_logprob`: a malformed result."""
 
     def __init__(self, *, unsupported=None, decline_after=None, raises=None, shift=None,
@@ -67,7 +71,9 @@ class FakeDecodeLoop:
         if self.raises is not None:
             raise self.raises
         if self.decline_after is not None and self.stats.calls >= self.decline_after:
+            # as DecodeLoop.disable: the reason, and one logged line of its own
             self.disabled_reason = "the fake loop turned itself off"
+            logger.warning(f"fake decode loop off ({self.disabled_reason})")
             return None
         config = copy.deepcopy(generation_config)
         config.output_scores, config.return_dict_in_generate = True, True

@@ -22,10 +22,12 @@ The order, for `choice`:
 A sampler is passed over when it cannot serve: the decode loop when its module is absent or
 fails to import, says the model or generation config is unsupported (`unsupported_reason`), has
 turned itself off (`disabled_reason`), declines a call (returns None), raises, or returns
-completions that do not fit the batch; FastSampler when it is off or declines a call. Each
-distinct reason for passing over the loop is logged once, naming the sampler the call goes to;
-FastSampler logs its own (`trainers.generation`). A loop that raised or returned a malformed
-batch is not asked again for the rest of the run.
+completions that do not fit the batch; FastSampler when it is off or declines a call. One
+logged line per distinct reason: the decode loop and FastSampler log their own when they
+decline a call or turn themselves off; this module logs the others (the loop absent, an
+unsupported model or config, an exception, a malformed batch), naming the sampler the call goes
+to. A loop that raised or returned a malformed batch is not asked again for the rest of the
+run.
 
 `served` counts the calls each sampler served ("loop", "compiled", "trl"), so a caller can
 assert which path ran; `metrics()` gives them with the samplers' one-time costs.
@@ -153,9 +155,13 @@ class Samplers:
 
     def _serve_loop(self, model, input_ids, attention_mask, generation_config):
         loop = self.loop
-        reason = self.loop_off or loop.disabled_reason
-        if reason is None:
-            reason = loop.unsupported_reason(model, generation_config)
+        if self.loop_off is not None:
+            self._pass_over_loop(self.loop_off)
+            return None
+        if loop.disabled_reason is not None:
+            self._logged.add(loop.disabled_reason)  # the loop logged it when it turned off
+            return None
+        reason = loop.unsupported_reason(model, generation_config)
         if reason is not None:
             self._pass_over_loop(reason)
             return None
@@ -165,8 +171,8 @@ class Samplers:
             self.loop_off = _first_line(exc)
             self._pass_over_loop(self.loop_off)
             return None
-        if out is None:
-            self._pass_over_loop(loop.disabled_reason or "it declined a call")
+        if out is None:  # the loop logs why it declines or turns off (its contract)
+            self._logged.add(loop.disabled_reason or "it declined a call")
             return None
         bad = malformed_reason(out, input_ids.size(0))
         if bad is not None:
