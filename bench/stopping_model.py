@@ -27,13 +27,15 @@ max_new_tokens = --new (512).
     first call s (compile / capture included), then the median of --reps calls: wall s, the
     batch's decode steps (its longest answer), ms per decode step, of which inside CUDA-graph
     replays (bench.graph_time) and outside; answer lengths (mean / max, share ending in EOS);
-    tokens per second; peak memory above the loaded model. For the loop also its own stats
-    per call (prefill_s, decode_s, steps, host_checks) and capture_s.
+    tokens per second; peak memory above what was allocated before the sampler's first call
+    (the loaded model, and nothing of the samplers run before it: each is dropped with its
+    caches, graphs and compiled code). For the loop also its own stats per call (prefill_s,
+    decode_s, steps, host_checks) and capture_s.
 
 (b) Mismatch against the trainer's exact log-probs, for the loop and for eager `generate`:
     --mismatch-calls calls of batch 64; each sampled token's log-prob as the sampler reports it
-    (the loop: `Completions.logprobs`; eager: log_softmax of the scores after every logits
-    processor, `EagerLogprobs`) against the trainer's on the same sequences (TRL's layout, the
+    (the loop: `Completions.logprobs`; eager: log_softmax of the scores it sampled from,
+    `EagerLogprobs`) against the trainer's on the same sequences (TRL's layout, the
     backbone under bf16 autocast, then grpo_lce.linear_logprobs at temperature 1 in fp32, as
     `trainers.GRPOTrainer` computes `old_per_token_logps`). Δ = sampler − trainer over the
     answer tokens: mean |Δ|, max |Δ|, and the KL per token from the samples, KL(sampler ‖
@@ -350,6 +352,8 @@ def timing(model, task, names, batches, reps, cfg, device, base_bytes) -> list[d
             if device == "cuda":
                 bc.free_memory()
                 torch.cuda.reset_peak_memory_stats()
+                # what an earlier sampler still holds is not this one's
+                before = torch.cuda.memory_allocated()
             torch.manual_seed(0)
             first = timed_call(sampler, model, ids, mask, cfg, device)
             calls = [timed_call(sampler, model, ids, mask, cfg, device)
@@ -359,6 +363,7 @@ def timing(model, task, names, batches, reps, cfg, device, base_bytes) -> list[d
                 row["status"] = f"n/a: {sampler.off}"
                 rows.append(row)
                 print(f"  [{name} B={B}] {row['status']}", flush=True)
+                release(sampler, model)
                 continue
             med = {k: statistics.median(c[k] for c in calls)
                    for k in ("wall_s", "steps", "tokens", "mean_len", "max_len", "eos_share",
@@ -372,13 +377,23 @@ def timing(model, task, names, batches, reps, cfg, device, base_bytes) -> list[d
                        calls=calls, first=first, stats=sampler.stats())
             row["ms_outside"] = row["ms_per_step"] - row["ms_in_graphs"]
             if device == "cuda":
-                row["peak_above_model_bytes"] = torch.cuda.max_memory_allocated() - base_bytes
+                row["peak_above_model_bytes"] = torch.cuda.max_memory_allocated() - before
+                row["held_before_bytes"] = before - base_bytes
             rows.append(row)
             print(f"  [{name} B={B}] first {first['wall_s']:.1f} s, {row['wall_s']:.2f} s/call, "
                   f"{row['ms_per_step']:.2f} ms/step ({row['ms_in_graphs']:.2f} in graphs), "
                   f"mean len {row['mean_len']:.0f}, max {row['max_len']}", flush=True)
-            del sampler
+            release(sampler, model)
     return rows
+
+
+def release(sampler: Sampler, model) -> None:
+    """Drop a sampler with its caches, graphs and compiled code before the next one runs."""
+    sampler.obj = None
+    model.__dict__.pop("_compiled_call", None)
+    model.__dict__.pop("_last_compile_config", None)
+    torch.compiler.reset()
+    bc.free_memory()
 
 
 # =========================================================================== (b) mismatch

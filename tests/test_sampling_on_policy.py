@@ -131,6 +131,8 @@ def test_greedy_completions_equal_trls_path(kind, tok, tmp_path):
 ])
 def test_options_choose_the_path(tok, tmp_path, options, served):
     tr = _trainer("rloo", tok, tmp_path, **options)
+    if not options:  # a stock TRL config: the defaults
+        assert (tr.fast_generation, tr.sampler) == (True, "auto")
     out = _single_turn(tr, [tok("1+1=").input_ids, tok("abc").input_ids])
     assert len(out) == 2
     counts = tr._lce_samplers.served
