@@ -185,12 +185,14 @@ def test_compiled_completions_are_trimmed_at_the_first_eos(tok, model):
     assert sample.token_ids == [[5, eos], [8, 9, 10, 11], [eos]]
 
 
-def test_disable_turns_both_off(tok, model):
+def test_disable_turns_both_off(tok, model, caplog):
     loop, compiled = FakeDecodeLoop(), FakeCompiled()
     s = Samplers("auto", loop=loop, compiled=compiled)
     s.disable("FSDP / DeepSpeed shard the parameters")
-    assert _serve(s, model, tok) is None
+    with caplog.at_level(logging.WARNING):
+        assert _serve(s, model, tok) is None
     assert loop.asked == 0 and compiled.disabled_reason.startswith("FSDP")
+    assert _lines(caplog) == []  # FastSampler's own line says it (tests/test_generation.py)
 
 
 def test_bad_choice_is_refused():

@@ -120,9 +120,11 @@ class Samplers:
         self._loop, self.loop_off = value, None
 
     def disable(self, reason: str) -> None:
-        """Turn the fast samplers off for the rest of the run (TRL's generate serves all)."""
+        """Turn the fast samplers off for the rest of the run (TRL's generate serves all), with
+        FastSampler's one logged line."""
         if self.loop_off is None:
             self.loop_off = reason
+            self._logged.add(reason)
         self.compiled.disable(reason)
 
     def _next_after_loop(self) -> str:
