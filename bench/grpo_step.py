@@ -5,14 +5,19 @@ Systems (one worker process each, one after the other in one call, on the same d
 
     trl          stock trl.GRPOTrainer (1.16), its default generation (dynamic cache, eager)
     trl_static   the same with GRPOConfig(cache_implementation="static")
-    ours         trainers.GRPOTrainer with its defaults (fast_generation, packing="auto")
+    ours         trainers.GRPOTrainer(sampler="compiled"): today's FastSampler (static cache,
+                 compiled decode step), packing="auto"
+    ours_loop    trainers.GRPOTrainer(sampler="loop"): our decode loop
+                 (trainers.sampling.loop.DecodeLoop); a call it cannot serve goes to TRL's
+                 generate, which the record's `served` counts show
     ours_eager   trainers.GRPOTrainer(fast_generation=False)
 
 Model: a Llama-3.2-1B- or 3.1-8B-shaped model (random init, bench.e2e_common), NF4 double-quant
 base, loaded once per worker; each point's trainer gets `peft_config` = LoRA r=16 on every linear
 layer (TRL keeps QLoRA adapters in bf16) and unloads it at the end; SDPA, gradient
 checkpointing as TRL's train() leaves it; G = --generations completions of one 64-token prompt
-per step, beta = 0.04 (a reference pass with the adapter disabled), loss "dapo". Between points
+per step (--prompts distinct prompts x G: batch 8 = 1 x 8, batch 64 = 8 x 8), beta = 0.04 (a
+reference pass with the adapter disabled), loss "dapo". Between points
 the compiled code is reset, so each point compiles as a new run would (inductor's on-disk kernel
 cache persists, as it does between a user's runs).
 
@@ -30,15 +35,18 @@ max_memory_allocated during the part minus the memory the loaded base model take
 the LoRA adapter, its optimizer state and, for grpo_lce, the static KV cache that stays
 allocated between generations; "training peak" is the largest of ref, loss and optimizer):
 
-    generation   trainer._generate_single_turn (sampling only)
+    generation   trainer._generate_single_turn (sampling only); per decode step (the batch's
+                 longest completion): wall ms, and the GPU time inside CUDA-graph replays
+                 (bench.graph_time) against the rest ("outside": Python, eager kernels, syncs)
     score_ref    the rest of _generate_and_score_completions: rewards, reference pass, advantages
     ref          the no-grad log-prob passes alone (inside score_ref)
     loss         compute_loss + accelerator.backward
     optimizer    on_pre_optimizer_step -> on_optimizer_step (clipping and AdamW)
     step         on_step_begin -> on_step_end
 
-The first --warmup steps of each `ours` point are not counted: they compile, and the compile
-time is reported on its own. The other systems have nothing to compile; a 1-step run at L = 8
+The first --warmup steps of each `ours` / `ours_loop` point are not counted: they compile or
+capture, and that one-time cost is reported on its own (FastSampler's compile_s, the loop's
+capture_s). The other systems have nothing to compile; a 1-step run at L = 8
 before their first point takes CUDA and library start-up off the clock (--warmup-eager 0).
 
     python -m bench.grpo_step --models 1b --lengths 256,512,1024
@@ -46,6 +54,12 @@ before their first point takes CUDA and library start-up off the clock (--warmup
     python -m bench.grpo_step --models 1b --lengths 1024,4096 --completions synthetic \\
         --systems trl,ours --steps 4
     python -m bench.grpo_step --tiny --device cpu          # smoke run
+    python -m bench.grpo_step --quick                      # 1b, L = 512, batch 8: trl, ours,
+                                                           # ours_loop (about 6 min on an H100)
+    python -m bench.grpo_step --models 1b --lengths 512 --systems trl,trl_static,ours,ours_loop
+    python -m bench.grpo_step --models 1b --lengths 512 --prompts 8 --tag _b64 \
+        --systems trl,trl_static,ours,ours_loop
+    python -m bench.grpo_step --models 8b --lengths 512 --systems trl,ours,ours_loop
 
 Writes bench/results/grpo_step_<GPU>[_<tag>].jsonl (raw records), .json, .md and, for sampled
 runs with several lengths, a .png of step time and generation peak against L.
@@ -67,9 +81,11 @@ from pathlib import Path
 from bench import common as bc
 from bench import e2e_common as E
 
-SYSTEMS = ("trl", "trl_static", "ours", "ours_eager")
-LABEL = {"trl": "TRL 1.16", "trl_static": "TRL 1.16, static cache", "ours": "grpo_lce",
+SYSTEMS = ("trl", "trl_static", "ours", "ours_loop", "ours_eager")
+LABEL = {"trl": "TRL 1.16", "trl_static": "TRL 1.16, static cache",
+         "ours": "grpo_lce, FastSampler", "ours_loop": "grpo_lce, decode loop",
          "ours_eager": "grpo_lce, fast_generation=False"}
+COMPILED = ("ours", "ours_loop")  # systems with a one-time compile / capture
 PARTS = ("generation", "score_ref", "ref", "loss", "optimizer", "step")
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -129,7 +145,25 @@ def attach(tr, timer: PartTimer):
     import torch
     from transformers import TrainerCallback
 
-    tr._generate_single_turn = timer.wrap(tr._generate_single_turn, "generation")
+    from bench.graph_time import GraphReplayTimer
+
+    single_turn = tr._generate_single_turn
+
+    def timed_single_turn(*args, **kwargs):
+        """Decode steps of this call (its longest completion) and the GPU time inside
+        CUDA-graph replays, added to the step's "decode" record."""
+        with GraphReplayTimer() as graphs:
+            out = single_turn(*args, **kwargs)
+        completions = out[0] if isinstance(out, tuple) else out
+        rec = timer.step.setdefault("decode", {"steps": 0, "tokens": 0, "graph_s": 0.0,
+                                               "replays": 0})
+        rec["steps"] += max((len(c) for c in completions), default=0)
+        rec["tokens"] += sum(len(c) for c in completions)
+        rec["graph_s"] += graphs.seconds()
+        rec["replays"] += graphs.replays
+        return out
+
+    tr._generate_single_turn = timer.wrap(timed_single_turn, "generation")
     tr._get_per_token_logps_and_entropies = timer.wrap(
         tr._get_per_token_logps_and_entropies, "ref",
         when=lambda *a, **k: not torch.is_grad_enabled(), reset_peak=True)
@@ -184,7 +218,7 @@ def synthetic_completions(G: int, L: int, V: int, seed: int = 0):
     return [[rng.randrange(3, V) for _ in range(n)] for n in lens]
 
 
-def build_trainer(system, model, tok, *, G, L, steps, device, out, seed=0):
+def build_trainer(system, model, tok, *, G, L, steps, device, out, seed=0, prompts=1):
     """A GRPO trainer of `system` over `model` with a fresh LoRA adapter (peft_config)."""
     import trl
     from datasets import Dataset
@@ -195,15 +229,18 @@ def build_trainer(system, model, tok, *, G, L, steps, device, out, seed=0):
     extra = {"cache_implementation": "static"} if system == "trl_static" else {}
     args = trl.GRPOConfig(
         output_dir=out, report_to="none", save_strategy="no", logging_steps=1, seed=seed,
-        per_device_train_batch_size=G, num_generations=G, max_completion_length=L,
+        per_device_train_batch_size=prompts * G, num_generations=G, max_completion_length=L,
         max_steps=steps, learning_rate=1e-5, beta=0.04, loss_type="dapo",
         bf16=device == "cuda", use_cpu=device == "cpu", **E.checkpointing_kw(True), **extra)
     prompt = "Write a long story about a llama who learns to count. " * 2
-    ds = Dataset.from_dict({"prompt": [prompt[:64]] * (G * steps)})
+    # distinct prompts of one length (64 characters), so every batch has the same prompt shape
+    texts = [f"{i:03d} {prompt}"[:64] for i in range(prompts)]
+    ds = Dataset.from_dict({"prompt": texts * (G * steps)})
     if system.startswith("ours"):
         from trainers import GRPOTrainer
 
-        kw = {"fast_generation": system == "ours"}
+        kw = {"ours": {"sampler": "compiled"}, "ours_loop": {"sampler": "loop"},
+              "ours_eager": {"fast_generation": False}}[system]
     else:
         GRPOTrainer, kw = trl.GRPOTrainer, {}
     return GRPOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=ds,
@@ -239,7 +276,7 @@ def worker(a) -> int:
     hf_logging.set_verbosity_warning()
     cuda = a.device == "cuda"
     sink = open(a.jsonl, "a")
-    compiled = a.system == "ours"
+    compiled = a.system in COMPILED
     warmup = a.warmup if compiled else a.warmup_eager
 
     def write(rec):
@@ -266,7 +303,7 @@ def worker(a) -> int:
         with tempfile.TemporaryDirectory() as out:
             try:
                 tr = build_trainer(a.system, model, tok, G=a.generations, L=L, steps=steps,
-                                   device=a.device, out=out)
+                                   device=a.device, out=out, prompts=a.prompts)
                 if a.completions == "synthetic":
                     fixed = synthetic_completions(a.generations, L, V)
                     tr._generate_single_turn = lambda *args, **kw: (fixed, None)
@@ -279,9 +316,16 @@ def worker(a) -> int:
                 hist = [h for h in tr.state.log_history if "loss" in h]
                 rec["loss"] = [h["loss"] for h in hist]
                 rec["completion_mean_length"] = [h.get("completions/mean_length") for h in hist]
-                sampler = getattr(tr, "_lce_sampler", None)
-                if sampler is not None:
+                samplers = getattr(tr, "_lce_samplers", None)
+                if samplers is not None:
+                    sampler = samplers.compiled
                     rec["sampler"] = {**vars(sampler.stats), "off": sampler.disabled_reason}
+                    rec["served"] = dict(samplers.served)
+                    loop = samplers._loop
+                    if loop is not None or samplers.loop_off is not None:
+                        rec["loop"] = {**(vars(loop.stats) if loop is not None else {}),
+                                       "off": samplers.loop_off or getattr(
+                                           loop, "disabled_reason", None)}
                 if a.completions == "synthetic":
                     rec["direct"] = direct_training_phase(tr, a.generations, L, V, a.device)
                 rec["status"] = "ok"
@@ -302,7 +346,8 @@ def worker(a) -> int:
         if time.time() > a.deadline:
             write({"kind": "point", "L": L, "status": "skipped: time budget"})
             continue
-        rec = {"kind": "point", "L": L, "G": a.generations, "completions": a.completions,
+        rec = {"kind": "point", "L": L, "G": a.generations, "prompts": a.prompts,
+               "batch": a.prompts * a.generations, "completions": a.completions,
                "warmup": warmup, "model_bytes": base}
         run_point(L, warmup + a.steps, rec)
         write(rec)
@@ -354,42 +399,84 @@ def current_points(recs: list[dict]) -> list[dict]:
         elif r.get("kind") == "point":
             points.append({**r, "commit": commit.get(who)})
     return bc.newest_points(points, lambda r: (r["model"], r["L"], r["system"], r.get("G"),
-                                               r.get("completions")))
+                                               r.get("prompts", 1), r.get("completions")))
 
 
 def gib(b):
     return "" if b is None else f"{b / 2**30:.2f}"
 
 
+def decode_split(rec: dict):
+    """(wall, inside graphs, outside) ms per decode step, medians over the timed steps, from
+    the generation part's time and the "decode" record (None where not measured)."""
+    walls, insides = [], []
+    for step in rec["steps"][rec["warmup"]:]:
+        d, g = step.get("decode"), step.get("generation")
+        if d and g and d["steps"]:
+            walls.append(1e3 * g["s"] / d["steps"])
+            insides.append(1e3 * d["graph_s"] / d["steps"])
+    if not walls:
+        return None, None, None
+    wall, inside = statistics.median(walls), statistics.median(insides)
+    return wall, inside, wall - inside
+
+
+def one_time(r: dict) -> str:
+    """FastSampler's compiles and the loop's captures, with their seconds; why either was off;
+    which sampler served how many calls."""
+    s, lp = r.get("sampler") or {}, r.get("loop") or {}
+    out = []
+    if s.get("compiles"):
+        out.append(f"{s['compiles']} compiles ({s['compile_s']:.0f} s)")
+    if lp.get("captures"):
+        out.append(f"{lp['captures']} captures ({lp['capture_s']:.1f} s)")
+    if lp.get("first_token_s") is not None:
+        out.append(f"first token after {lp['first_token_s']:.1f} s")
+    if s.get("off") and r["system"] == "ours":
+        out.append(f"FastSampler off: {s['off']}")
+    if lp.get("off") and r["system"] == "ours_loop":
+        out.append(f"loop off: {lp['off']}")
+    served = r.get("served")
+    if served and r["system"] in COMPILED:
+        out.append("served " + ", ".join(f"{k} {v}" for k, v in served.items() if v))
+    return "; ".join(out)
+
+
 def table(pts: list[dict]) -> str:
     """One row per point of `current_points`; peaks are above the loaded model, and the
     generation peak also in total (model included)."""
-    lines = ["| model | L | system | step s | vs TRL | generation s | score+ref s | loss fwd+bwd s"
-             " | optimizer s | generation peak GiB | generation peak total GiB | training peak GiB"
-             " | compiles (s) | commit |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    ref = {(r["model"], r["L"]): median_part(r, "step") for r in pts
+    lines = ["| model | batch | L | system | step s | vs TRL | generation s | ms / decode step "
+             "| in graphs | outside | score+ref s | loss fwd+bwd s | optimizer s "
+             "| generation peak GiB | generation peak total GiB | training peak GiB "
+             "| one-time cost | commit |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+
+    def batch(r):
+        return r.get("batch", r.get("G"))
+
+    ref = {(r["model"], batch(r), r["L"]): median_part(r, "step") for r in pts
            if r["system"] == "trl" and r.get("status") == "ok"}
-    for r in sorted(pts, key=lambda r: (r["model"], r["L"], SYSTEMS.index(r["system"]))):
+    for r in sorted(pts, key=lambda r: (r["model"], batch(r) or 0, r["L"],
+                                        SYSTEMS.index(r["system"]))):
         if r.get("status") != "ok":
-            lines.append(f"| {r['model']} | {r['L']} | {LABEL[r['system']]} | {r['status']} "
-                         f"| | | | | | | | | | {r['commit']} |")
+            lines.append(f"| {r['model']} | {batch(r)} | {r['L']} | {LABEL[r['system']]} "
+                         f"| {r['status']} |" + " |" * 12 + f" {r['commit']} |")
             continue
         step = median_part(r, "step")
-        base = ref.get((r["model"], r["L"]))
-        s = r.get("sampler") or {}
-        comp = f"{s['compiles']} ({s['compile_s']:.0f})" if s.get("compiles") else ""
-        if s.get("off"):
-            comp += f" off: {s['off']}"
+        base = ref.get((r["model"], batch(r), r["L"]))
         parts = [median_part(r, q) for q in ("generation", "score_ref", "loss", "optimizer")]
+        wall, inside, outside = decode_split(r)
         gen_peak = median_part(r, "generation", "peak_bytes")
         gen_total = None if gen_peak is None or r.get("model_bytes") is None \
             else gen_peak + r["model_bytes"]
-        cells = [r["model"], r["L"], LABEL[r["system"]], f"{step:.2f}",
-                 f"{step / base:.2f}x" if base else "",
-                 *("" if v is None else f"{v:.2f}" for v in parts),
-                 gib(gen_peak), gib(gen_total),
-                 gib(median_part(r, "training", "peak_bytes")), comp, r["commit"]]
+
+        def f(v, spec=".2f"):
+            return "" if v is None else format(v, spec)
+
+        cells = [r["model"], batch(r), r["L"], LABEL[r["system"]], f"{step:.2f}",
+                 f"{step / base:.2f}x" if base else "", f(parts[0]), f(wall), f(inside),
+                 f(outside), *(f(v) for v in parts[1:]), gib(gen_peak), gib(gen_total),
+                 gib(median_part(r, "training", "peak_bytes")), one_time(r), r["commit"]]
         lines.append("| " + " | ".join(map(str, cells)) + " |")
     direct = [r for r in pts if r.get("direct")]
     if direct:
@@ -447,6 +534,10 @@ def main(argv=None) -> int:
     p.add_argument("--systems", default="trl,trl_static,ours")
     p.add_argument("--completions", choices=("sampled", "synthetic"), default="sampled")
     p.add_argument("--generations", type=int, default=8)
+    p.add_argument("--prompts", type=int, default=1,
+                   help="distinct prompts per step; the batch is prompts x generations")
+    p.add_argument("--quick", action="store_true",
+                   help="1b, L = 512, batch 8, systems trl, ours, ours_loop (~6 min, H100)")
     p.add_argument("--warmup", type=int, default=1,
                    help="steps not counted per point for `ours` (the first one compiles)")
     p.add_argument("--warmup-eager", type=int, default=0,
@@ -474,6 +565,9 @@ def main(argv=None) -> int:
     if a.report:
         write_report(Path(a.report), a)
         return 0
+    if a.quick:
+        a.models, a.lengths, a.systems = "1b", [512], "trl,ours,ours_loop"
+        a.budget_min = min(a.budget_min, 7.0)
     if a.tiny:
         a.models, a.lengths, a.generations = "tiny", [8, 16], 4
         a.tag = a.tag or "_tiny"
@@ -495,7 +589,8 @@ def main(argv=None) -> int:
             cmd = [sys.executable, "-m", "bench.grpo_step", "--worker", "--system", system,
                    "--model", model, "--jsonl", str(jsonl), "--deadline", str(deadline),
                    "--lengths", ",".join(map(str, a.lengths)), "--completions", a.completions,
-                   "--generations", str(a.generations), "--warmup", str(a.warmup),
+                   "--generations", str(a.generations), "--prompts", str(a.prompts),
+                   "--warmup", str(a.warmup),
                    "--warmup-eager", str(a.warmup_eager),
                    "--steps", str(a.steps), "--device", a.device, "--model-cache", a.model_cache]
             print(f"[{model} {system}]", flush=True)
@@ -512,7 +607,7 @@ def write_report(jsonl: Path, a) -> None:
     gpus = sorted({r["env"].get("gpu") or "cpu" for r in recs if r.get("kind") == "env"})
     completions = sorted({r["completions"] for r in pts if "completions" in r})
     md = (f"# bench.grpo_step on {', '.join(gpus)}: {', '.join(completions)} completions, "
-          f"G = {a.generations}\n\n"
+          f"G = {a.generations}, batch {a.prompts * a.generations}\n\n"
           f"Medians over the timed steps of each point after the uncounted ones (grpo_lce: its "
           f"compile step; the others: none, after a 1-step run at L = 8); the newest record of "
           f"each point in {jsonl.name} (raw, all runs).\n\n"

@@ -294,6 +294,8 @@ def _trainer(tok, tmp_path, beta=0.0, peft_config=False, **kw):
         kw["peft_config"] = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear")
     else:
         model = lora_tiny_llama(tok)
+    if kw.get("fast_generation", True) is True:
+        kw.setdefault("sampler", "compiled")  # FastSampler, this file's subject
     return GRPOTrainer(model=model, args=args, train_dataset=ds, processing_class=tok,
                        reward_funcs=lambda completions, **k: [float(len(c)) for c in completions],
                        **kw)
@@ -445,7 +447,8 @@ def _train_checking_each_generation(tok, tmp_path, model, *, device, sampler=Non
     ds = Dataset.from_dict({"prompt": ["1+1=", "2*3=", "abc", "xy z"] * 8})
     tr = GRPOTrainer(model=model, args=args, train_dataset=ds, processing_class=tok,
                      reward_funcs=lambda completions, **k: [float(c.count("a") - c.count("e"))
-                                                            for c in completions])
+                                                            for c in completions],
+                     sampler="compiled")  # FastSampler, this file's subject
     if sampler is not None:
         tr._lce_sampler = sampler
     s = tr._lce_sampler

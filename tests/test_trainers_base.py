@@ -27,6 +27,7 @@ from trainers import (
 )
 from trainers.base import FusedHeadMixin, PackingOptionsMixin
 from trainers.fused_forward import FusedForwardMixin
+from trainers.sampling.on_policy import OnPolicySamplingMixin
 from trainers.tiny import build_tiny_llama, build_tokenizer
 
 
@@ -87,9 +88,12 @@ def test_every_trainer_uses_it():
                                  (DistillationTrainer, trl.DistillationTrainer,
                                   "TRL's own chunked divergence")):
         # the fused-forward trainers (trainers.fused_forward) and distillation add the packing
-        # options' mixin (and the fused forward's) in between
+        # options' mixin (and the fused forward's) in between; the on-policy ones (GRPO, RLOO,
+        # distillation) put the sampling mixin (trainers.sampling.on_policy) first
         mixins = {GRPOTrainer: (), SFTTrainer: (), DistillationTrainer: (PackingOptionsMixin,)
                   }.get(cls, (FusedForwardMixin, PackingOptionsMixin)) + (FusedHeadMixin,)
+        if cls in (GRPOTrainer, RLOOTrainer, DistillationTrainer):
+            mixins = (OnPolicySamplingMixin, *mixins)
         assert cls.__mro__[1:2 + len(mixins)] == (*mixins, stock)
         assert (cls._trl_name, cls._trl_fallback) == (stock.__name__, fallback)
         assert cls._lce_logger.name == cls.__module__

@@ -6,6 +6,7 @@ transformers settings the scripts and benchmarks build the same way: the QLoRA b
 `HfArgumentParser` command lines set them like any TRL option:
 
     --packing auto|true|false   --max_packed_tokens 16384   --fast_generation true|false
+    --sampler auto|loop|compiled|trl   --sampler_importance_sampling_correction true|false
 
 `trainers.GRPOTrainer` also accepts a stock `trl.GRPOConfig` (the options then take their
 defaults) and the same options as constructor keywords, which win over the config.
@@ -18,6 +19,7 @@ from dataclasses import dataclass, field
 import trl
 
 PACKING_CHOICES = ("auto", "true", "false")
+SAMPLER_CHOICES = ("auto", "loop", "compiled", "trl")  # trainers.sampling.serve's order
 
 
 def normalize_packing(value, name: str = "packing") -> bool | str:
@@ -36,6 +38,19 @@ def check_max_packed_tokens(value, name: str = "max_packed_tokens") -> None:
         raise ValueError(f"{name} must be a positive int or None, got {value!r}")
 
 
+def check_sampler_options(fast_generation, sampler) -> None:
+    """`fast_generation` a bool, `sampler` one of SAMPLER_CHOICES, and not contradicting each
+    other: fast_generation=False samples with TRL's generate, which only "auto" and "trl"
+    allow."""
+    if not isinstance(fast_generation, bool):
+        raise ValueError(f"fast_generation must be True or False, got {fast_generation!r}")
+    if sampler not in SAMPLER_CHOICES:
+        raise ValueError(f"sampler must be one of {SAMPLER_CHOICES}, got {sampler!r}")
+    if not fast_generation and sampler not in ("auto", "trl"):
+        raise ValueError(f"fast_generation=False samples with TRL's generate, but "
+                         f"sampler={sampler!r} asks for a fast sampler; set one of them")
+
+
 @dataclass
 class GRPOConfig(trl.GRPOConfig):
     """`trl.GRPOConfig` with the options of `trainers.GRPOTrainer` (module docstring)."""
@@ -52,15 +67,33 @@ class GRPOConfig(trl.GRPOConfig):
     )
     fast_generation: bool = field(
         default=True,
-        metadata={"help": "On CUDA, sample with a static KV cache and a compiled decode step "
-                          "(trainers.generation); falls back to TRL's generate where that "
-                          "cannot run."},
+        metadata={"help": "On CUDA, sample with our own samplers (`sampler`); False: TRL's "
+                          "generate."},
+    )
+    sampler: str = field(
+        default="auto",
+        metadata={"help": "Which sampler serves on-policy generation (trainers.sampling.serve): "
+                          "'auto' (our decode loop, then the compiled FastSampler, then TRL's "
+                          "generate, each where the one before cannot serve), 'loop', "
+                          "'compiled' or 'trl'.", "choices": list(SAMPLER_CHOICES)},
+    )
+    sampler_importance_sampling_correction: bool = field(
+        default=True,
+        metadata={"help": "When our decode loop served a generation, feed its exact sampling "
+                          "log-probs to TRL's importance-sampling correction and its "
+                          "sampling/* metrics, as TRL does for vLLM (vllm_importance_sampling_"
+                          "mode, _clip_min and _clip_max apply). Default True, TRL's default "
+                          "for vLLM."},
     )
 
     def __post_init__(self):
         super().__post_init__()
         self.packing = normalize_packing(self.packing)
         check_max_packed_tokens(self.max_packed_tokens)
+        check_sampler_options(self.fast_generation, self.sampler)
+        if not isinstance(self.sampler_importance_sampling_correction, bool):
+            raise ValueError("sampler_importance_sampling_correction must be True or False, got "
+                             f"{self.sampler_importance_sampling_correction!r}")
 
 
 def nf4_config():

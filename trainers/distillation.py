@@ -49,6 +49,12 @@ into rounding only (`trainers.packing`, "Positions"). Calls with multimodal inpu
 batches whose mask is not one contiguous run per row, run TRL's padded pass (the latter with
 one note).
 
+Sampling: `_generate_single_turn` (TRL's regular generation path of the student's on-policy
+completions) is served by our samplers, as in `trainers.GRPOTrainer`
+(`trainers.sampling.on_policy`: options `fast_generation=True` and `sampler="auto"`, metrics
+`timing/generation_s` and `fast_generation/*`); vLLM and multimodal prompts stay TRL's. The
+loss uses the teacher's distribution, not sampling log-probs, so none are kept.
+
 Falls back to TRL's own `_chunked_divergence_loss`, with one logged line per reason, when TRL
 passes a logit scale ≠ 1 or a final-logit softcap for either model (Gemma 2/3, Cohere, Granite,
 ...), which grpo_lce does not apply. Refused at construction as for `trainers.GRPOTrainer`
@@ -74,6 +80,7 @@ from grpo_lce import linear_divergence
 from .base import PackingOptionsMixin
 from .head import _head_inputs, check_fused_head, unwrap_model
 from .packing import choose_packing, packed_hidden, plan_packs
+from .sampling.on_policy import OnPolicySamplingMixin
 from .sharded import full_head_params
 
 logger = logging.get_logger(__name__)
@@ -115,12 +122,13 @@ def _logit_transform_reason(scales: dict, softcaps: dict) -> str | None:
     return None
 
 
-class DistillationTrainer(PackingOptionsMixin, trl.DistillationTrainer):
+class DistillationTrainer(OnPolicySamplingMixin, PackingOptionsMixin, trl.DistillationTrainer):
     """`trl.DistillationTrainer` (1.16.x) whose divergence and entropy come from `grpo_lce`,
     and whose backbone passes are packed.
 
     Same constructor and config as `trl.DistillationTrainer`, plus the keywords `packing` and
-    `max_packed_tokens` (`trainers.base.PackingOptionsMixin`); see the module docstring for
+    `max_packed_tokens` (`trainers.base.PackingOptionsMixin`), `fast_generation` and `sampler`
+    (`trainers.sampling.on_policy`); see the module docstring for
     what is overridden, what falls back to TRL's loss and what is refused (`trainers.base`: the
     checks and fallback notices shared with the other trainers).
     """
@@ -138,6 +146,15 @@ class DistillationTrainer(PackingOptionsMixin, trl.DistillationTrainer):
         super().__init__(*args, **kwargs)
         if self.teacher_model is not None:
             check_fused_head(self.teacher_model)
+
+    def _generate_single_turn(self, prompt_ids, images, multimodal_fields,
+                              has_tool_images=False):
+        sample = None if has_tool_images else self._lce_sample(prompt_ids, images,
+                                                                 multimodal_fields)
+        if sample is not None:
+            return sample.token_ids
+        return super()._generate_single_turn(prompt_ids, images, multimodal_fields,
+                                             has_tool_images=has_tool_images)
 
     def _get_last_hidden_state(self, unwrapped_model, input_ids, attention_mask, logits_to_keep,
                                **multimodal_inputs):

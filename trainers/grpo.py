@@ -37,13 +37,18 @@ dense); `packing=False` never packs. Never packed, whatever the option: the MoE 
 prompt-learning PEFT adapters, models with non-attention layers, batches whose mask is not one
 contiguous run per row after a non-empty prompt.
 
-Sampling (`fast_generation`, see `trainers.generation`): `_generate_single_turn`, TRL's
-non-vLLM branch, pads the prompts as TRL does and hands TRL's own generation config to
-`FastSampler`, which runs the same `generate` call over a static cache with a compiled decode
-step, then keeps each completion up to its first EOS as TRL does. vLLM, continuous batching,
-multimodal prompts, or a sampler that has turned itself off go to TRL's method. `_generate`
-adds the metrics `timing/generation_s`, `fast_generation/compiles` and
-`fast_generation/compile_s`.
+Sampling (`fast_generation`, `sampler`; `trainers.sampling.on_policy`, shared with RLOO and
+distillation): `_generate_single_turn`, TRL's non-vLLM branch, pads the prompts as TRL does and
+hands TRL's own generation config to `trainers.sampling.serve.Samplers`: our decode loop
+(`trainers.sampling.loop`), else the compiled `trainers.generation.FastSampler`, else TRL's
+method, each fallback with one logged line; completions are kept up to their first EOS as TRL
+does. vLLM, continuous batching and multimodal prompts go to TRL's method. `_generate` adds the
+metrics `timing/generation_s` and `fast_generation/*`.
+
+Importance sampling without vLLM (`sampler_importance_sampling_correction`, default True;
+`trainers.sampling.correction`): when our decode loop served a generation, its exact sampling
+log-probs feed TRL's vLLM importance-sampling correction (`vllm_importance_sampling_mode`,
+`_clip_min`, `_clip_max`) and its `sampling/*` mismatch metrics, computed by TRL's own code.
 
 Falls back to TRL's own (chunked, also logit-free) head, with one warning per reason, for:
 multimodal inputs (`pixel_values` and friends), and models whose logits are transformed before
@@ -55,17 +60,12 @@ parameters are sharded outside the module's forward).
 
 from __future__ import annotations
 
-import time
-
 import torch
 import trl
 from transformers.utils import logging
-from trl.models import unwrap_model_for_generation
-from trl.trainer.utils import pad
 
 from .base import FusedHeadMixin
 from .config import check_max_packed_tokens, normalize_packing
-from .generation import FastSampler, trim_after_eos
 from .head import (
     forward_hidden_states,
     fused_head_unsupported_reason,
@@ -73,15 +73,17 @@ from .head import (
     lm_head_params,
 )
 from .packing import choose_packing, packed_logprobs
+from .sampling.correction import SamplerCorrection
+from .sampling.on_policy import OnPolicySamplingMixin
 
 logger = logging.get_logger(__name__)
 
 
-class GRPOTrainer(FusedHeadMixin, trl.GRPOTrainer):
+class GRPOTrainer(OnPolicySamplingMixin, FusedHeadMixin, trl.GRPOTrainer):
     """`trl.GRPOTrainer` (1.16.x) whose log-probs and entropies come from `grpo_lce`, and whose
-    on-policy samples come from a compiled decode step on CUDA.
+    on-policy samples come from our decode loop or a compiled decode step on CUDA.
 
-    Same constructor and config as `trl.GRPOTrainer`. Three options, read from a
+    Same constructor and config as `trl.GRPOTrainer`. Five options, read from a
     `trainers.GRPOConfig` (stock `trl.GRPOConfig`: their defaults) or given as keywords, which
     win over the config:
 
@@ -89,9 +91,12 @@ class GRPOTrainer(FusedHeadMixin, trl.GRPOTrainer):
             docstring); also settable later as the attribute `trainer.packing`.
         max_packed_tokens: tokens per packed forward; None (default) = TRL's chunk,
             `batch_size · L`, so a pack never outgrows the padded chunk it replaces.
-        fast_generation: True (default) — on CUDA, TRL's `generate` call over a static KV
-            cache with a compiled decode step (`trainers.generation`); False — TRL's own
-            sampling. Where the compiled path cannot run it falls back with one logged line.
+        fast_generation: True (default) — on CUDA, sample with our samplers (`sampler`);
+            False — TRL's own sampling.
+        sampler: "auto" (default: our decode loop, then the compiled FastSampler, then TRL's
+            generate), "loop", "compiled" or "trl" (`trainers.sampling.serve`).
+        sampler_importance_sampling_correction: True (default) — the decode loop's
+            log-probs feed TRL's importance-sampling correction (module docstring).
 
     See the module docstring for what is overridden, what falls back to TRL's head and what is
     refused (`trainers.base`: the checks and fallback notices shared with SFTTrainer).
@@ -102,25 +107,24 @@ class GRPOTrainer(FusedHeadMixin, trl.GRPOTrainer):
     _lce_logger = logger
 
     def __init__(self, *args, packing: bool | str | None = None,
-                 max_packed_tokens: int | None = None, fast_generation: bool | None = None,
-                 **kwargs):
+                 max_packed_tokens: int | None = None,
+                 sampler_importance_sampling_correction: bool | None = None, **kwargs):
         if packing is not None:
             packing = normalize_packing(packing)
         check_max_packed_tokens(max_packed_tokens)
-        if fast_generation is not None and not isinstance(fast_generation, bool):
-            raise ValueError(f"fast_generation must be True or False, got {fast_generation!r}")
-        super().__init__(*args, **kwargs)  # FusedHeadMixin: TRL version, TRL, fused-head checks
+        correction = sampler_importance_sampling_correction
+        if correction is not None and not isinstance(correction, bool):
+            raise ValueError("sampler_importance_sampling_correction must be True or False, "
+                             f"got {correction!r}")
+        # OnPolicySamplingMixin: fast_generation=, sampler=; FusedHeadMixin: TRL version, TRL,
+        # fused-head checks
+        super().__init__(*args, **kwargs)
         self.packing = packing if packing is not None else getattr(self.args, "packing", "auto")
         self.max_packed_tokens = (max_packed_tokens if max_packed_tokens is not None
                                   else getattr(self.args, "max_packed_tokens", None))
-        self.fast_generation = (fast_generation if fast_generation is not None
-                                else getattr(self.args, "fast_generation", True))
-        self._lce_sampler = FastSampler()
-        self._lce_attention_settled = False
-        if self.fast_generation and (self.is_deepspeed_enabled or self.is_fsdp_enabled):
-            # Sharded parameters are gathered into new storage for every generate call, which
-            # a captured decode step cannot follow.
-            self._lce_sampler.disable("FSDP / DeepSpeed shard the parameters")
+        if correction is None:
+            correction = getattr(self.args, "sampler_importance_sampling_correction", True)
+        self._lce_correction = SamplerCorrection(self, enabled=correction)
         self._lce_packing_logged: set[str] = set()
 
     def _lce_packing_warning(self, message: str) -> None:
@@ -216,64 +220,34 @@ class GRPOTrainer(FusedHeadMixin, trl.GRPOTrainer):
 
     # ------------------------------------------------------------------ generation
 
-    def _generate(self, prompts: list):
-        """TRL's `_generate`, timed: `timing/generation_s` (sampling, tool calls included) and
-        the fast sampler's compile count and one-time cost go to the logged metrics."""
-        t0 = time.perf_counter()
-        out = super()._generate(prompts)  # returns token lists: the device work is done
-        mode = "train" if self.model.training else "eval"
-        self._metrics[mode]["timing/generation_s"].append(time.perf_counter() - t0)
-        stats = self._lce_sampler.stats
-        if stats.calls or stats.compiles:
-            self._metrics[mode]["fast_generation/compiles"].append(stats.compiles)
-            self._metrics[mode]["fast_generation/compile_s"].append(stats.compile_s)
-        return out
-
-    def _fast_generation_applies(self, images, multimodal_fields) -> bool:
-        return (self.fast_generation and not self.use_vllm
-                and not self.use_transformers_continuous_batching and images is None
-                and not multimodal_fields and not self._is_vlm
-                and self._lce_sampler.disabled_reason is None)
-
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations,
                               has_tool_images=False):
-        """TRL's regular (non-vLLM) generation with `trainers.generation.FastSampler`: the
-        same left-padded prompts, generation config and EOS trimming; anything the sampler
-        does not serve (vLLM, continuous batching, multimodal inputs, a sampler that turned
-        itself off) goes to TRL's own method."""
-        if self._fast_generation_applies(images, multimodal_fields):
-            completion_ids = self._fast_generate(prompt_ids)
-            if completion_ids is not None:
-                return completion_ids, None
-        return super()._generate_single_turn(prompt_ids, images, multimodal_fields,
-                                             num_generations, has_tool_images=has_tool_images)
+        """TRL's regular (non-vLLM) generation served by our samplers
+        (`trainers.sampling.on_policy`): the same left-padded prompts, generation config and
+        EOS trimming; with the decode loop's log-probs when they feed the importance-sampling
+        correction (`trainers.sampling.correction`). Anything our samplers do not serve goes
+        to TRL's own method."""
+        sample = self._lce_sample(prompt_ids, images, multimodal_fields)
+        if sample is not None:
+            return sample.token_ids, self._lce_correction.logprobs(sample)
+        completion_ids, logprobs = super()._generate_single_turn(
+            prompt_ids, images, multimodal_fields, num_generations,
+            has_tool_images=has_tool_images)
+        return completion_ids, self._lce_correction.fallback_logprobs(completion_ids, logprobs)
 
-    def _fast_generate(self, prompt_ids) -> list[list[int]] | None:
-        if not self._lce_attention_settled:
-            # Packing may switch the model's attention implementation (sdpa -> the varlen one)
-            # at its first log-prob pass; the compiled decode step is guarded on it, so make
-            # that choice before the first compile instead of recompiling after it.
-            self._lce_packing_kind(self.model, False)
-            self._lce_attention_settled = True
-        device = self.accelerator.device
-        rows = [torch.tensor(ids) for ids in prompt_ids]
-        input_ids = pad(rows, padding_value=self._tokenizer.pad_token_id, padding_side="left",
-                        pad_to_multiple_of=self.pad_to_multiple_of).to(device)
-        attention_mask = pad([torch.ones_like(r) for r in rows], padding_value=0,
-                             padding_side="left",
-                             pad_to_multiple_of=self.pad_to_multiple_of).to(device)
-        with (
-            unwrap_model_for_generation(
-                self.model_wrapped, self.accelerator,
-                gather_deepspeed3_params=self.args.ds3_gather_for_generation,
-                generation_kwargs=self.generation_kwargs,
-                gradient_checkpointing_kwargs=self.args.gradient_checkpointing_kwargs,
-            ) as unwrapped_model,
-            torch.no_grad(),
-            self._dist.summon_full_params(self.model_wrapped, recurse=False),
-        ):
-            sequences = self._lce_sampler.generate(unwrapped_model, input_ids, attention_mask,
-                                                   self.generation_config)
-        if sequences is None:
-            return None
-        return trim_after_eos(sequences[:, input_ids.size(1):], self.eos_token_ids)
+    def _generate(self, prompts: list):
+        """TRL's `_generate` (timed by `OnPolicySamplingMixin`); when the decode loop's
+        log-probs were fed, TRL's importance-sampling branch runs for the rest of this
+        `_generate_and_score_completions` call."""
+        self._lce_correction.start_call()
+        out = super()._generate(prompts)
+        self._lce_correction.end_call()
+        return out
+
+    def _generate_and_score_completions(self, inputs):
+        with self._lce_correction.scoring():
+            return super()._generate_and_score_completions(inputs)
+
+    def _compute_loss(self, model, inputs):
+        with self._lce_correction.loss(inputs):
+            return super()._compute_loss(model, inputs)
