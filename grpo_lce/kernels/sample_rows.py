@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import torch
 
-from grpo_lce._dispatch import HAS_TRITON
+from grpo_lce._dispatch import HAS_TRITON, interpreting
 
 # Launch configuration on a GPU: memory-bound on W at decode batch sizes, so the vocabulary is
 # split over many programs (V / BLOCK_V / TILES ≥ 4 per SM at a 128k vocabulary) to keep HBM
@@ -52,7 +52,7 @@ if HAS_TRITON:
         m_ptr, l_ptr, s_ptr, i_ptr, zs_ptr,
         B, V, H, P, inv_tau,
         HAS_BIAS: tl.constexpr, HAS_THRESH: tl.constexpr, NOISE: tl.constexpr,
-        STATS_ONLY: tl.constexpr, IEEE: tl.constexpr, EVEN_H: tl.constexpr,
+        STATS_ONLY: tl.constexpr, IEEE: tl.constexpr, DOT_F32: tl.constexpr, EVEN_H: tl.constexpr,
         BLOCK_V: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_H: tl.constexpr, TILES: tl.constexpr,
     ):
         pid_v = tl.program_id(0)
@@ -86,6 +86,9 @@ if HAS_TRITON:
                                 other=0.0)
                     x = tl.load(h_rows + hh[:, None], mask=in_b[None, :] & (hh < H)[:, None],
                                 other=0.0)
+                if DOT_F32:  # Triton's interpreter (CPU tests) mis-multiplies bf16 tiles
+                    w = w.to(tl.float32)
+                    x = x.to(tl.float32)
                 # bf16: exact products, fp32 sums; fp32 inputs: full fp32 products, not TF32
                 if IEEE:
                     acc = tl.dot(w, x, acc, input_precision="ieee")
@@ -134,8 +137,6 @@ if HAS_TRITON:
 
 
 def launch_config(device: torch.device, B: int) -> dict:
-    from grpo_lce._dispatch import interpreting
-
     if device.type == "cuda" and not interpreting():
         return dict(SAMPLE_CONFIG)
     cfg = dict(INTERPRET_CONFIG)
@@ -161,6 +162,7 @@ def sample_tiles(h, w, bias, inv_tau, *, threshold=None, seed=None, stats_only=F
         out["zs"] = torch.empty(B, P, **f32)
         out["idx"] = torch.empty(B, P, device=h.device, dtype=torch.int32)
     dummy = out["m"]
+    dot_f32 = h.device.type != "cuda" or interpreting()
     grid = (P, triton.cdiv(B, cfg["BLOCK_B"]))
     _sample_tiles_kernel[grid](
         h, h.stride(0), w, w.stride(0), bias if bias is not None else dummy,
@@ -168,7 +170,8 @@ def sample_tiles(h, w, bias, inv_tau, *, threshold=None, seed=None, stats_only=F
         out["m"], out["l"], out.get("s", dummy), out.get("idx", dummy), out.get("zs", dummy),
         B, V, H, P, inv_tau,
         HAS_BIAS=bias is not None, HAS_THRESH=threshold is not None, NOISE=seed is not None,
-        STATS_ONLY=stats_only, IEEE=h.dtype == torch.float32, EVEN_H=H % cfg["BLOCK_H"] == 0,
+        STATS_ONLY=stats_only, IEEE=h.dtype == torch.float32 or dot_f32, DOT_F32=dot_f32,
+        EVEN_H=H % cfg["BLOCK_H"] == 0,
         BLOCK_V=cfg["BLOCK_V"], BLOCK_B=cfg["BLOCK_B"], BLOCK_H=cfg["BLOCK_H"],
         TILES=cfg["TILES"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
