@@ -77,14 +77,12 @@ def _draw_seed(generator, device) -> torch.Tensor:
 
 def _sample_triton(h, w, bias, inv_tau, greedy, min_p, generator):
     threshold = None
-    if min_p is not None:
-        m = sample_rows.row_max(sample_rows.sample_tiles(h, w, bias, inv_tau, stats_only=True))
-        # fp32: M + log min_p ≤ M, so the row's argmax (z = M, the same fp32 value in the
-        # second pass: same kernel, same tiles) is always kept
-        threshold = m + math.log(min_p)
+    if min_p is not None:  # a first pass for the row max
+        stats = sample_rows.sample_tiles(h, w, bias, inv_tau, stats_only=True)
+        threshold = sample_rows.combine(stats, log_min_p=math.log(min_p))
     seed = None if greedy else _draw_seed(generator, h.device)
     part = sample_rows.sample_tiles(h, w, bias, inv_tau, threshold=threshold, seed=seed)
-    return sample_rows.combine_partials(part)
+    return sample_rows.combine(part)
 
 
 def _chunks(h, w, bias, inv_tau, C):

@@ -278,7 +278,7 @@ def test_triton_tokens_do_not_depend_on_tiling():
                 dict(BLOCK_V=64, BLOCK_B=32, BLOCK_H=64, TILES=1)):
         part = sample_rows.sample_tiles(h, w, None, 1.0, seed=seed,
                                         config=dict(cfg, num_warps=4, num_stages=1))
-        outs.append(sample_rows.combine_partials(part))
+        outs.append(sample_rows.combine(part))
     assert torch.equal(outs[0][0], outs[1][0])
     assert float((outs[0][1] - outs[1][1]).abs().max()) <= logp_tolerance(h, w, None, 1.0)
 

@@ -11,16 +11,18 @@ h (B, H), W (V, H), b (V,), 1/τ, a per-row threshold t (B,) (−∞: none), a P
 
 E is an Exp(1) variable and g a Gumbel one; E is computed from 1 − U so that the Gumbel's upper
 tail (small E, the draws that decide a sample) keeps U's fine resolution near 0: U takes the
-values k · 2⁻³¹, so E ≥ 2⁻³¹ and g ≤ 21.5, a tail of mass e^{−21.5} ≈ 5e-10 per logit cut off
-(≤ 6e-5 in total variation at V = 128k, in the worst case). The noise is keyed by (row, vocab
+values k · 2⁻³¹ (fp32 is exact there), so E is resolved to ~2⁻³¹ where it is small, and U = 0
+(probability 2⁻³¹) is floored to E = 2⁻³², g ≤ 22.2. The discreteness moves no token's
+probability by more than ~2⁻³¹ per logit it competes with (≤ 6e-5 at V = 128k, worst case). The noise is keyed by (row, vocab
 index), so the tokens do not depend on the tiling; ties go to the lowest index, as torch.argmax.
 
 Greedy (NOISE=False): the score is z itself, tok = the first argmax of z.
 
-Grid (P, cdiv(B, BLOCK_B)): program p streams the vocabulary tiles p·TILES … p·TILES + TILES − 1
+Grid (cdiv(B, BLOCK_B), P): program p streams the vocabulary tiles p·TILES … p·TILES + TILES − 1
 and writes per row the partials of its slice of V (B, P): max m, Σ exp(z − m) l, best score s,
-its index and its z. The reduction over the P slices is a few torch ops (`combine_partials`):
-no host sync, CUDA-graph capturable. STATS_ONLY writes m and l only (the first pass of min-p).
+its index and its z. A second small kernel (`combine`) reduces the P slices of each row to the
+token and its log-prob, or (STATS_ONLY: m and l only, the first pass of min-p) to the min-p
+threshold. No host sync: the launches can be captured in a CUDA graph.
 
 Memory traffic: W read once (V·H·elem), h read once per program (from L2), 5·B·P·4 bytes written.
 z never leaves registers. z_tok is carried from the tile, so logp uses the same fp32 z as lse.
@@ -34,9 +36,10 @@ from grpo_lce._dispatch import HAS_TRITON, interpreting
 
 # Launch configuration on a GPU: memory-bound on W at decode batch sizes, so the vocabulary is
 # split over many programs (V / BLOCK_V / TILES ≥ 4 per SM at a 128k vocabulary) to keep HBM
-# streaming; BLOCK_B = 16 is the smallest tl.dot N, rows past B masked. bench/sample.py --sweep
-# times the alternatives.
-SAMPLE_CONFIG = dict(BLOCK_V=128, BLOCK_B=16, BLOCK_H=128, TILES=1, num_warps=4, num_stages=4)
+# streaming. BLOCK_B: the batch rounded up to a power of two in [16, 64] (16 is the smallest
+# tl.dot N; rows past B masked); larger batches take several row blocks, which read the same W
+# tile from L2. bench/sample.py --sweep times the alternatives.
+SAMPLE_CONFIG = dict(BLOCK_V=128, BLOCK_B=64, BLOCK_H=128, TILES=1, num_warps=4, num_stages=4)
 # Under Triton's interpreter (CPU tests) each program costs a fixed ~0.1 s of Python: few,
 # large programs (BLOCK_B up to 1024 rows, `launch_config`).
 INTERPRET_CONFIG = dict(BLOCK_V=64, BLOCK_B=1024, BLOCK_H=64, TILES=4, num_warps=4,
@@ -55,8 +58,10 @@ if HAS_TRITON:
         STATS_ONLY: tl.constexpr, IEEE: tl.constexpr, DOT_F32: tl.constexpr, EVEN_H: tl.constexpr,
         BLOCK_V: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_H: tl.constexpr, TILES: tl.constexpr,
     ):
-        pid_v = tl.program_id(0)
-        offs_b = tl.program_id(1) * BLOCK_B + tl.arange(0, BLOCK_B)
+        # the row blocks of one vocabulary slice are neighbours in launch order: they read the
+        # same W tile, from L2 after the first
+        pid_v = tl.program_id(1)
+        offs_b = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)
         in_b = offs_b < B
         h_rows = h_ptr + offs_b.to(tl.int64)[None, :] * stride_hb  # (1, BLOCK_B)
         if HAS_THRESH:
@@ -136,9 +141,54 @@ if HAS_TRITON:
             tl.store(zs_ptr + out, zs, mask=in_b)
 
 
+    @triton.jit
+    def _combine_kernel(
+        m_ptr, l_ptr, s_ptr, i_ptr, zs_ptr, tok_ptr, logp_ptr, t_ptr, B, P, log_min_p,
+        THRESHOLD: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
+    ):
+        rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+        in_r = rows < B
+        base = rows.to(tl.int64)[:, None] * P
+        M = tl.full((BLOCK_R,), float("-inf"), tl.float32)
+        L = tl.zeros((BLOCK_R,), tl.float32)
+        S = tl.full((BLOCK_R,), float("-inf"), tl.float32)
+        col = tl.zeros((BLOCK_R,), tl.int32)
+        for p0 in range(0, P, BLOCK_P):
+            cols = p0 + tl.arange(0, BLOCK_P)
+            mk = in_r[:, None] & (cols < P)[None, :]
+            m = tl.load(m_ptr + base + cols[None, :], mask=mk, other=float("-inf"))
+            M_new = tl.maximum(M, tl.max(m, axis=1))
+            if not THRESHOLD:
+                l = tl.load(l_ptr + base + cols[None, :], mask=mk, other=0.0)
+                Ms = tl.where(M_new == float("-inf"), 0.0, M_new)
+                # a slice that kept nothing has m = −∞, l = 0: it adds 0
+                L = L * tl.exp(M - Ms) + tl.sum(l * tl.exp(m - Ms[:, None]), axis=1)
+                s = tl.load(s_ptr + base + cols[None, :], mask=mk, other=float("-inf"))
+                s_b = tl.max(s, axis=1)
+                c_b = p0 + tl.argmax(s, axis=1, tie_break_left=True)
+                better = s_b > S  # strict: the earlier slice wins a tie
+                S = tl.where(better, s_b, S)
+                col = tl.where(better, c_b, col)
+            M = M_new
+        if THRESHOLD:
+            # fp32: M + log min_p ≤ M, so the row's argmax (z = M exactly in the second pass:
+            # the same kernel and tiles) is always kept
+            tl.store(t_ptr + rows, M + log_min_p, mask=in_r)
+        else:
+            at = rows.to(tl.int64) * P + col
+            tok = tl.load(i_ptr + at, mask=in_r, other=0)
+            z_tok = tl.load(zs_ptr + at, mask=in_r, other=0.0)
+            tl.store(tok_ptr + rows, tok.to(tl.int64), mask=in_r)
+            tl.store(logp_ptr + rows, z_tok - (M + tl.log(tl.where(in_r, L, 1.0))), mask=in_r)
+
+
 def launch_config(device: torch.device, B: int) -> dict:
     if device.type == "cuda" and not interpreting():
-        return dict(SAMPLE_CONFIG)
+        cfg = dict(SAMPLE_CONFIG)
+        cfg["BLOCK_B"] = min(cfg["BLOCK_B"], max(16, triton.next_power_of_2(B)))
+        if cfg["BLOCK_B"] == 64:  # a (128, 64) fp32 tile and its noise: twice the threads
+            cfg["num_warps"] = 8
+        return cfg
     cfg = dict(INTERPRET_CONFIG)
     cfg["BLOCK_B"] = min(cfg["BLOCK_B"], max(16, triton.next_power_of_2(B)))
     return cfg
@@ -163,7 +213,7 @@ def sample_tiles(h, w, bias, inv_tau, *, threshold=None, seed=None, stats_only=F
         out["idx"] = torch.empty(B, P, device=h.device, dtype=torch.int32)
     dummy = out["m"]
     dot_f32 = h.device.type != "cuda" or interpreting()
-    grid = (P, triton.cdiv(B, cfg["BLOCK_B"]))
+    grid = (triton.cdiv(B, cfg["BLOCK_B"]), P)
     _sample_tiles_kernel[grid](
         h, h.stride(0), w, w.stride(0), bias if bias is not None else dummy,
         threshold if threshold is not None else dummy, seed if seed is not None else dummy,
@@ -178,21 +228,28 @@ def sample_tiles(h, w, bias, inv_tau, *, threshold=None, seed=None, stats_only=F
     return out
 
 
-def row_max(part) -> torch.Tensor:
-    """max_v z_bv over the kept set, (B,) fp32, from the partials."""
-    return part["m"].amax(1)
-
-
-def combine_partials(part):
-    """(tokens int64 (B,), logp fp32 (B,)) from the (B, P) partials, with torch ops only.
-
-    lse = M + log Σ_p l_p e^{m_p − M}; the winner is the first slice with the largest score
-    (torch.argmax returns the first maximum, and slices are in vocabulary order, so a tie goes
-    to the lowest index); logp = its z − lse."""
-    m, l = part["m"], part["l"]
-    M = m.amax(1, keepdim=True)  # finite: every row keeps its argmax
-    lse = M.squeeze(1) + torch.log((l * torch.exp(m - M)).sum(1))
-    col = part["s"].argmax(1, keepdim=True)
-    tok = part["idx"].gather(1, col).squeeze(1).long()
-    logp = part["zs"].gather(1, col).squeeze(1) - lse
-    return tok, logp
+def combine(part, *, log_min_p=None):
+    """One launch over the (B, P) partials. With `log_min_p`: the min-p threshold
+    t = max_p m_p + log(min_p) (B,) fp32 of a STATS_ONLY pass. Else (tokens int64 (B,),
+    logp fp32 (B,)): lse = M + log Σ_p l_p e^{m_p − M}, the winner the first slice with the
+    largest score (slices are in vocabulary order, so a tie goes to the lowest index), logp its
+    z − lse."""
+    m = part["m"]
+    B, P = m.shape
+    dev = m.device
+    threshold = log_min_p is not None
+    if threshold:
+        t = torch.empty(B, device=dev, dtype=torch.float32)
+        tok = logp = t
+    else:
+        tok = torch.empty(B, device=dev, dtype=torch.int64)
+        logp = torch.empty(B, device=dev, dtype=torch.float32)
+        t = logp
+    on_gpu = dev.type == "cuda" and not interpreting()
+    BLOCK_R = 16 if on_gpu else min(1024, max(16, triton.next_power_of_2(B)))
+    _combine_kernel[(triton.cdiv(B, BLOCK_R),)](
+        m, part["l"], part.get("s", m), part.get("idx", m), part.get("zs", m), tok, logp, t,
+        B, P, log_min_p if threshold else 0.0,
+        THRESHOLD=threshold, BLOCK_R=BLOCK_R, BLOCK_P=256 if on_gpu else 64, num_warps=4,
+    )
+    return t if threshold else (tok, logp)
