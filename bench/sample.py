@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import sys
+from pathlib import Path
 
 import torch
 
@@ -171,7 +172,7 @@ def main(argv=None) -> int:
         del h, w
         bc.free_memory()
     tag = bc.gpu_short_name(device) + ("_quick" if a.quick else "")
-    out = bc.RESULTS_DIR if a.out_dir is None else __import__("pathlib").Path(a.out_dir)
+    out = Path(a.out_dir)
     bc.write_json(out / f"sample_{tag}.json", res)
     head = (f"linear_sample, V = {a.vocab}, bf16; {env.get('gpu') or 'cpu'}, torch "
             f"{env['torch']}, triton {env.get('triton')}, commit {env['commit']}; HBM copy "
