@@ -49,6 +49,8 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
+    from grpo_lce.kernels.divergence_rows import _log1p
+
     @triton.jit
     def _sample_tiles_kernel(
         h_ptr, stride_hb, w_ptr, stride_wv, b_ptr, t_ptr, seed_ptr,
@@ -116,11 +118,9 @@ if HAS_TRITON:
                 if NOISE:
                     key = offs_b.to(tl.int64)[None, :] * V + offs_v[:, None]
                     u = tl.rand(seed, key)
-                    # E = −log(1 − u): the series below 2⁻¹⁰ (error u⁴/4 ≤ 2e-13 · u, where
-                    # 1 − u would round away u's low bits), floored at 2⁻³² (u = 0)
-                    e = tl.where(u < 0.0009765625, u + u * u * (0.5 + u * 0.3333333333333333),
-                                 -tl.log(1.0 - u))
-                    e = tl.maximum(e, 2.3283064365386963e-10)
+                    # E = −log1p(−u) to a few ulp of u (1 − u alone would round away u's low
+                    # bits), floored at 2⁻³² (u = 0)
+                    e = tl.maximum(-_log1p(-u), 2.3283064365386963e-10)
                     score = tl.where(keep, z - tl.log(e), float("-inf"))
                 else:
                     score = zk
