@@ -3,7 +3,7 @@
 h (B, H), W (V, H), b (V,), τ ≥ 0;   z = (h Wᵀ + b) / τ   (fp32, tile by tile, never (B, V))
     kept_b = {v : z_bv ≥ t_b},  t_b = max(t_k, t_p, t_min)       (the logits processors)
     tok_b ~ softmax(z_b) restricted to kept_b                    (Gumbel-max: argmax z + g)
-    logp_b = z_b,tok − log Σ_{v ∈ kept_b} exp(z_bv)               (fp32; the distribution drawn from)
+    logp_b = z_b,tok − log Σ_{v ∈ kept_b} exp(z_bv)         (fp32; the distribution drawn from)
     τ = 0: tok_b = the first argmax of z at τ = 1, logp_b at τ = 1
 
 The processors, in transformers' order (temperature, top-k, top-p, min-p), each a threshold on z:

@@ -13,8 +13,9 @@ E is an Exp(1) variable and g a Gumbel one; E is computed from 1 − U so that t
 tail (small E, the draws that decide a sample) keeps U's fine resolution near 0: U takes the
 values k · 2⁻³¹ (fp32 is exact there), so E is resolved to ~2⁻³¹ where it is small, and U = 0
 (probability 2⁻³¹) is floored to E = 2⁻³², g ≤ 22.2. The discreteness moves no token's
-probability by more than ~2⁻³¹ per logit it competes with (≤ 6e-5 at V = 128k, worst case). The noise is keyed by (row, vocab
-index), so the tokens do not depend on the tiling; ties go to the lowest index, as torch.argmax.
+probability by more than ~2⁻³¹ per logit it competes with (≤ 6e-5 at V = 128k, worst case).
+The noise is keyed by (row, vocab index), so the tokens do not depend on the tiling; ties go to
+the lowest index, as torch.argmax.
 
 Greedy (NOISE=False): the score is z itself, tok = the first argmax of z.
 
