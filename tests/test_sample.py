@@ -403,11 +403,20 @@ def test_gpu_distribution_real_vocab(opts):
 
 @pytest.mark.gpu
 def test_gpu_reproducible_and_tiling_free():
+    from grpo_lce.kernels import sample_rows
+
     h, w = _gpu_head(64, 2048)
     a = linear_sample(h, w, generator=torch.Generator("cuda").manual_seed(7))
     b = linear_sample(h, w, generator=torch.Generator("cuda").manual_seed(7))
     c = linear_sample(h, w, generator=torch.Generator("cuda").manual_seed(8))
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) and not torch.equal(a[0], c[0])
+    seed = torch.tensor([99], device="cuda")
+    toks = [sample_rows.combine(sample_rows.sample_tiles(h, w, None, 1.0, seed=seed, config=cfg))[0]
+            for cfg in (dict(BLOCK_V=128, BLOCK_B=16, BLOCK_H=128, TILES=1, num_warps=4,
+                             num_stages=4),
+                        dict(BLOCK_V=64, BLOCK_B=64, BLOCK_H=64, TILES=3, num_warps=8,
+                             num_stages=3))]
+    assert torch.equal(toks[0], toks[1])
 
 
 @pytest.mark.gpu
