@@ -8,6 +8,7 @@ the backward pass of a frozen head is elementwise (the "gradient basis" design, 
     >>> loss = linear_cross_entropy(hidden, lm_head.weight, labels)      # scalar fp32
     >>> out = chunked_linear(my_fn, hidden, lm_head.weight, row_args...)  # any f(X @ W.T)
     >>> d = linear_divergence(h, lm_head.weight, h_teacher, teacher_head.weight, beta=0.5)
+    >>> tokens, logp = linear_sample(h_last, lm_head.weight, temperature=0.7, generator=gen)
 
 Importing this package changes no global state; it depends on torch, and on triton where it is
 installed (without it every call takes the torch path). Which path a call takes is decided in
@@ -18,6 +19,7 @@ from grpo_lce.chunked import chunked_linear
 from grpo_lce.cross_entropy import linear_cross_entropy
 from grpo_lce.divergence import linear_divergence
 from grpo_lce.logprobs import linear_logprobs
+from grpo_lce.sample import linear_sample
 from grpo_lce._chunks import DEFAULT_CHUNK_BUDGET_BYTES, default_chunk_size
 
 __version__ = "0.1.0"
@@ -27,6 +29,7 @@ __all__ = [
     "linear_cross_entropy",
     "chunked_linear",
     "linear_divergence",
+    "linear_sample",
     "default_chunk_size",
     "DEFAULT_CHUNK_BUDGET_BYTES",
     "__version__",

@@ -86,3 +86,25 @@ def divergence_ref(student_hidden, student_weight, teacher_hidden, teacher_weigh
         zero = torch.zeros((), dtype=torch.float64, device=d.device)
         d, ent = torch.where(mask != 0, d, zero), torch.where(mask != 0, ent, zero)
     return d, ent
+
+
+def sample_logprobs_ref(hidden, weight, *, bias=None, temperature=1.0, top_k=None, top_p=None,
+                        min_p=None) -> torch.Tensor:
+    """(N, V) fp64 log-probabilities of the distribution grpo_lce.linear_sample draws from:
+    softmax of the fp64 logits at τ (1 for τ = 0, greedy) truncated to the kept set
+    {z ≥ max(t_k, t_p, t_min)} and renormalized; −inf outside it (grpo_lce.sample)."""
+    tau = 1.0 if temperature == 0 else temperature
+    z = logits_ref(hidden.reshape(-1, hidden.shape[-1]), weight, bias, tau)
+    V = z.shape[-1]
+    t = torch.full(z.shape[:1], float("-inf"), dtype=torch.float64, device=z.device)
+    if top_k is not None and top_k < V:
+        t = z.topk(top_k, dim=-1).values[:, -1]
+    if top_p is not None and top_p < 1.0:
+        zk = torch.where(z >= t[:, None], z, float("-inf"))
+        desc = zk.sort(-1, descending=True).values
+        cum = torch.softmax(desc, -1).cumsum(-1)
+        j = (cum < top_p).sum(-1, keepdim=True).clamp_max(V - 1)
+        t = torch.maximum(t, desc.gather(-1, j).squeeze(-1))
+    if min_p is not None and min_p > 0.0:
+        t = torch.maximum(t, z.amax(-1) + math.log(min_p))
+    return torch.log_softmax(torch.where(z >= t[:, None], z, float("-inf")), -1)
