@@ -33,6 +33,7 @@ import argparse
 import copy
 import functools
 import os
+from pathlib import Path
 
 import torch
 
@@ -229,6 +230,7 @@ def main():
     p.add_argument("--rows", default="1,8,64,256", help="comma list of M")
     p.add_argument("--rank", type=int, default=16, help="LoRA r")
     p.add_argument("--smoke", action="store_true", help="tiny shapes (CPU interpreter run)")
+    p.add_argument("--out-dir", default=str(bc.RESULTS_DIR), help="where the JSON goes")
     p.add_argument("--sweep", action="store_true",
                    help="time our kernel over a grid of tile configs instead (use with --rows 8)")
     args = p.parse_args()
@@ -247,7 +249,7 @@ def main():
     print(f"{env['gpu'] or 'cpu'}  copy bandwidth {bw / 1e9:.0f} GB/s  commit {env['commit']}")
     if args.sweep:
         res = sweep(shapes, rows, args.rank, device, bw)
-        path = bc.RESULTS_DIR / f"bench_decode_linear_sweep_{bc.gpu_short_name(device)}.json"
+        path = Path(args.out_dir) / f"bench_decode_linear_sweep_{bc.gpu_short_name(device)}.json"
         bc.write_json(path, {"env": env, "bandwidth_Bps": bw, "rank": args.rank,
                              "results": res})
         print(f"wrote {path}")
@@ -294,7 +296,7 @@ def main():
             del mod, mods
             bc.free_memory()
     summary = layer_summary(results)
-    path = bc.RESULTS_DIR / f"bench_decode_linear_{bc.gpu_short_name(device)}.json"
+    path = Path(args.out_dir) / f"bench_decode_linear_{bc.gpu_short_name(device)}.json"
     bc.write_json(path, {"env": env, "bandwidth_Bps": bw, "graph_calls": GRAPH_CALLS,
                          "rank": args.rank, "results": results,
                          "per_decoder_layer": summary})

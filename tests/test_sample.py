@@ -129,18 +129,25 @@ def _small_head(seed=0):
     return h, w
 
 
-def _assert_kept_set_robust(h, w, opts):
-    """Precondition: the kept set of every row is the same under min_p · (1 ± 1e-4) (a shift of
-    the min-p threshold by ±1e-4 in z) and top_p ± 2e-5 (the fp32 cumulative sums' error is
-    below that), so fp32 rounding cannot move a token across a threshold."""
+def _robust_rows(h, w, opts):
+    """(B,) bool: the rows whose kept set is the same under min_p · (1 ± 1e-4) (a shift of the
+    min-p threshold by ±1e-4 in z) and top_p ± 2e-5 (the fp32 cumulative sums' error is below
+    that), so that fp32 rounding cannot move one of their tokens across a threshold."""
     base = torch.isfinite(sample_logprobs_ref(h, w, **opts))
+    robust = torch.ones(base.shape[0], dtype=torch.bool, device=base.device)
     for f in (-1, 1):
         o = dict(opts)
         if o.get("top_p") is not None:
             o["top_p"] = min(1.0, o["top_p"] + f * 2e-5)
         if o.get("min_p") is not None:
             o["min_p"] = o["min_p"] * (1 + f * 1e-4)
-        assert torch.equal(torch.isfinite(sample_logprobs_ref(h, w, **o)), base), opts
+        robust &= (torch.isfinite(sample_logprobs_ref(h, w, **o)) == base).all(1)
+    return robust
+
+
+def _assert_kept_set_robust(h, w, opts):
+    """Precondition: every row is robust (`_robust_rows`)."""
+    assert bool(_robust_rows(h, w, opts).all()), opts
 
 
 def _draws(backend, h, w, n, opts, seed=0):
@@ -369,16 +376,19 @@ def test_gpu_logprobs_real_vocab(B, H):
     b = b.cuda()
     for opts in (dict(temperature=1.0), dict(temperature=0.7, min_p=0.05),
                  dict(temperature=0.0), dict(temperature=0.9, top_k=50, top_p=0.9)):
-        _assert_kept_set_robust(h, w, dict(opts, bias=b))
+        # a row whose top-p boundary lies within fp32 rounding of a cumulative sum has no
+        # well-defined kept set at this precision: compared only where it has (most rows)
+        robust = _robust_rows(h, w, dict(opts, bias=b))
+        assert int(robust.sum()) >= B - 2, (opts, int(robust.sum()))
         with recording() as rec:
             tok, logp = linear_sample(h, w, bias=b,
                                       generator=torch.Generator("cuda").manual_seed(1), **opts)
         triton_ok = "top_k" not in opts
         assert rec.of("sample") == ["triton" if triton_ok else "torch"]
         ref = sample_logprobs_ref(h, w, bias=b, **opts).gather(1, tok[:, None]).squeeze(1)
-        assert torch.isfinite(ref).all()
+        assert torch.isfinite(ref[robust]).all()
         tol = logp_tolerance(h, w, b, opts["temperature"], n_seq=16)
-        err = (logp.double() - ref).abs()
+        err = (logp.double() - ref)[robust].abs()
         assert float(err.max()) <= tol, f"{opts}: max err {float(err.max()):.2e} > {tol:.2e}"
         if opts["temperature"] == 0.0:
             z = logits_ref(h, w, b)
