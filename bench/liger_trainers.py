@@ -36,7 +36,7 @@ import trl
 from trl.models.utils import disable_gradient_checkpointing
 from trl.trainer.utils import use_adapter
 
-from trainers.head import backbone, unwrap_causal_lm
+from trainers.models import backbone, unwrap_causal_lm
 
 
 def _hidden(model, input_ids, attention_mask) -> torch.Tensor:

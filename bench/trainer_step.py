@@ -225,7 +225,7 @@ def attach(tr, timer: StepTimer, teacher=None) -> list:
     import torch
     from transformers import TrainerCallback
 
-    from trainers.head import backbone
+    from trainers.models import backbone
 
     compute_loss, backward = tr.compute_loss, tr.accelerator.backward
 
@@ -378,7 +378,8 @@ def dpo_accuracy(tr, tok, rows, lens: Lengths) -> dict:
     from trl.trainer.utils import add_fused_lm_head
 
     from bench.trainer_step_op import logprobs_ref_rows
-    from trainers.head import backbone, head_logprobs, lm_head_params, unwrap_causal_lm
+    from trainers.head import head_logprobs, lm_head_params
+    from trainers.models import backbone, unwrap_causal_lm
 
     eos = tok.eos_token
     examples = [{"prompt_ids": tok(r["prompt"])["input_ids"],
@@ -425,7 +426,8 @@ def distill_accuracy(a, tr, teacher, tok, prompts, completions, lens: Lengths) -
     from trl.kernels.chunked_divergence import ChunkedDivergenceFunction
 
     from bench import trainer_step_op as op
-    from trainers.head import backbone, lm_head_params
+    from trainers.head import lm_head_params
+    from trainers.models import backbone
 
     B = lens.batch
     p_ids = [tok(text=p)["input_ids"] for p in prompts[:B]]

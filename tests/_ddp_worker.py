@@ -210,7 +210,7 @@ def fully_shard_like_accelerate(model, mesh=None):
     on a machine with GPUs needs an explicit CPU mesh)."""
     from torch.distributed.fsdp import fully_shard
 
-    from trainers.head import unwrap_causal_lm
+    from trainers.models import unwrap_causal_lm
 
     lm = unwrap_causal_lm(model)
     for layer in lm.model.layers:
@@ -228,7 +228,8 @@ def _fsdp2(rank, world, tok, batches, out_dir, device):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
 
-    from trainers.head import lm_head_params, unwrap_causal_lm
+    from trainers.head import lm_head_params
+    from trainers.models import unwrap_causal_lm
 
     res = {}
     for peft in (False, True):
@@ -250,7 +251,7 @@ def _zero3(rank, world, tok, batches, out_dir, device):
     import deepspeed
     from deepspeed.utils import safe_get_full_grad
 
-    from trainers.head import unwrap_causal_lm
+    from trainers.models import unwrap_causal_lm
     from trainers.sharded import is_zero3_param
 
     tr = grpo_trainer(tok, tiny_model(tok, peft=True), out_dir, world, device=device,

@@ -52,13 +52,8 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from trl.trainer.utils import use_adapter
 
 from trainers import GRPOTrainer, varlen
-from trainers.head import (
-    backbone,
-    forward_hidden_states,
-    head_logprobs,
-    lm_head_params,
-    unwrap_causal_lm,
-)
+from trainers.head import forward_hidden_states, head_logprobs, lm_head_params
+from trainers.models import backbone, unwrap_causal_lm
 from trainers.packing import (
     choose_packing,
     packed_logprobs,

@@ -135,7 +135,7 @@ def test_packed_loss_and_lora_grads_within_padded_noise(trainer):
     # left-padding rows (queries that see no key at all) gives NaN LoRA gradients in this bf16
     # model, so sdpa's padded path cannot serve as the reference (printed below).
     from trainers import varlen
-    from trainers.head import unwrap_causal_lm
+    from trainers.models import unwrap_causal_lm
 
     (ids, mask), (ids_b, mask_b), rev = _compositions()
     adv = torch.randn(B, generator=torch.Generator().manual_seed(1)).cuda()

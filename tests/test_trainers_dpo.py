@@ -232,7 +232,7 @@ def test_reference_model_under_mixed_precision(tok, tmp_path):
     # bf16=True: TRL's __init__ prepares ref_model, and accelerate wraps its (TRL-patched)
     # forward in autocast; ours must take that wrapper's place and enter the same autocast.
     from trainers import fused_forward
-    from trainers.head import unwrap_model
+    from trainers.models import unwrap_model
 
     stock, ours = _pair(tok, tmp_path, tiny_model(tok, tied=False), ref_model=_ref_model(tok),
                         bf16=True)
@@ -261,7 +261,7 @@ def test_reference_model_under_mixed_precision(tok, tmp_path):
 def test_full_finetune_mixed_precision_train_then_evaluate(tok, tmp_path):
     # train() prepares the policy, and accelerate wraps its forward (ours by then) for mixed
     # precision; evaluate() with precomputed reference log-probs installs ours again: no-op.
-    from trainers.head import unwrap_model
+    from trainers.models import unwrap_model
 
     args = _config(tmp_path, bf16=True, max_steps=1, precompute_ref_log_probs=True,
                    per_device_eval_batch_size=4)

@@ -349,13 +349,13 @@ def test_supported_prerelease_accepted(monkeypatch):
 
 
 def test_unwrap_model_peels_wrappers_like_accelerate(tok):
-    # trainers.head.unwrap_model replaces accelerate's extract_model_from_parallel on the hot
+    # trainers.models.unwrap_model replaces accelerate's extract_model_from_parallel on the hot
     # path; it must peel the same wrappers (DataParallel, torch.compile), and it also peels a
     # compiled module inside DataParallel, which accelerate leaves compiled. PEFT on top.
     from accelerate.utils import extract_model_from_parallel
     from peft import LoraConfig, get_peft_model
 
-    from trainers.head import unwrap_causal_lm, unwrap_model
+    from trainers.models import unwrap_causal_lm, unwrap_model
 
     model = build_tiny_llama(tok, hidden_size=32, num_layers=1)
     for wrapped in (model, torch.nn.DataParallel(model), torch.compile(model)):

@@ -40,7 +40,7 @@ from datasets import Dataset
 from peft import LoraConfig, get_peft_model
 
 from trainers import DPOTrainer, KTOTrainer
-from trainers.head import unwrap_causal_lm
+from trainers.models import unwrap_causal_lm
 from trainers.tiny import build_tokenizer
 from _trainer_pairs import randomize_adapter
 

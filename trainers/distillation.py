@@ -78,7 +78,8 @@ from trl.extras.profiling import profiling_context
 from grpo_lce import linear_divergence
 
 from .base import PackingOptionsMixin
-from .head import _head_inputs, check_fused_head, unwrap_model
+from .head import check_fused_head, head_inputs
+from .models import unwrap_model
 from .packing import choose_packing, packed_hidden, plan_packs
 from .sampling.on_policy import OnPolicySamplingMixin
 from .sharded import full_head_params
@@ -250,8 +251,8 @@ class DistillationTrainer(OnPolicySamplingMixin, PackingOptionsMixin, trl.Distil
         with torch.no_grad():  # the teacher's head is a constant (a ZeRO-3 gather is a copy)
             w_t, b_t = full_head_params(teacher_lm_head_weight, teacher_lm_head_bias,
                                         model=unwrap_model(self.teacher_model))
-        h_s, b_s = _head_inputs(student_hidden_states, w_s, b_s)
-        h_t, b_t = _head_inputs(teacher_hidden_states.detach(), w_t, b_t)
+        h_s, b_s = head_inputs(student_hidden_states, w_s, b_s)
+        h_t, b_t = head_inputs(teacher_hidden_states.detach(), w_t, b_t)
         mask = completion_mask.to(w_s.device)
         # the head's precision is fixed by grpo_lce (fp32 logits), not by an autocast region
         with torch.autocast(h_s.device.type, enabled=False):

@@ -45,8 +45,3 @@ class DPOTrainer(fused_forward.FusedForwardMixin, trl.DPOTrainer):
 
     _trl_name = "DPOTrainer"
     _lce_logger = logger
-
-    def _precompute_ref_logps(self, dataset, name, batch_size):
-        # TRL calls this from its __init__, after patching the models: ours go in first
-        fused_forward.install(self)
-        return super()._precompute_ref_logps(dataset, name, batch_size)

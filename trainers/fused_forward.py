@@ -94,14 +94,8 @@ from trl.trainer.utils import FusedCausalLMOutput
 from grpo_lce import chunked_linear, default_chunk_size
 
 from .base import PackingOptionsMixin
-from .head import (
-    check_fused_head,
-    fused_head_unsupported_reason,
-    head_logprobs,
-    lm_head_params,
-    unwrap_causal_lm,
-    unwrap_model,
-)
+from .head import check_fused_head, fused_head_unsupported_reason, head_logprobs, lm_head_params
+from .models import unwrap_causal_lm, unwrap_model
 from .packing import choose_packing, packed_hidden, plan_target_packs, unpack
 
 logger = logging.getLogger(__name__)
@@ -175,6 +169,12 @@ class FusedForwardMixin(PackingOptionsMixin):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         install(self)
+
+    def _precompute_ref_logps(self, dataset, name, batch_size):
+        # TRL's DPO and KTO call this from their __init__, after patching the models: ours go in
+        # first (TRL's RLOO has no such pass and never calls it)
+        install(self)
+        return super()._precompute_ref_logps(dataset, name, batch_size)
 
     def _lce_packing_kind(self, lm, args, kwargs) -> str | None:
         """How to pack this call of `lm` ("varlen", "block", "sdpa_varlen", "dense"), or None

@@ -38,21 +38,19 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
-import sys
 from collections.abc import Iterator
 
 import torch
 
 from grpo_lce import linear_cross_entropy, linear_logprobs
 
+from .models import (
+    AuxiliaryTrainingWrapper,
+    BaseTunerLayer,
+    backbone,
+    unwrap_causal_lm,
+)
 from .sharded import full_head_params
-
-try:  # PEFT is optional for the trainers: plain full fine-tuning does not need it
-    from peft import PeftModel
-    from peft.tuners.tuners_utils import BaseTunerLayer
-    from peft.utils.other import AuxiliaryTrainingWrapper
-except ImportError:  # pragma: no cover - exercised only without peft
-    PeftModel = BaseTunerLayer = AuxiliaryTrainingWrapper = ()
 
 # Config attributes under which transformers models scale or cap the logits before the softmax
 # (Gemma 2/3 softcapping; Cohere, Granite, Falcon-H1, MiniCPM, HyperCLOVA X scaling). TRL's fused
@@ -61,57 +59,6 @@ _LOGIT_TRANSFORMS = (
     "final_logit_softcapping", "logit_scale", "output_multiplier", "lm_head_multiplier",
     "logits_scaling",
 )
-
-
-def _container_types() -> tuple[type, ...]:
-    """The wrappers that hold the model as `.module`: DDP, DataParallel, FSDP1 and DeepSpeed's
-    engine (the last two only when their package is already imported, as it is when in use)."""
-    types = [torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel]
-    fsdp = sys.modules.get("torch.distributed.fsdp.fully_sharded_data_parallel")
-    if fsdp is not None:
-        types.append(fsdp.FullyShardedDataParallel)
-    deepspeed = sys.modules.get("deepspeed")
-    if deepspeed is not None and hasattr(deepspeed, "DeepSpeedEngine"):
-        types.append(deepspeed.DeepSpeedEngine)
-    return tuple(types)
-
-
-def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
-    """The module inside DDP / DataParallel / FSDP1 / DeepSpeed / torch.compile wrappers: what
-    accelerate's `extract_model_from_parallel(model, keep_torch_compile=False)` returns, without
-    its per-call cost (it re-reads package metadata and walks every submodule on each call: ~2 ms
-    per call, several calls per training step, measured as a fixed host-side cost per step)."""
-    containers = _container_types()
-    compiled = torch._dynamo.eval_frame.OptimizedModule  # what torch.compile(module) returns
-    while True:
-        if isinstance(model, containers):
-            model = model.module
-        elif isinstance(model, compiled):
-            model = model._orig_mod
-        elif "_orig_mod" in model.__dict__:  # a module whose regions were compiled in place
-            model = model.__dict__["_orig_mod"]
-        else:
-            return model
-
-
-def unwrap_causal_lm(model: torch.nn.Module) -> torch.nn.Module:
-    """The `*ForCausalLM` inside DDP / DataParallel / torch.compile / accelerate / PEFT wrappers."""
-    m = unwrap_model(model)
-    if PeftModel and isinstance(m, PeftModel):
-        m = m.get_base_model()
-    return m
-
-
-def backbone(model: torch.nn.Module) -> torch.nn.Module:
-    """The module whose output's `last_hidden_state` feeds the LM head (TRL reads the same one)."""
-    lm = unwrap_causal_lm(model)
-    base = getattr(lm, "base_model", None)
-    if base is None or base is lm:
-        raise ValueError(
-            f"model ({type(lm).__name__}) has no backbone under `base_model`: the fused head "
-            "supports transformers `*ForCausalLM` models (backbone + lm_head)"
-        )
-    return base
 
 
 def lm_head_params(model: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -266,7 +213,7 @@ def forward_hidden_states(model: torch.nn.Module, **inputs) -> tuple[torch.Tenso
     return hidden, outputs
 
 
-def _head_inputs(hidden, weight, bias):
+def head_inputs(hidden, weight, bias):
     """hidden on the head's device and in its dtype (the GEMM operands must agree; with an fp32
     head under bf16 autocast this upcasts h, as TRL's `cast_lm_head_to_fp32` does)."""
     hidden = hidden.to(device=weight.device, dtype=weight.dtype)
@@ -278,13 +225,13 @@ def _head_inputs(hidden, weight, bias):
 def head_logprobs(hidden, weight, bias, targets, **kwargs):
     """`grpo_lce.linear_logprobs` on (hidden, weight, bias) with autocast off: the head's
     precision is fixed by grpo_lce (fp32 accumulation), not by an enclosing autocast region."""
-    hidden, bias = _head_inputs(hidden, weight, bias)
+    hidden, bias = head_inputs(hidden, weight, bias)
     with torch.autocast(hidden.device.type, enabled=False):
         return linear_logprobs(hidden, weight, targets.to(weight.device), bias=bias, **kwargs)
 
 
 def head_cross_entropy(hidden, weight, bias, labels, **kwargs):
     """`grpo_lce.linear_cross_entropy` with the same device/dtype/autocast handling."""
-    hidden, bias = _head_inputs(hidden, weight, bias)
+    hidden, bias = head_inputs(hidden, weight, bias)
     with torch.autocast(hidden.device.type, enabled=False):
         return linear_cross_entropy(hidden, weight, labels.to(weight.device), bias=bias, **kwargs)

@@ -108,13 +108,8 @@ from transformers.masking_utils import (
 )
 
 from . import varlen
-from .head import (
-    PeftModel,
-    forward_hidden_states,
-    head_logprobs,
-    unwrap_causal_lm,
-    unwrap_model,
-)
+from .head import forward_hidden_states, head_logprobs
+from .models import PeftModel, unwrap_causal_lm, unwrap_model
 
 # Layer kinds that only attend: packing relies on attention being the one place where tokens
 # of different rows meet. Recurrent or convolutional layers (Mamba, linear attention) carry
