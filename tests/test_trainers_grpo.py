@@ -373,3 +373,23 @@ def test_unwrap_model_peels_wrappers_like_accelerate(tok):
     assert unwrap_model(torch.nn.DataParallel(torch.compile(model))) is model
     peft = get_peft_model(model, LoraConfig(r=2, target_modules=["q_proj"]))
     assert unwrap_causal_lm(torch.nn.DataParallel(peft)) is model
+
+
+def test_packing_options_are_checked_on_set(tok, tmp_path):
+    # from the config at construction, then set on the trainer: checked both times
+    from trainers import GRPOConfig
+
+    args = GRPOConfig(output_dir=str(tmp_path), report_to="none", use_cpu=True, bf16=False,
+                      per_device_train_batch_size=B, num_generations=B, packing="false",
+                      max_packed_tokens=32)
+    tr = GRPOTrainer(model=_model(tok, peft=False), reward_funcs=_reward_len, args=args,
+                     train_dataset=_dataset(), processing_class=tok)
+    assert tr.packing is False and tr.max_packed_tokens == 32
+    tr.packing = "AUTO"
+    assert tr.packing == "auto"
+    with pytest.raises(ValueError, match=r"packing must be True, False or 'auto', got 'bogus'"):
+        tr.packing = "bogus"
+    with pytest.raises(ValueError, match=r"max_packed_tokens must be a positive int or None, "
+                                         r"got -1"):
+        tr.max_packed_tokens = -1
+    assert tr.packing == "auto" and tr.max_packed_tokens == 32

@@ -8,7 +8,9 @@ transformers settings the scripts and benchmarks build the same way: the QLoRA b
     --packing auto|true|false   --max_packed_tokens 16384   --fast_generation true|false
 
 `trainers.GRPOTrainer` also accepts a stock `trl.GRPOConfig` (the options then take their
-defaults) and the same options as constructor keywords, which win over the config.
+defaults) and the same options as constructor keywords, which win over the config. The trainer
+reads them at construction; later, set `trainer.packing` / `trainer.max_packed_tokens` (checked
+on set, `trainers.base`), not the config's fields.
 """
 
 from __future__ import annotations
