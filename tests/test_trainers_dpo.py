@@ -9,7 +9,8 @@ WPO (`use_weighting`), a weighted mixture of losses with LD-DPO, an f-divergence
 checkpointing, full fine-tuning of a tied head, a head with a bias; a `ref_model` that accelerate
 wrapped for mixed precision (bf16=True) inside TRL's `__init__`; `padding_free=True` switched off
 by TRL as in stock; a 3-step `train()` whose logs match stock TRL step by step; the fallback for a
-softcapped model, with one logged line.
+softcapped model, with one logged line; WPO with an "sft" loss refused at construction (stock TRL
+raises at the first step).
 
 Every test of ours runs it inside `_trainer_pairs.fused_head_ran` (the softcapped fallback
 excepted), so it fails if ours fell back to TRL's code (check: `PYTHONPATH=tests python -m pytest
@@ -43,7 +44,7 @@ from trainers import DPOTrainer
 from trainers.tiny import build_tokenizer
 from _tiny_models import add_head_bias, tiny_model
 from _trainer_pairs import assert_close, assert_same_logs, assert_same_step, loss_step
-from _trainer_pairs import build_pair, fused_head_ran, train_logs
+from _trainer_pairs import build_pair, build_trainer, fused_head_ran, train_logs
 
 LOGP_ATOL = 5e-5
 SEQ_LOGP_ATOL = 1e-4
@@ -287,3 +288,22 @@ def test_full_finetune_mixed_precision_train_then_evaluate(tok, tmp_path):
     with fused_head_ran(tr):
         metrics = tr.evaluate(eval_dataset=_dataset())  # precomputes its reference log-probs
     assert torch.isfinite(torch.tensor(metrics["eval_loss"]))
+
+
+def test_weighting_with_sft_loss_is_refused(tok, tmp_path):
+    # Stock TRL 1.16 accepts the combination and raises inside its loss at the first step (the
+    # SFT term, a scalar expanded to the batch, is scaled by the WPO weights in place). While it
+    # does, ours refuses it at construction, naming both options.
+    model = tiny_model(tok, tied=False)
+    bad = dict(use_weighting=True, loss_type=["sigmoid", "sft"])
+    stock = build_trainer(trl.DPOTrainer, model, args=_config(tmp_path, **bad),
+                          train_dataset=_dataset(), processing_class=tok)
+    with pytest.raises(RuntimeError, match="more than one element of the written-to tensor"):
+        loss_step(stock, _batch(stock))
+    refusal = r"use_weighting=True with loss_type=.*'sft'.*use_weighting=False.*drop 'sft'"
+    for loss_type in (["sigmoid", "sft"], "sft"):
+        args = _config(tmp_path, use_weighting=True, loss_type=loss_type)
+        with pytest.raises(ValueError, match=refusal):
+            DPOTrainer(model=model, args=args, train_dataset=_dataset(), processing_class=tok)
+        with pytest.raises(ValueError, match=refusal):  # the config as trl's third positional
+            DPOTrainer(model, None, args, train_dataset=_dataset(), processing_class=tok)
