@@ -14,7 +14,8 @@ raises at the first step).
 
 Every test of ours runs it inside `_trainer_pairs.fused_head_ran` (the softcapped fallback
 excepted), so it fails if ours fell back to TRL's code (check: `PYTHONPATH=tests python -m pytest
--p _force_fallback ...`, tests/_force_fallback.py).
+-p _force_fallback ...`, tests/_force_fallback.py). Under that mutation only the refusal of WPO
+with an "sft" loss passes: it stops at construction.
 
     python -m pytest tests/test_trainers_dpo.py -q
 

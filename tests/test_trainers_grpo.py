@@ -8,8 +8,9 @@ stock TRL step by step; the fallback to TRL's head; and the errors for unsupport
 
 Every comparison runs ours inside `_trainer_pairs.fused_head_ran`, so it fails if ours fell back
 to TRL's code (check: `PYTHONPATH=tests python -m pytest -p _force_fallback ...`,
-tests/_force_fallback.py). Under that mutation only the refusals, the version checks and
-`unwrap_model` pass: they stop at construction or run no log-prob pass, so they need no head.
+tests/_force_fallback.py). Under that mutation only the refusals, the version checks,
+`unwrap_model` and the packing options' checks pass: they stop at construction or run no
+log-prob pass, so they need no head.
 
     python -m pytest tests/test_trainers_grpo.py -q
 
