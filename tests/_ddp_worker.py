@@ -47,7 +47,7 @@ import warnings
 import torch
 
 import _ddp_trainers
-from _trainer_pairs import ragged_ids_and_mask
+from _trainer_pairs import fused_head_ran, ragged_ids_and_mask
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 B, P, C = 4, 6, 9  # global completions, prompt length, completion length
@@ -157,16 +157,21 @@ def grads_of(model) -> dict[str, torch.Tensor]:
 
 
 def grpo_step(tr, model, inputs) -> tuple[torch.Tensor, dict]:
+    """Loss and gradients of one `compute_loss` + backward, which must run grpo_lce's head
+    (`fused_head_ran`: else both sides of a comparison could be TRL's)."""
     model.zero_grad(set_to_none=True)
-    loss = tr.compute_loss(model, dict(inputs))
-    loss.backward()
+    with fused_head_ran(tr):
+        loss = tr.compute_loss(model, dict(inputs))
+        loss.backward()
     return loss.detach().cpu(), grads_of(model)
 
 
 def sft_step(tr, model, inputs, num_items) -> tuple[torch.Tensor, dict]:
+    """As `grpo_step`, with `num_items_in_batch`."""
     model.zero_grad(set_to_none=True)
-    loss = tr.compute_loss(model, dict(inputs), num_items_in_batch=num_items)
-    loss.backward()
+    with fused_head_ran(tr):
+        loss = tr.compute_loss(model, dict(inputs), num_items_in_batch=num_items)
+        loss.backward()
     return loss.detach().cpu(), grads_of(model)
 
 
@@ -268,8 +273,9 @@ def _zero3(rank, world, tok, batches, out_dir, device):
     head_w = unwrap_causal_lm(engine.module).get_output_embeddings().weight
     assert is_zero3_param(head_w) and head_w.numel() == 0 and not head_w.requires_grad, head_w
     inputs = to_device(rank_slice(batches["grpo"], rank, world), tr.accelerator.device)
-    loss = tr.compute_loss(engine, dict(inputs))
-    engine.backward(loss)
+    with fused_head_ran(tr):
+        loss = tr.compute_loss(engine, dict(inputs))
+        engine.backward(loss)
     grads = {n: safe_get_full_grad(p).detach().to("cpu", copy=True)
              for n, p in engine.module.named_parameters() if p.requires_grad}
     return {"zero3_lora": {"loss": loss.detach().cpu(), "synced": grads}}

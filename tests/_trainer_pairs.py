@@ -1,10 +1,13 @@
 """Helpers the trainer tests share: build a trainer on a copy of a tiny model, run one
 `compute_loss` + backward or a short `train()`, and compare ours against stock TRL (loss,
 gradients, logged metrics, training logs); and the ragged prompt + completion batch that the
-GRPO and RLOO tests (single-process and DDP) score."""
+GRPO and RLOO tests (single-process and DDP) score; and `fused_head_ran`, which every test
+comparing ours with TRL or fp64 runs ours inside, so that a silent fallback to TRL's code fails
+it (tests/_force_fallback.py forces one, to check that they do)."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
@@ -17,6 +20,33 @@ def assert_close(ours, ref, *, rtol=0.0, atol=0.0, what=""):
     err = (ours - ref).abs().max().item() if ref.numel() else 0.0
     bound = atol + rtol * (ref.abs().max().item() if ref.numel() else 0.0)
     assert err <= bound, f"{what}: max err {err:.3e} > {bound:.3e}"
+
+
+@contextlib.contextmanager
+def fused_head_ran(*trainers, min_calls: int = 1):
+    """Asserts, on leaving the block without an error, that grpo_lce's head ran in it: at least
+    `min_calls` calls decided a Path (`grpo_lce._dispatch.recording()`; TRL's own code never
+    calls grpo_lce), and none of `trainers` ever logged a fallback to TRL's code
+    (`FusedHeadMixin._lce_fallbacks_logged` empty, construction included). Yields the Record."""
+    # imported here: the DDP worker imports this module before it sets TRITON_INTERPRET
+    from grpo_lce._dispatch import recording
+
+    with recording() as rec:
+        yield rec
+    assert len(rec.paths) >= min_calls, (
+        f"grpo_lce decided {len(rec.paths)} calls in the block (expected >= {min_calls}): "
+        "the trainer fell back to TRL's code without logging it")
+    for tr in trainers:
+        assert tr._lce_fallbacks_logged == set(), (
+            f"{type(tr).__name__} fell back to TRL's code: {sorted(tr._lce_fallbacks_logged)}")
+
+
+def fused_if_ours(tr):
+    """`fused_head_ran(tr)` for one of our trainers (a `FusedHeadMixin`), a plain block for a
+    stock TRL one: for loops and helpers that run both."""
+    if hasattr(tr, "_lce_fallbacks_logged"):
+        return fused_head_ran(tr)
+    return contextlib.nullcontext()
 
 
 def grads(model) -> dict[str, torch.Tensor]:
@@ -100,9 +130,11 @@ def build_pair(stock_cls, ours_cls, model, make_kwargs) -> list:
 def train_logs(cls, model, **kwargs) -> list[dict]:
     """The per-step logs (the entries with a loss) of `build_trainer(cls, model, **kwargs)`'s
     `train()`. Call it once per trainer, one after the other: the trainer's `__init__` reseeds
-    the global RNG (`set_seed(args.seed)`), so each `train()` starts from the same random stream."""
+    the global RNG (`set_seed(args.seed)`), so each `train()` starts from the same random stream.
+    Ours (a `FusedHeadMixin`, unlike TRL's) trains inside `fused_head_ran(tr)`."""
     tr = build_trainer(cls, model, **kwargs)
-    tr.train()
+    with fused_if_ours(tr):
+        tr.train()
     return [h for h in tr.state.log_history if "loss" in h]
 
 

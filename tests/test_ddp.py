@@ -43,7 +43,9 @@ rows (accelerate's even batches):
 The metrics these four log in `compute_loss` are all gathered over processes, so every rank
 logs the global batch's values (`num_tokens` is a running total: the ranks took two steps).
 That the fused path ran: on every rank the step made as many grpo_lce calls as the single
-process (`grpo_lce._dispatch.recording`), and the trainer logged no fallback to TRL's head.
+process (`grpo_lce._dispatch.recording`), and the trainer logged no fallback to TRL's head. The
+GRPO and SFT steps (DDP, FSDP2, ZeRO-3) run inside `_trainer_pairs.fused_head_ran`, on every
+rank and in the single-process reference (`_ddp_worker.grpo_step`, `sft_step`).
 
 Tolerances. fp32; the two sides run identical weights on different row groupings (DPO and
 KTO: per-rank padding too), so only summation order differs: rtol 1e-5 on losses, 1e-4 ×

@@ -9,6 +9,12 @@ entropy; an all-masked micro-batch; calls without `fused_lm_head` (logits, gener
 TRL's forward unchanged; the fallbacks (softcapping, MoE router logits, multimodal inputs) with
 one logged line per reason; installing twice; a model outliving its trainer.
 
+Every comparison runs ours inside `_trainer_pairs.fused_head_ran`, so it fails if ours fell back
+to TRL's head (check: `PYTHONPATH=tests python -m pytest -p _force_fallback ...`,
+tests/_force_fallback.py). Under that mutation the calls without `fused_lm_head` (TRL's forward
+by design), `_fallback_reason`, install and the model outliving its trainer (whose gate is
+gone with it) need no fused head and pass.
+
     python -m pytest tests/test_fused_forward.py -q
 
 Tolerances. fp32 throughout; both forwards run the same backbone on the same weights, so the hidden
@@ -24,6 +30,7 @@ label_mask exactly.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import gc
 import inspect
@@ -38,6 +45,7 @@ from trainers.base import FusedHeadMixin
 from trainers.tiny import build_tokenizer
 from _tiny_models import add_head_bias, tiny_model
 from _tolerance import max_err
+from _trainer_pairs import fused_head_ran
 
 ALL_OUTPUTS = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
 FIELDS = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits")
@@ -144,14 +152,15 @@ def test_fields_match_trl_and_fp64(tok, arch, tied, bias, temperature):
     model = tiny_model(tok, arch, tied=tied)
     if bias:
         add_head_bias(model)
-    stock, ours, _ = _pair(model, temperature=temperature, outputs=ALL_OUTPUTS)
+    stock, ours, trainer = _pair(model, temperature=temperature, outputs=ALL_OUTPUTS)
     ids, mask, labels = _batch(tok, model=stock)
     res = {}
     for name, m in (("trl", stock), ("ours", ours)):
         m.zero_grad(set_to_none=True)
-        out = m(input_ids=ids, attention_mask=mask, labels=labels, fused_lm_head=True)
-        # the entropy carries a gradient in TRL's output: check ours does too, identically
-        (out.loss + 0.1 * out.entropy.sum()).backward()
+        with fused_head_ran(trainer) if m is ours else contextlib.nullcontext():
+            out = m(input_ids=ids, attention_mask=mask, labels=labels, fused_lm_head=True)
+            # the entropy carries a gradient in TRL's output: check ours does too, identically
+            (out.loss + 0.1 * out.entropy.sum()).backward()
         grads = {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
         res[name] = (out, grads)
     (s, g_s), (o, g_o) = res["trl"], res["ours"]
@@ -179,13 +188,14 @@ def test_fields_match_trl_and_fp64(tok, arch, tied, bias, temperature):
 
 
 def test_shift_labels_and_num_items(tok):
-    stock, ours, _ = _pair(tiny_model(tok, tied=False), outputs=("log_probs", "is_top1"))
+    stock, ours, trainer = _pair(tiny_model(tok, tied=False), outputs=("log_probs", "is_top1"))
     ids, mask, labels = _batch(tok, seed=1)
     shift = torch.cat([labels[:, 1:], torch.full((B, 1), -100)], 1)  # (B, L): already shifted
     for kw in ({"shift_labels": shift, "labels": labels}, {"labels": labels,
                                                           "num_items_in_batch": 7}):
         s = stock(input_ids=ids, attention_mask=mask, fused_lm_head=True, **kw)
-        o = ours(input_ids=ids, attention_mask=mask, fused_lm_head=True, **kw)
+        with fused_head_ran(trainer):
+            o = ours(input_ids=ids, attention_mask=mask, fused_lm_head=True, **kw)
         assert o.log_probs.shape == s.log_probs.shape
         _close(o.log_probs, s.log_probs, atol=VALUE_ATOL, what="log_probs")
         _close(o.loss, s.loss, rtol=LOSS_RTOL, what="loss")
@@ -194,11 +204,12 @@ def test_shift_labels_and_num_items(tok):
 
 
 def test_all_masked_micro_batch_backpropagates(tok):
-    stock, ours, _ = _pair(tiny_model(tok), outputs=("log_probs", "entropy"))
+    stock, ours, trainer = _pair(tiny_model(tok), outputs=("log_probs", "entropy"))
     ids, mask, labels = _batch(tok)
     labels = torch.full_like(labels, -100)
     for m in (stock, ours):
-        out = m(input_ids=ids, attention_mask=mask, labels=labels, fused_lm_head=True)
+        with fused_head_ran(trainer) if m is ours else contextlib.nullcontext():
+            out = m(input_ids=ids, attention_mask=mask, labels=labels, fused_lm_head=True)
         assert out.loss.item() == 0.0 and out.loss.requires_grad
         out.loss.backward()  # connected to the graph: no "does not require grad" error
         assert all((p.grad == 0).all() for p in m.parameters() if p.grad is not None)

@@ -10,6 +10,10 @@ TRL (loss, LoRA gradients, metrics), with the backbone seen running one (1, T) p
 left-padded log-probs; `packing="auto"` staying padded on CPU with one note, and the inputs
 that keep a call padded.
 
+Every pass of ours runs inside `_trainer_pairs.fused_head_ran`, so a comparison fails if ours
+fell back to TRL's head (check: `PYTHONPATH=tests python -m pytest -p _force_fallback ...`,
+tests/_force_fallback.py); the plan's and the options' checks run no head and pass under it.
+
     python -m pytest tests/test_fused_forward_packing.py -q
 
 Tolerances. Same weights, and right-padded rows start at position 0 in both passes, so only the
@@ -41,7 +45,7 @@ from trainers.packing import plan_target_packs, unpack
 from trainers.tiny import build_tokenizer
 from _tiny_models import tiny_model
 from _trainer_pairs import BackboneCalls, assert_close, assert_same_step, loss_step
-from _trainer_pairs import randomize_adapter
+from _trainer_pairs import fused_head_ran, fused_if_ours, randomize_adapter
 
 VALUE_ATOL = 5e-5
 LOSS_RTOL = 1e-5
@@ -152,10 +156,10 @@ def test_packed_fields_and_grads_match_padded(tok, layout, arch, max_tokens):
     for packing in (False, True):
         tr.packing = packing
         model.zero_grad(set_to_none=True)
-        with BackboneCalls(_lm(model).base_model) as calls:
+        with BackboneCalls(_lm(model).base_model) as calls, fused_head_ran(tr):
             out = model(input_ids=ids, attention_mask=mask, labels=labels, fused_lm_head=True,
                         use_cache=False)
-        (out.loss + 0.1 * out.entropy.sum()).backward()
+            (out.loss + 0.1 * out.entropy.sum()).backward()
         grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
         res[packing] = out, grads, calls.shapes
     (pad, g_pad, c_pad), (pack, g_pack, c_pack) = res[False], res[True]
@@ -179,7 +183,7 @@ def test_what_stays_padded(tok, caplog):
     ids, mask, labels = _right_padded(tok)
     auto = _Trainer(model, packing="auto")
     with caplog.at_level(logging.WARNING, logger="test_fused_forward_packing"), \
-            torch.no_grad(), BackboneCalls(model.base_model) as calls:
+            torch.no_grad(), BackboneCalls(model.base_model) as calls, fused_head_ran(auto):
         for _ in range(2):  # "auto" under sdpa on CPU: padded, said once
             model(input_ids=ids, attention_mask=mask, labels=labels, fused_lm_head=True)
         auto.packing = True
@@ -246,7 +250,7 @@ def test_packed_trainer_matches_padded_and_trl(tok, tmp_path, name):
     batch = trainers["trl"].data_collator([trainers["trl"].train_dataset[i] for i in range(4)])
     steps = {}
     for key, tr in trainers.items():
-        with BackboneCalls(_lm(tr.model).base_model) as calls:
+        with BackboneCalls(_lm(tr.model).base_model) as calls, fused_if_ours(tr):
             steps[key] = loss_step(tr, batch)
         steps[key, "calls"] = calls.shapes
     assert all(s[0] == 1 for s in steps["pack", "calls"])  # every pass packed...
@@ -268,7 +272,8 @@ def test_rloo_packed_logps_match_padded(tok, tmp_path):
     out = {}
     for packing in (False, True):
         tr.packing = packing
-        with torch.no_grad(), BackboneCalls(_lm(tr.model).base_model) as calls:
+        with torch.no_grad(), BackboneCalls(_lm(tr.model).base_model) as calls, \
+                fused_head_ran(tr):
             out[packing] = tr._get_per_token_logps_and_entropies(
                 tr.model, ids, mask, 7, batch_size=3, compute_entropy=True)
         out[packing, "calls"] = calls.shapes

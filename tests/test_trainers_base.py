@@ -3,7 +3,8 @@
 Covers: the order of construction (the TRL version before TRL's `__init__`, the fused-head checks
 after it, on `model` and on `ref_model` where there is one); `_lce_falls_back` (False for no
 reason, True and one logged line per distinct reason); every trainer built on the mixin with
-its own names and messages. The trainers' own tests check the same through TRL
+its own names and messages; the packing options checked on every assignment, after
+construction too. The trainers' own tests check the same through TRL
 (tests/test_trainers_grpo.py, tests/test_trainers_sft.py, tests/test_trainers_dpo.py, ...).
 
     python -m pytest tests/test_trainers_base.py -q
@@ -12,6 +13,7 @@ its own names and messages. The trainers' own tests check the same through TRL
 from __future__ import annotations
 
 import logging
+import re
 
 import pytest
 import torch
@@ -41,6 +43,12 @@ class _StockTrainer:
 
 class _Trainer(FusedHeadMixin, _StockTrainer):
     _trl_name = "GRPOTrainer"
+    _trl_fallback = "the stock method"
+    _lce_logger = logging.getLogger("test_trainers_base")
+
+
+class _PackingTrainer(PackingOptionsMixin, _StockTrainer):
+    _trl_name = "DPOTrainer"
     _trl_fallback = "the stock method"
     _lce_logger = logging.getLogger("test_trainers_base")
 
@@ -97,3 +105,25 @@ def test_every_trainer_uses_it():
         assert cls.__mro__[1:2 + len(mixins)] == (*mixins, stock)
         assert (cls._trl_name, cls._trl_fallback) == (stock.__name__, fallback)
         assert cls._lce_logger.name == cls.__module__
+
+
+def test_packing_options_are_checked_on_set(model):
+    tr = _PackingTrainer(model, packing="TRUE", max_packed_tokens=64)
+    assert tr.packing is True and tr.max_packed_tokens == 64
+    tr.packing = "false"  # normalised on set, as at construction
+    assert tr.packing is False
+    tr.packing = "auto"
+    for bad in ("bogus", 1, None):
+        with pytest.raises(ValueError, match=re.escape(
+                f"packing must be True, False or 'auto', got {bad!r}")):
+            tr.packing = bad
+    assert tr.packing == "auto"  # a refused value is not stored
+    for bad in (0, -3, 2.0, True, "64"):
+        with pytest.raises(ValueError, match=re.escape(
+                f"max_packed_tokens must be a positive int or None, got {bad!r}")):
+            tr.max_packed_tokens = bad
+    assert tr.max_packed_tokens == 64
+    tr.max_packed_tokens = None
+    assert tr.max_packed_tokens is None
+    with pytest.raises(ValueError, match="packing must be"):
+        _PackingTrainer(model, packing="yes")

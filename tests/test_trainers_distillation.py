@@ -14,6 +14,11 @@ per row, a row without completion tokens, `packing="auto"` staying padded on CPU
 a mask with a hole staying padded; the fallbacks to TRL's loss (logit scale, softcap) and the
 seam check; the refusals at construction.
 
+Every test of ours runs it inside `_trainer_pairs.fused_head_ran` (the fallback tests excepted),
+so it fails if ours fell back to TRL's code (check: `PYTHONPATH=tests python -m pytest -p
+_force_fallback ...`, tests/_force_fallback.py). Under that mutation only the seam check, the
+refusals and the version check pass: they stop at construction or run no loss.
+
     python -m pytest tests/test_trainers_distillation.py -q
 
 Tolerances. fp32 throughout (bf16=False); both trainers run the same backbones on the same
@@ -51,7 +56,7 @@ from trainers.distillation import _seam_missing_reason
 from trainers.tiny import build_tiny_llama, build_tiny_qwen2, build_tokenizer
 from _tiny_models import soft_head_model
 from _tolerance import assert_3way
-from _trainer_pairs import BackboneCalls
+from _trainer_pairs import BackboneCalls, fused_head_ran, fused_if_ours
 
 LOSS_RTOL = 1e-5
 GRAD_RTOL = 2e-5
@@ -161,7 +166,9 @@ def test_loss_grads_and_entropy_match_trl(tok, tmp_path, student, teacher, tied,
         if cls is DistillationTrainer:
             tr._lce_divergence_method = method  # grpo_lce.linear_divergence's `method`
         tr.model.train()
-        results.append(_step(tr, batch))
+        # ours through grpo_lce; the fp64 reference's divergence is grpo_lce.reference's
+        with fused_head_ran(tr) if cls is DistillationTrainer else contextlib.nullcontext():
+            results.append(_step(tr, batch))
     (loss_s, g_s, ent_s), (loss_o, g_o, ent_o), (loss_r, g_r, _) = results
     # the seam is scoped to our call: TRL's module still holds its own function
     assert trl_distillation._chunked_divergence_loss is trl_seam
@@ -198,7 +205,8 @@ def test_train_logs_match_trl(tok, tmp_path, student, teacher, tied, beta, packi
                        per_device_train_batch_size=2, learning_rate=1e-2, beta=beta)
         tr = cls(model=copy.deepcopy(s_model), teacher_model=copy.deepcopy(t_model), args=args,
                  train_dataset=_prompts(), processing_class=tok, **kw)
-        tr.train()
+        with fused_if_ours(tr):
+            tr.train()
         logs.append([h for h in tr.state.log_history if "loss" in h])
     logs_s, logs_o = logs
     assert len(logs_s) == len(logs_o) == 3
@@ -252,7 +260,7 @@ def test_packed_matches_padded_and_trl(tok, tmp_path, student, teacher, tied, pe
         tr = cls(model=copy.deepcopy(s_model), teacher_model=copy.deepcopy(t_model), args=args,
                  train_dataset=_prompts(), processing_class=tok, **kw)
         tr.model.train()
-        with _backbone_calls(tr) as shapes:
+        with _backbone_calls(tr) as shapes, fused_if_ours(tr):
             results.append(_step(tr, batch))
     (loss_s, g_s, ent_s), (loss_u, g_u, ent_u), (loss_p, g_p, ent_p) = results
 
@@ -277,7 +285,7 @@ def test_what_stays_padded(tok, tmp_path, caplog):
     tr.model.train()
     assert tr.packing == "auto"
     L = 6 + 7
-    with _backbone_calls(tr) as shapes:
+    with _backbone_calls(tr) as shapes, fused_head_ran(tr):
         for seed in (0, 1):  # "auto" under sdpa on CPU: padded, said once
             _step(tr, _batch(tok, seed=seed))
     assert shapes == {"student": [(3, L)] * 2, "teacher": [(3, L)] * 2}
@@ -289,7 +297,7 @@ def test_what_stays_padded(tok, tmp_path, caplog):
     caplog.clear()
     holed = _batch(tok)
     holed["prompt_mask"][0, 3] = 0
-    with _backbone_calls(tr, teacher=False) as shapes:
+    with _backbone_calls(tr, teacher=False) as shapes, fused_head_ran(tr):
         _step(tr, holed)
     assert shapes == {"student": [(3, L)]}
     assert any("not one contiguous run" in r.getMessage() for r in caplog.records)

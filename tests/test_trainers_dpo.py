@@ -9,7 +9,13 @@ WPO (`use_weighting`), a weighted mixture of losses with LD-DPO, an f-divergence
 checkpointing, full fine-tuning of a tied head, a head with a bias; a `ref_model` that accelerate
 wrapped for mixed precision (bf16=True) inside TRL's `__init__`; `padding_free=True` switched off
 by TRL as in stock; a 3-step `train()` whose logs match stock TRL step by step; the fallback for a
-softcapped model, with one logged line.
+softcapped model, with one logged line; WPO with an "sft" loss refused at construction (stock TRL
+raises at the first step).
+
+Every test of ours runs it inside `_trainer_pairs.fused_head_ran` (the softcapped fallback
+excepted), so it fails if ours fell back to TRL's code (check: `PYTHONPATH=tests python -m pytest
+-p _force_fallback ...`, tests/_force_fallback.py). Under that mutation only the refusal of WPO
+with an "sft" loss passes: it stops at construction.
 
     python -m pytest tests/test_trainers_dpo.py -q
 
@@ -39,7 +45,7 @@ from trainers import DPOTrainer
 from trainers.tiny import build_tokenizer
 from _tiny_models import add_head_bias, tiny_model
 from _trainer_pairs import assert_close, assert_same_logs, assert_same_step, loss_step
-from _trainer_pairs import build_pair, train_logs
+from _trainer_pairs import build_pair, build_trainer, fused_head_ran, train_logs
 
 LOGP_ATOL = 5e-5
 SEQ_LOGP_ATOL = 1e-4
@@ -94,8 +100,13 @@ def _batch(tr, n=4):
     return tr.data_collator([tr.train_dataset[i] for i in range(n)])
 
 
-def _step(stock, ours, n=4):
-    return loss_step(stock, _batch(stock, n)), loss_step(ours, _batch(ours, n))
+def _step(stock, ours, n=4, *, fused=True):
+    """Both trainers' `loss_step`; ours inside `fused_head_ran` unless `fused=False`."""
+    stock_step = loss_step(stock, _batch(stock, n))
+    if not fused:
+        return stock_step, loss_step(ours, _batch(ours, n))
+    with fused_head_ran(ours):
+        return stock_step, loss_step(ours, _batch(ours, n))
 
 
 def _same(steps, **kw):
@@ -181,7 +192,9 @@ def test_per_token_logps_policy_and_reference_match_trl(tok, tmp_path):
               labels=labels, fused_lm_head=True)
     with torch.no_grad():
         for which in ("model", "ref_model"):
-            s, o = (getattr(tr, which)(**kw) for tr in (stock, ours))
+            s = getattr(stock, which)(**kw)
+            with fused_head_ran(ours):
+                o = getattr(ours, which)(**kw)
             mask = batch["completion_mask"][:, 1:].bool()
             assert_close(o.log_probs, s.log_probs, atol=LOGP_ATOL, what=f"{which} log_probs")
             assert_close(o.log_probs.sum(1), s.log_probs.sum(1), atol=SEQ_LOGP_ATOL,
@@ -207,7 +220,7 @@ def test_softcapped_model_falls_back_with_one_line(tok, tmp_path, caplog):
     model.get_base_model().config.final_logit_softcapping = 5.0
     stock, ours = _pair(tok, tmp_path, model)
     with caplog.at_level(logging.WARNING, logger="trainers.dpo"):
-        steps = _step(stock, ours)
+        steps = _step(stock, ours, fused=False)
         loss_step(ours, _batch(ours))
     assert torch.equal(steps[0][0], steps[1][0])  # TRL's head in both: bit-identical
     lines = [r.getMessage() for r in caplog.records if r.name == "trainers.dpo"]
@@ -243,7 +256,8 @@ def test_reference_model_under_mixed_precision(tok, tmp_path):
     labels = batch["input_ids"].masked_fill(batch["completion_mask"] == 0, -100)
     kw = dict(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
     with torch.no_grad():
-        out = ours.ref_model(**kw, labels=labels, fused_lm_head=True)
+        with fused_head_ran(ours):
+            out = ours.ref_model(**kw, labels=labels, fused_lm_head=True)
         direct = {}
         for amp in (False, True):
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
@@ -255,7 +269,8 @@ def test_reference_model_under_mixed_precision(tok, tmp_path):
     assert_close(out.log_probs, direct[True].log_probs, atol=1e-6, what="ours = ours in autocast")
     assert (out.log_probs - direct[False].log_probs).abs().max() > 1e-3  # autocast mattered
     assert o_logits.dtype == torch.float32 and torch.equal(o_logits, s_logits)
-    loss_step(ours, batch)  # and the whole loss runs
+    with fused_head_ran(ours):
+        loss_step(ours, batch)  # and the whole loss runs
 
 
 def test_full_finetune_mixed_precision_train_then_evaluate(tok, tmp_path):
@@ -267,8 +282,29 @@ def test_full_finetune_mixed_precision_train_then_evaluate(tok, tmp_path):
                    per_device_eval_batch_size=4)
     tr = DPOTrainer(model=tiny_model(tok, tied=False, peft=False), ref_model=_ref_model(tok),
                     args=args, train_dataset=_dataset(), processing_class=tok)
-    tr.train()
+    with fused_head_ran(tr):
+        tr.train()
     policy = unwrap_model(tr.model)
     assert policy._original_forward.grpo_lce_fused  # ours, inside accelerate's wrapper
-    metrics = tr.evaluate(eval_dataset=_dataset())  # precomputes its reference log-probs
+    with fused_head_ran(tr):
+        metrics = tr.evaluate(eval_dataset=_dataset())  # precomputes its reference log-probs
     assert torch.isfinite(torch.tensor(metrics["eval_loss"]))
+
+
+def test_weighting_with_sft_loss_is_refused(tok, tmp_path):
+    # Stock TRL 1.16 accepts the combination and raises inside its loss at the first step (the
+    # SFT term, a scalar expanded to the batch, is scaled by the WPO weights in place). While it
+    # does, ours refuses it at construction, naming both options.
+    model = tiny_model(tok, tied=False)
+    bad = dict(use_weighting=True, loss_type=["sigmoid", "sft"])
+    stock = build_trainer(trl.DPOTrainer, model, args=_config(tmp_path, **bad),
+                          train_dataset=_dataset(), processing_class=tok)
+    with pytest.raises(RuntimeError, match="more than one element of the written-to tensor"):
+        loss_step(stock, _batch(stock))
+    refusal = r"use_weighting=True with loss_type=.*'sft'.*use_weighting=False.*drop 'sft'"
+    for loss_type in (["sigmoid", "sft"], "sft"):
+        args = _config(tmp_path, use_weighting=True, loss_type=loss_type)
+        with pytest.raises(ValueError, match=refusal):
+            DPOTrainer(model=model, args=args, train_dataset=_dataset(), processing_class=tok)
+        with pytest.raises(ValueError, match=refusal):  # the config as trl's third positional
+            DPOTrainer(model, None, args, train_dataset=_dataset(), processing_class=tok)

@@ -6,6 +6,12 @@ dr_grpo / bnpo losses with β = 0 and β > 0, token and sequence importance samp
 tied and untied embeddings, LoRA and full fine-tuning; a 2-step `train()` whose logs match
 stock TRL step by step; the fallback to TRL's head; and the errors for unsupported setups.
 
+Every comparison runs ours inside `_trainer_pairs.fused_head_ran`, so it fails if ours fell back
+to TRL's code (check: `PYTHONPATH=tests python -m pytest -p _force_fallback ...`,
+tests/_force_fallback.py). Under that mutation only the refusals, the version checks,
+`unwrap_model` and the packing options' checks pass: they stop at construction or run no
+log-prob pass, so they need no head.
+
     python -m pytest tests/test_trainers_grpo.py -q
 
 Tolerances. Everything runs in fp32 (bf16=False; TRL's config defaults to bf16 autocast), and
@@ -32,7 +38,7 @@ from trainers import GRPOTrainer
 from trainers.head import check_fused_head, forward_hidden_states, lm_head_params
 from trainers.tiny import build_tiny_llama, build_tokenizer, tiny_model_dir
 from _tiny_models import lora_tiny_llama as _model
-from _trainer_pairs import ragged_ids_and_mask
+from _trainer_pairs import fused_head_ran, fused_if_ours, ragged_ids_and_mask
 
 LOGP_ATOL = 5e-5
 LOSS_RTOL = 1e-5
@@ -147,7 +153,7 @@ def test_logps_entropy_policy_and_reference_match_trl(tok, tmp_path, tied, tempe
         results = []
         for tr in (stock, ours):
             ctx = use_adapter(tr.model, adapter_name=None) if adapter is None else nullcontext()
-            with ctx:
+            with ctx, fused_if_ours(tr):
                 results.append(tr._get_per_token_logps_and_entropies(
                     tr.model, ids, mask, C, batch_size=3, compute_entropy=True))  # ragged chunks
         (lp_s, ent_s, _), (lp_o, ent_o, _) = results
@@ -184,7 +190,8 @@ def test_separate_reference_model_matches_trl(tok, tmp_path):
     ids, mask = _ids_and_mask(tok)
     with torch.no_grad():
         lp_s, _, _ = stock._get_per_token_logps_and_entropies(stock.ref_model, ids, mask, C)
-        lp_o, _, _ = ours._get_per_token_logps_and_entropies(ours.ref_model, ids, mask, C)
+        with fused_head_ran(ours):
+            lp_o, _, _ = ours._get_per_token_logps_and_entropies(ours.ref_model, ids, mask, C)
     _assert_close(lp_o, lp_s, atol=LOGP_ATOL, what="ref_model logp")
 
 
@@ -224,7 +231,8 @@ def test_loss_metrics_and_lora_grads_match_trl(
     )
     inputs = _inputs(tok, stock, with_ref=beta != 0.0)
     loss_s, g_s, m_s = _run_loss(stock, inputs)
-    loss_o, g_o, m_o = _run_loss(ours, inputs)
+    with fused_head_ran(ours):
+        loss_o, g_o, m_o = _run_loss(ours, inputs)
 
     _assert_close(loss_o, loss_s, rtol=LOSS_RTOL, atol=1e-7, what="loss")
     assert g_s.keys() == g_o.keys() and len(g_s) > 0
@@ -245,7 +253,8 @@ def test_full_finetune_grads_match_trl(tok, tmp_path):
                         temperature=0.8)
     inputs = _inputs(tok, stock)
     loss_s, g_s, _ = _run_loss(stock, inputs)
-    loss_o, g_o, _ = _run_loss(ours, inputs)
+    with fused_head_ran(ours):
+        loss_o, g_o, _ = _run_loss(ours, inputs)
     _assert_close(loss_o, loss_s, rtol=LOSS_RTOL, atol=1e-7, what="loss")
     assert "model.embed_tokens.weight" in g_s
     for n in g_s:
@@ -265,7 +274,8 @@ def _train_logs(cls, tok, tmp_path, model, **config):
     tr = cls(model=copy.deepcopy(model), reward_funcs=[_reward_len, _reward_digits], args=args,
              train_dataset=_dataset(), processing_class=tok)
     torch.manual_seed(0)  # generation samples from the global RNG: same stream for both runs
-    tr.train()
+    with fused_if_ours(tr):
+        tr.train()
     return [h for h in tr.state.log_history if "loss" in h]
 
 
@@ -364,3 +374,23 @@ def test_unwrap_model_peels_wrappers_like_accelerate(tok):
     assert unwrap_model(torch.nn.DataParallel(torch.compile(model))) is model
     peft = get_peft_model(model, LoraConfig(r=2, target_modules=["q_proj"]))
     assert unwrap_causal_lm(torch.nn.DataParallel(peft)) is model
+
+
+def test_packing_options_are_checked_on_set(tok, tmp_path):
+    # from the config at construction, then set on the trainer: checked both times
+    from trainers import GRPOConfig
+
+    args = GRPOConfig(output_dir=str(tmp_path), report_to="none", use_cpu=True, bf16=False,
+                      per_device_train_batch_size=B, num_generations=B, packing="false",
+                      max_packed_tokens=32)
+    tr = GRPOTrainer(model=_model(tok, peft=False), reward_funcs=_reward_len, args=args,
+                     train_dataset=_dataset(), processing_class=tok)
+    assert tr.packing is False and tr.max_packed_tokens == 32
+    tr.packing = "AUTO"
+    assert tr.packing == "auto"
+    with pytest.raises(ValueError, match=r"packing must be True, False or 'auto', got 'bogus'"):
+        tr.packing = "bogus"
+    with pytest.raises(ValueError, match=r"max_packed_tokens must be a positive int or None, "
+                                         r"got -1"):
+        tr.max_packed_tokens = -1
+    assert tr.packing == "auto" and tr.max_packed_tokens == 32

@@ -8,6 +8,10 @@ KL pass, and "apo_zero_unpaired") × desirable / undesirable weights, with the r
 log-probs of the completion and KL passes; a 3-step `train()` whose logs match stock TRL step
 by step; the fallback for a softcapped model, with one logged line.
 
+Every comparison runs ours inside `_trainer_pairs.fused_head_ran`, so it fails if ours fell back
+to TRL's code (check: `PYTHONPATH=tests python -m pytest -p _force_fallback ...`,
+tests/_force_fallback.py).
+
     python -m pytest tests/test_trainers_kto.py -q
 
 Tolerances: as in tests/test_trainers_dpo.py (fp32, bit-identical hidden states, two fp32
@@ -30,7 +34,7 @@ from trainers import KTOTrainer
 from trainers.tiny import build_tokenizer
 from _tiny_models import tiny_model
 from _trainer_pairs import assert_close, assert_same_logs, assert_same_step, loss_step
-from _trainer_pairs import build_pair, train_logs
+from _trainer_pairs import build_pair, fused_head_ran, train_logs
 
 LOGP_ATOL = 5e-5
 SEQ_LOGP_ATOL = 1e-4
@@ -75,7 +79,10 @@ def _batch(tr, start=0, n=4):
 
 
 def _same(stock, ours, start=0, **kw):
-    assert_same_step(loss_step(stock, _batch(stock, start)), loss_step(ours, _batch(ours, start)),
+    stock_step = loss_step(stock, _batch(stock, start))
+    with fused_head_ran(ours):
+        ours_step = loss_step(ours, _batch(ours, start))
+    assert_same_step(stock_step, ours_step,
                      loss_rtol=LOSS_RTOL, grad_rtol=GRAD_RTOL, metric_rel=METRIC_REL,
                      metric_abs=METRIC_ABS, **kw)
 
@@ -133,7 +140,9 @@ def test_per_token_logps_completion_and_kl_passes_match_trl(tok, tmp_path):
             labels = ids.masked_fill(batch[f"{prefix}completion_mask"] == 0, -100)
             kw = dict(input_ids=ids, attention_mask=batch[f"{prefix}attention_mask"],
                       labels=labels, fused_lm_head=True)
-            s, o = stock.model(**kw), ours.model(**kw)
+            s = stock.model(**kw)
+            with fused_head_ran(ours):
+                o = ours.model(**kw)
             assert_close(o.log_probs, s.log_probs, atol=LOGP_ATOL, what=f"{prefix}log_probs")
             assert_close(o.log_probs.sum(1), s.log_probs.sum(1), atol=SEQ_LOGP_ATOL,
                          what=f"{prefix}per-sequence")

@@ -8,6 +8,10 @@ clipping exercised; a 3-step `train()` with generation, the KL penalty (β > 0, 
 normalised advantages, reward clipping and off-policy steps, whose logs match stock TRL step by
 step; the fallback for a softcapped model, with one logged line.
 
+Every comparison runs ours inside `_trainer_pairs.fused_head_ran`, so it fails if ours fell back
+to TRL's code (check: `PYTHONPATH=tests python -m pytest -p _force_fallback ...`,
+tests/_force_fallback.py).
+
     python -m pytest tests/test_trainers_rloo.py -q
 
 Tolerances: as in tests/test_trainers_grpo.py (fp32, bit-identical hidden states, two fp32
@@ -31,7 +35,7 @@ from trainers import RLOOTrainer
 from trainers.tiny import build_tokenizer
 from _tiny_models import tiny_model
 from _trainer_pairs import assert_close, assert_same_logs, assert_same_step, loss_step
-from _trainer_pairs import ragged_ids_and_mask, randomize_adapter
+from _trainer_pairs import fused_head_ran, fused_if_ours, ragged_ids_and_mask, randomize_adapter
 
 LOGP_ATOL = 5e-5
 LOSS_RTOL = 1e-5
@@ -96,7 +100,7 @@ def test_logps_entropy_policy_and_reference_match_trl(tok, tmp_path, arch, tied,
         res = []
         for tr in (stock, ours):
             ctx = use_adapter(tr.model, adapter_name=None) if adapter is None else nullcontext()
-            with ctx:
+            with ctx, fused_if_ours(tr):
                 res.append(tr._get_per_token_logps_and_entropies(
                     tr.model, ids, mask, C, batch_size=3, compute_entropy=True))
         (lp_s, ent_s, _), (lp_o, ent_o, _) = res
@@ -119,7 +123,8 @@ def test_separate_reference_model_matches_trl(tok, tmp_path):
     ids, mask = _ids_and_mask(tok)
     with torch.no_grad():
         lp_s, _, _ = stock._get_per_token_logps_and_entropies(stock.ref_model, ids, mask, C)
-        lp_o, _, _ = ours._get_per_token_logps_and_entropies(ours.ref_model, ids, mask, C)
+        with fused_head_ran(ours):
+            lp_o, _, _ = ours._get_per_token_logps_and_entropies(ours.ref_model, ids, mask, C)
     assert_close(lp_o, lp_s, atol=LOGP_ATOL, what="ref_model logp")
 
 
@@ -153,7 +158,9 @@ def test_loss_grads_and_metrics_match_trl(tok, tmp_path, arch, tied, peft, tempe
     stock, ours = _pair(tok, tmp_path, tiny_model(tok, arch, tied=tied, peft=peft),
                         temperature=temperature, **config)
     inputs = _inputs(stock, tok)
-    steps = loss_step(stock, inputs), loss_step(ours, inputs)
+    stock_step = loss_step(stock, inputs)
+    with fused_head_ran(ours):
+        steps = stock_step, loss_step(ours, inputs)
     assert_same_step(*steps, loss_rtol=LOSS_RTOL, grad_rtol=GRAD_RTOL, metric_rel=METRIC_REL,
                      metric_abs=METRIC_ABS, lora_only=peft)
     m = steps[0][2]
@@ -184,7 +191,8 @@ def _train_logs(cls, tok, tmp_path, model, **config):
              args=args, train_dataset=_dataset(), processing_class=tok)
     randomize_adapter(tr.model, seed=3)  # the policy moves away from its "ref" adapter copy
     torch.manual_seed(0)  # generation samples from the global RNG: same stream for both runs
-    tr.train()
+    with fused_if_ours(tr):
+        tr.train()
     return [h for h in tr.state.log_history if "loss" in h]
 
 

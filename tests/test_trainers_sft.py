@@ -7,6 +7,11 @@ completion), assistant-only (conversational), padding-free and packed batches, w
 fine-tuning; a 3-step `train()` with gradient accumulation whose logs match stock TRL step by
 step; the fallback to TRL's compute_loss; and the errors for unsupported setups.
 
+Every test of ours' loss runs it inside `_trainer_pairs.fused_head_ran`, so it fails if ours fell
+back to TRL's code (check: `PYTHONPATH=tests python -m pytest -p _force_fallback ...`,
+tests/_force_fallback.py). Under that mutation only the refusals and the version check pass:
+they stop at construction.
+
     python -m pytest tests/test_trainers_sft.py -q
 
 Tolerances. fp32 throughout (bf16=False), identical hidden states in both trainers, so only the
@@ -29,6 +34,7 @@ from peft import LoraConfig
 from trainers import SFTTrainer
 from trainers.tiny import build_tokenizer
 from _tiny_models import lora_tiny_llama as _model
+from _trainer_pairs import fused_head_ran, fused_if_ours
 
 LOSS_RTOL = 1e-5
 GRAD_RTOL = 1e-4
@@ -132,7 +138,8 @@ def test_loss_grads_and_metrics_match_trl(tok, tmp_path, data, tied, peft, num_i
     n = None if num_items is None else torch.tensor(num_items)
 
     loss_s, g_s, m_s = _step(stock, batch, n)
-    loss_o, g_o, m_o = _step(ours, batch, n)
+    with fused_head_ran(ours):
+        loss_o, g_o, m_o = _step(ours, batch, n)
 
     _assert_close(loss_o, loss_s, rtol=LOSS_RTOL, what="loss")
     assert g_s.keys() == g_o.keys() and len(g_s) > 0
@@ -155,7 +162,8 @@ def test_train_logs_match_trl(tok, tmp_path):
                        per_device_train_batch_size=2, learning_rate=1e-2)
         tr = cls(model=copy.deepcopy(model), args=args,
                  train_dataset=_datasets()["prompt_completion"], processing_class=tok)
-        tr.train()
+        with fused_if_ours(tr):
+            tr.train()
         logs.append([h for h in tr.state.log_history if "loss" in h])
     logs_s, logs_o = logs
     assert len(logs_s) == len(logs_o) == 3
@@ -172,7 +180,8 @@ def test_train_logs_match_trl(tok, tmp_path):
 def test_return_outputs_gives_logits(tok, tmp_path):
     _, ours = _pair(tok, tmp_path, _model(tok), "prompt_completion")
     batch = next(iter(ours.get_train_dataloader()))
-    with torch.no_grad(), pytest.warns(FutureWarning, match="logits"):
+    # the fused path's own return_outputs branch (TRL's warns the same)
+    with torch.no_grad(), pytest.warns(FutureWarning, match="logits"), fused_head_ran(ours):
         loss, outputs = ours.compute_loss(ours.model, dict(batch), return_outputs=True)
     assert outputs.logits.shape == (*batch["input_ids"].shape, len(tok))
     assert torch.isfinite(loss)

@@ -22,7 +22,10 @@ each distinct reason once per trainer (the reasons seen: `_lce_fallbacks_logged`
 Packing options (`PackingOptionsMixin`, for the trainers whose only packing options are the two
 constructor keywords: DPO, KTO, RLOO and distillation; GRPO also reads them from its config):
 `packing` ("auto", True or False) and `max_packed_tokens`, checked before TRL's `__init__`
-runs, and `_lce_packing_note` logging each packing note once per trainer.
+runs, and `_lce_packing_note` logging each packing note once per trainer. The two attributes
+are checked on every assignment, after construction too (`trainer.packing = "bogus"` raises
+a ValueError naming the value and the allowed ones): `FusedHeadMixin` holds them as `_Checked`
+attributes, so GRPO's own assignments go through the same check.
 """
 
 from __future__ import annotations
@@ -34,12 +37,45 @@ from .config import check_max_packed_tokens, normalize_packing
 from .head import check_fused_head, check_parallelism
 
 
+class _Checked:
+    """An instance attribute whose every assignment goes through `check(value, name)`, which
+    returns the value to store or raises a ValueError naming it; read before any assignment, an
+    AttributeError as for a plain attribute."""
+
+    def __init__(self, check):
+        self.check = check
+
+    def __set_name__(self, owner, name):
+        self.name, self.slot = name, f"_lce_option_{name}"
+
+    def __get__(self, obj, owner=None):
+        if obj is None:
+            return self
+        try:
+            return obj.__dict__[self.slot]
+        except KeyError:
+            raise AttributeError(
+                f"{type(obj).__name__!r} object has no attribute {self.name!r}") from None
+
+    def __set__(self, obj, value):
+        obj.__dict__[self.slot] = self.check(value, self.name)
+
+
+def _checked_max_packed_tokens(value, name: str):
+    check_max_packed_tokens(value, name)
+    return value
+
+
 class FusedHeadMixin:
     """Mixed in before a TRL trainer class; see the module docstring for the class attributes."""
 
     _trl_name: str
     _trl_fallback: str
     _lce_logger: logging.Logger
+
+    # the packing options of the trainers that have them (all but SFT), checked on every set
+    packing = _Checked(normalize_packing)
+    max_packed_tokens = _Checked(_checked_max_packed_tokens)
 
     def __init__(self, *args, **kwargs):
         check_trl_version(self._trl_name)
@@ -72,7 +108,7 @@ class PackingOptionsMixin(FusedHeadMixin):
 
         packing: "auto" (default), True or False — padding-free backbone passes (the trainer's
             module docstring says which); also settable later as the attribute
-            `trainer.packing`.
+            `trainer.packing` (checked on set, as `max_packed_tokens` is).
         max_packed_tokens: tokens per packed forward; None (default) = the padded call's
             B · L, so a pack never outgrows the batch it replaces.
     """

@@ -9,7 +9,9 @@ transformers settings the scripts and benchmarks build the same way: the QLoRA b
     --sampler auto|loop|compiled|trl   --sampler_importance_sampling_correction true|false
 
 `trainers.GRPOTrainer` also accepts a stock `trl.GRPOConfig` (the options then take their
-defaults) and the same options as constructor keywords, which win over the config.
+defaults) and the same options as constructor keywords, which win over the config. The trainer
+reads them at construction; later, set `trainer.packing` / `trainer.max_packed_tokens` (checked
+on set, `trainers.base`), not the config's fields.
 """
 
 from __future__ import annotations

@@ -26,7 +26,9 @@ Falls back to TRL's own fused head, one logged line per reason, for: multimodal 
 router logits, logits softcapped or scaled before the softmax (Gemma 2, Cohere, Granite, ...).
 Refused at construction (`trainers.base`): TRL outside 1.16.x, a PEFT adapter or
 `modules_to_save` on the LM head, a quantized LM head, models without `lm_head` or backbone,
-FSDP1, FSDP2 with CPU offload, ZeRO-3 with a trainable head.
+FSDP1, FSDP2 with CPU offload, ZeRO-3 with a trainable head; and here, before TRL's `__init__`,
+`use_weighting=True` with "sft" among the loss types, which TRL 1.16's own loss cannot run (it
+scales the SFT term, a scalar expanded to the batch, by the WPO weights in place).
 """
 
 from __future__ import annotations
@@ -45,3 +47,22 @@ class DPOTrainer(fused_forward.FusedForwardMixin, trl.DPOTrainer):
 
     _trl_name = "DPOTrainer"
     _lce_logger = logger
+
+    def __init__(self, *args, **kwargs):
+        # trl.DPOTrainer(model, ref_model, args, ...): the config is the third positional
+        config = kwargs["args"] if "args" in kwargs else (args[2] if len(args) > 2 else None)
+        check_weighting(config)
+        super().__init__(*args, **kwargs)
+
+
+def check_weighting(config) -> None:
+    """Refuse `use_weighting=True` with "sft" in `loss_type` (module docstring): TRL 1.16's
+    loss raises a RuntimeError there at the first step, after the models and data are set up."""
+    if config is None or not getattr(config, "use_weighting", False):
+        return
+    loss_types = config.loss_type if isinstance(config.loss_type, list) else [config.loss_type]
+    if "sft" in loss_types:
+        raise ValueError(
+            f"trainers.DPOTrainer: use_weighting=True with loss_type={config.loss_type!r} is not "
+            "supported: TRL 1.16's DPO loss cannot weight the 'sft' term (it raises at the first "
+            "step). Set use_weighting=False, or drop 'sft' from loss_type.")
