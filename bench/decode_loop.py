@@ -19,8 +19,8 @@ Each loop variant runs once per --kernels value: "torch" (the modules' own forwa
 (the fused 4-bit + LoRA decode linear for the projections, add_rmsnorm for each residual add +
 RMSNorm); the row's `kernels` column says which, `kernel_path` the loop's one-line plan.
 
-Reported: the first call's wall time (compile / capture / first-call check / kernel compiles
-included), the loop's time from its first call to its first sampled token and its capture
+Reported: the first call's wall time (compile / capture / first-call check included; Triton
+compiles once per process, in the greedy check that runs first, and caches on disk), the loop's time from its first call to its first sampled token and its capture
 seconds; then the median of --reps steady calls: wall ms per token (call time / new tokens,
 prefill included; `new` says how many tokens the variant was timed on); for the loop also ms per
 token inside the graph replays (CUDA events around each replay, in a separate call, since

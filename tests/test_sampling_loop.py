@@ -760,8 +760,8 @@ def test_near_tie_bound_scales_with_the_logits():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("quant,attention,kernels", [
-    ("bf16", "sdpa", "auto"), ("bf16", "triton", "torch"), ("nf4", "sdpa", "torch"),
-    ("nf4", "sdpa", "auto"), ("nf4", "triton", "auto")])
+    ("bf16", "sdpa", "auto"), ("nf4", "sdpa", "torch"), ("nf4", "sdpa", "auto"),
+    ("nf4", "triton", "auto")])
 def test_gpu_greedy_and_replay_after_optimizer_step(quant, attention, kernels, tmp_path):
     """Greedy completions of the captured loop against eager `generate` (bf16 / NF4 + LoRA;
     decode kernels on or off), then an optimizer step on the LoRA weights: the replayed graphs
