@@ -36,6 +36,10 @@ class KernelPlan:
     norms: bool = False  # residual add + RMSNorm by add_rmsnorm
     line: str = "kernels off (kernels='torch')"
 
+    @property
+    def active(self) -> bool:
+        return bool(self.fused) or self.norms
+
 
 TORCH = KernelPlan()
 

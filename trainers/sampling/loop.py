@@ -412,10 +412,10 @@ class DecodeLoop:
                 mismatch = self._check(model, step_fn, cache, ids_left, lengths, input_ids,
                                        attention_mask)
             except Exception as exc:  # with the kernels: retried without them
-                if step_fn.plan is TORCH:
+                if not step_fn.plan.active:
                     raise
                 mismatch = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
-            if mismatch is not None and step_fn.plan is not TORCH:
+            if mismatch is not None and step_fn.plan.active:
                 logger.warning(f"grpo_lce decode loop: kernels off for the run ({mismatch})")
                 self.kernels = "torch"
                 self._plans.clear()
