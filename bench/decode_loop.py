@@ -4,24 +4,34 @@ or an NF4 base).
 
 Per (base, batch): random prompts of 4-40 tokens, left-padded; --new sampled tokens with TRL's
 default sampling options (temperature 1, top_p 1, top_k 0) and an EOS id no row ever draws, so
-every row runs to --new. Variants:
+every row runs to --new. Variants (--variants):
 
-    hf_eager      model.generate, dynamic cache (TRL 1.16's own path)
+    hf_eager      model.generate, dynamic cache (TRL 1.16's own path), on --eager-new tokens:
+                  eager is CPU-bound, about 50 ms per token whatever the length, so ms/token on
+                  a shorter run is its per-token cost; its first call pays a cost for every new
+                  cache length it meets, hence a short run keeps the benchmark short
     fast_sampler  trainers.generation.FastSampler (inductor, CUDA graphs "reduce-overhead")
     loop          trainers.sampling.DecodeLoop (hand-captured CUDA graphs, --check-every steps
                   each, one host check per replay), decode attention by masked SDPA
-    loop_triton   the same with the Triton split-K decode attention (valid keys only)
+    loop_triton   the same with the Triton split-K decode attention (valid keys only; optional)
 
-Reported: the first call's wall time (compile / capture / first-call check included), the
-loop's time from its first call to its first sampled token and its capture seconds; then the
-median of --reps steady calls: wall ms per token (call time / new tokens, prefill included);
-for the loop also ms per token inside the graph replays (CUDA events around each replay, in a
-separate call, since reading the events syncs) and the rest ("outside": prefill, host checks,
-Python); peak memory above the loaded model. Before timing, greedy completions (--check-new
-tokens) of the loop against eager `generate`: rows token-identical.
+Each loop variant runs once per --kernels value: "torch" (the modules' own forwards) and "auto"
+(the fused 4-bit + LoRA decode linear for the projections, add_rmsnorm for each residual add +
+RMSNorm); the row's `kernels` column says which, `kernel_path` the loop's one-line plan.
 
-    python -m bench.decode_loop                            # bf16 and nf4, batch 8 and 64
-    python -m bench.decode_loop --bases nf4 --batches 8 --variants loop,fast_sampler
+Reported: the first call's wall time (compile / capture / first-call check included; Triton
+compiles once per process, in the greedy check that runs first, and caches on disk), the loop's time from its first call to its first sampled token and its capture
+seconds; then the median of --reps steady calls: wall ms per token (call time / new tokens,
+prefill included; `new` says how many tokens the variant was timed on); for the loop also ms per
+token inside the graph replays (CUDA events around each replay, in a separate call, since
+reading the events syncs) and the rest ("outside": prefill, host checks, Python); peak memory
+above the loaded model. Before timing, greedy completions (--check-new tokens) of each loop
+kernels option against eager `generate`: rows token-identical, and at each first divergence the
+eager logit gap between the two tokens in bf16 ulps of the row's max |logit| (a random-init
+model's near-flat rows diverge at rounding-level ties; a broken forward gives gaps of many ulps).
+
+    python -m bench.decode_loop --bases nf4                # batch 8 and 64, all but loop_triton
+    python -m bench.decode_loop --bases nf4 --variants fast_sampler,loop --kernels auto,torch
     python -m bench.decode_loop --tiny --device cpu        # smoke run, tiny fp32 model
 
 Writes bench/results/decode_loop_<GPU>[tag].json and prints a table.
@@ -31,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import math
 import statistics
 import time
 from pathlib import Path
@@ -41,6 +52,7 @@ from bench import common as bc
 from bench import e2e_common as E
 
 VARIANTS = ("hf_eager", "fast_sampler", "loop", "loop_triton")
+DEFAULT_VARIANTS = ("hf_eager", "fast_sampler", "loop")
 
 
 def load_policy(name: str, base: str, cache_dir: str, device: str):
@@ -83,7 +95,7 @@ def generation_config(new: int, V: int, **kw):
 
 
 class Variant:
-    def __init__(self, name: str, model, device: str, check_every: int):
+    def __init__(self, name: str, model, device: str, check_every: int, kernels: str = "auto"):
         self.name, self.model = name, model
         self.sampler = None
         if name == "fast_sampler":
@@ -94,7 +106,8 @@ class Variant:
             from trainers.sampling import DecodeLoop
 
             self.sampler = DecodeLoop(devices=(device,), check_every=check_every,
-                                      attention="triton" if name == "loop_triton" else "sdpa")
+                                      attention="triton" if name == "loop_triton" else "sdpa",
+                                      kernels=kernels)
 
     @torch.no_grad()
     def __call__(self, ids, mask, config):
@@ -120,22 +133,52 @@ def timed(fn, device) -> float:
     return time.perf_counter() - t0
 
 
-def greedy_check(model, ids, mask, new: int, V: int) -> dict:
+def eager_greedy(model, ids, mask, new: int, V: int) -> list[list[int]]:
     from trainers.generation import trim_after_eos
+
+    cfg = generation_config(new, V, do_sample=False)
+    with torch.no_grad():
+        ref = model.generate(input_ids=ids, attention_mask=mask, generation_config=cfg)
+    return trim_after_eos(ref[:, ids.shape[1]:], [V])
+
+
+def bf16_ulp(x: float) -> float:
+    """Spacing of bf16 numbers at |x| (8 significant bits)."""
+    return 2.0 ** (math.frexp(max(abs(x), 2.0**-126))[1] - 8)
+
+
+@torch.no_grad()
+def divergence_gap_ulps(model, ids, mask, ours, ref, max_rows: int = 16) -> list[float]:
+    """For the first `max_rows` diverging rows: eager's batch-1 logit gap z[ref] - z[ours] at the
+    first divergence (same prefix), in bf16 ulps of the row's max |z|."""
+    out = []
+    for b, (o, t) in enumerate(zip(ours, ref)):
+        k = next((i for i, (x, y) in enumerate(zip(o, t)) if x != y), None)
+        if k is None or len(out) >= max_rows:
+            continue
+        prefix = torch.tensor(t[:k], device=ids.device, dtype=ids.dtype)
+        row = torch.cat([ids[b][mask[b].bool()], prefix])[None]
+        z = model(input_ids=row, logits_to_keep=1).logits[0, -1].float()
+        out.append(round((z[t[k]] - z[o[k]]).item() / bf16_ulp(z.abs().max().item()), 2))
+    return out
+
+
+def greedy_check(model, ids, mask, new: int, V: int, kernels: str, ref) -> dict:
     from trainers.sampling import DecodeLoop
 
     cfg = generation_config(new, V, do_sample=False)
-    loop = DecodeLoop(devices=(ids.device.type,))
+    loop = DecodeLoop(devices=(ids.device.type,), kernels=kernels)
     ours = loop.generate(model, ids, mask, cfg)
     if ours is None:
-        return {"error": loop.disabled_reason or "not used"}
-    with torch.no_grad():
-        ref = model.generate(input_ids=ids, attention_mask=mask, generation_config=cfg)
-    ref = trim_after_eos(ref[:, ids.shape[1]:], [V])
+        return {"kernels": kernels, "error": loop.disabled_reason or "not used"}
     same = sum(a == b for a, b in zip(ours.token_ids, ref))
     first = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
              for a, b in zip(ours.token_ids, ref)]
-    return {"rows": len(ref), "identical_rows": same, "first_divergence": first}
+    gaps = divergence_gap_ulps(model, ids, mask, ours.token_ids, ref)
+    return {"kernels": loop.kernels, "rows": len(ref), "identical_rows": same,
+            "first_divergence": first, "gap_ulps": gaps,
+            "max_gap_ulps": max(map(abs, gaps), default=0.0),
+            "kernel_path": "; ".join(p.line for p in loop._plans.values())}
 
 
 def measure(variant: Variant, ids, mask, cfg, new: int, reps: int, device: str) -> dict:
@@ -149,11 +192,14 @@ def measure(variant: Variant, ids, mask, cfg, new: int, reps: int, device: str) 
     row["ms_per_token_spread"] = [min(walls) / new * 1e3, max(walls) / new * 1e3]
     if device == "cuda":
         row["peak_above_model_gib"] = (torch.cuda.max_memory_allocated() - base_mem) / 2**30
+    row["new"] = new
     loop = variant.sampler if variant.name.startswith("loop") else None
     if loop is not None:
         st = loop.stats
         row.update(first_token_s=st.first_token_s, capture_s=st.capture_s,
-                   captures=st.captures, host_checks_per_call=st.host_checks / st.calls)
+                   captures=st.captures, host_checks_per_call=st.host_checks / st.calls,
+                   kernels=loop.kernels,  # "torch" if "auto" failed its first-call check
+                   kernel_path="; ".join(p.line for p in loop._plans.values()))
         if device == "cuda":
             loop.time_graphs, before = True, st.graph_s
             variant(ids, mask, cfg)
@@ -166,7 +212,7 @@ def measure(variant: Variant, ids, mask, cfg, new: int, reps: int, device: str) 
 
 
 def table(rows) -> str:
-    cols = ("base", "batch", "variant", "ms_per_token", "ms_in_graphs_per_token",
+    cols = ("base", "batch", "variant", "kernels", "new", "ms_per_token", "ms_in_graphs_per_token",
             "ms_outside_per_token", "first_call_s", "first_token_s", "capture_s",
             "peak_above_model_gib")
     out = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
@@ -184,13 +230,17 @@ def main(argv=None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--bases", default="bf16,nf4", help="comma list of bf16,nf4")
     p.add_argument("--batches", default="8,64", help="comma list of batch sizes")
-    p.add_argument("--variants", default=",".join(VARIANTS), help="comma list of " +
+    p.add_argument("--variants", default=",".join(DEFAULT_VARIANTS), help="comma list of " +
                    ",".join(VARIANTS))
+    p.add_argument("--kernels", default="torch,auto",
+                   help="comma list of the loop variants' kernels options (torch, auto)")
     p.add_argument("--new", type=int, default=512, help="sampled tokens per call")
-    p.add_argument("--reps", type=int, default=3, help="timed steady calls per variant")
+    p.add_argument("--eager-new", type=int, default=64,
+                   help="sampled tokens per hf_eager call (its ms/token is per-token cost)")
+    p.add_argument("--reps", type=int, default=2, help="timed steady calls per variant")
     p.add_argument("--eager-reps", type=int, default=1, help="timed calls of hf_eager")
     p.add_argument("--check-every", type=int, default=16, help="decode steps per graph")
-    p.add_argument("--check-new", type=int, default=64, help="tokens of the greedy check")
+    p.add_argument("--check-new", type=int, default=32, help="tokens of the greedy check")
     p.add_argument("--model-cache", default="/tmp/grpo_lce_e2e_models")
     p.add_argument("--out-dir", default=str(bc.RESULTS_DIR))
     p.add_argument("--tag", default="")
@@ -200,6 +250,7 @@ def main(argv=None) -> int:
     name = "1b"
     if a.tiny:
         name, a.bases, a.new, a.check_new, a.reps = "tiny", "bf16", 16, 8, 1
+        a.eager_new = min(a.eager_new, a.new)
         a.tag = a.tag or "_tiny"
     device = torch.device(a.device)
     env = bc.env_info(device)
@@ -207,26 +258,41 @@ def main(argv=None) -> int:
         env[pkg] = bc.package_version(pkg)
     res = {"env": env, "commit": bc.git_commit(), "args": vars(a), "rows": [], "checks": []}
     path = Path(a.out_dir) / f"decode_loop_{bc.gpu_short_name(device)}{a.tag}.json"
+    variants = a.variants.split(",")
+    kernel_opts = a.kernels.split(",")
+    for v in variants:
+        if v not in VARIANTS:
+            p.error(f"--variants: {v!r} is not one of {','.join(VARIANTS)}")
+    for k in kernel_opts:
+        if k not in ("torch", "auto"):
+            p.error(f"--kernels: {k!r} is not one of torch, auto")
     for base in a.bases.split(","):
         model = load_policy(name, base, a.model_cache, a.device)
         V = model.get_base_model().config.vocab_size
         for batch in map(int, a.batches.split(",")):
             ids, mask = prompts(batch, V, a.device)
-            check = greedy_check(model, ids, mask, a.check_new, V)
-            res["checks"].append({"base": base, "batch": batch, **check})
-            print(f"{base} batch {batch}: greedy vs eager generate: {check}", flush=True)
-            cfg = generation_config(a.new, V)
-            for vname in a.variants.split(","):
-                reps = a.eager_reps if vname == "hf_eager" else a.reps
+            ref = eager_greedy(model, ids, mask, a.check_new, V)
+            for kernels in kernel_opts:
+                check = greedy_check(model, ids, mask, a.check_new, V, kernels, ref)
+                res["checks"].append({"base": base, "batch": batch, **check})
+                print(f"{base} batch {batch}: greedy vs eager generate: {check}", flush=True)
+                bc.free_memory()
+            runs = [(v, k) for v in variants for k in (kernel_opts if v.startswith("loop")
+                                                       else (None,))]
+            for vname, kernels in runs:
+                eager = vname == "hf_eager"
+                new = a.eager_new if eager else a.new
                 try:
-                    row = measure(Variant(vname, model, a.device, a.check_every), ids, mask,
-                                  cfg, a.new, reps, a.device)
+                    variant = Variant(vname, model, a.device, a.check_every, kernels or "auto")
+                    row = measure(variant, ids, mask, generation_config(new, V), new,
+                                  a.eager_reps if eager else a.reps, a.device)
                 except Exception as exc:  # noqa: BLE001 - one failed variant, the rest runs
-                    row = {"variant": vname, "error": bc.short_error(exc)}
-                row.update(base=base, batch=batch)
+                    row = {"variant": vname, "kernels": kernels, "error": bc.short_error(exc)}
+                row.update(base=base, batch=batch, kernels_requested=kernels)
                 res["rows"].append(row)
                 print(row, flush=True)
                 bc.write_json(path, res)
+                variant = None
                 bc.free_memory()
         del model
         bc.free_memory()

@@ -492,11 +492,183 @@ def test_logits_mismatch_disables(tok, caplog, monkeypatch):
     ids, mask = batch(tok)
     loop = cpu_loop()
     real = ModelStep._logits
-    monkeypatch.setattr(ModelStep, "_logits", lambda self, h: real(self, h) * 1.01)
+    monkeypatch.setattr(ModelStep, "_logits", lambda self, h, delta: real(self, h, delta) * 1.01)
     with caplog.at_level(logging.WARNING):
         assert loop.generate(model, ids, mask, config(tok, [2])) is None
     assert "differ from the eager forward" in loop.disabled_reason
     assert sum("decode loop off" in r.getMessage() for r in caplog.records) == 1
+
+
+# -- decode kernels in the forward (Triton interpreter) ---------------------------------------
+
+def nf4_lora(tok, family, seed=0):
+    """`build`'s tiny model in bf16 with every projection a bitsandbytes NF4 Linear4bit
+    (double quant, bf16 compute), then a LoRA adapter with non-zero B: the kernels' case."""
+    bnb = pytest.importorskip("bitsandbytes")
+    model = build(tok, family, seed=seed).to(torch.bfloat16)
+    for layer in model.model.layers:
+        for parent in (layer.self_attn, layer.mlp):
+            for name, lin in list(parent.named_children()):
+                if type(lin) is not torch.nn.Linear:
+                    continue
+                q = bnb.nn.Linear4bit(lin.in_features, lin.out_features,
+                                      bias=lin.bias is not None, compute_dtype=torch.bfloat16,
+                                      quant_type="nf4")
+                q.weight = bnb.nn.Params4bit(lin.weight.data, requires_grad=False,
+                                             quant_type="nf4", compress_statistics=True)
+                if lin.bias is not None:
+                    q.bias = torch.nn.Parameter(lin.bias.data, requires_grad=False)
+                # bitsandbytes' CPU forward would repack the weight in place (AVX512 layout),
+                # which the decode kernel does not read; the GPU has no such repacking
+                q.support_avx512bf16_for_cpu = False
+                setattr(parent, name, q.to("cpu"))  # quantizes here
+    return with_lora(model, seed=seed).eval()
+
+
+@pytest.fixture
+def kernels_on_cpu(monkeypatch):
+    """kernels="auto" on CPU (the Triton interpreter), and a count of the kernels' calls."""
+    from trainers.sampling import kernel_plan, model_step
+
+    monkeypatch.setattr(kernel_plan, "KERNEL_DEVICES", ("cuda", "cpu"))
+    calls = {"decode_linear": 0, "add_rmsnorm": 0}
+    for name in calls:
+        real = getattr(model_step, name)
+
+        def counted(*a, _real=real, _name=name, **kw):
+            calls[_name] += 1
+            return _real(*a, **kw)
+
+        monkeypatch.setattr(model_step, name, counted)
+    return calls
+
+
+def _kernel_logit_bound(z, layers):
+    """|z_kernels - z_torch| per row: both forwards are bf16; decode_linear and add_rmsnorm
+    differ from bitsandbytes + PEFT and transformers' RMSNorm by a bf16 rounding of their
+    outputs (their docstrings' bounds), which the residual stream carries as in `_near_tie`:
+    (2L + 2) ulps relative of the final hidden state, so (2L + 2) · ulp(max |z|) of a logit.
+    A wrong nibble, scale, LoRA factor or residual changes logits by their own size."""
+    zmax = z.abs().amax(-1)
+    return torch.tensor([(2 * layers + 2) * _bf16_ulp(float(m)) for m in zmax.flatten()]) \
+        .reshape(zmax.shape)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_kernel_forward_equals_the_modules(tok, family, kernels_on_cpu):
+    """ModelStep with the kernel plan against the same forward through the modules, teacher
+    forced (the torch path's greedy tokens): prefill (fused norms, module projections) and two
+    decode steps (fused norms and the 4-bit + LoRA decode linear for all 14 projections), on
+    NF4 + LoRA Llama and Qwen2 (q/k/v biases, a sliding layer)."""
+    from trainers.sampling.kernel_plan import TORCH, make_plan
+
+    model = nf4_lora(tok, family)
+    base = model.get_base_model()
+    plan = make_plan(base, "auto", "cpu")
+    assert len(plan.fused) == 14 and plan.norms, plan.line
+    ids, mask = batch(tok, PROMPTS[:3])
+    lengths = mask.sum(1)
+    P = ids.shape[1]
+    left = ids.gather(1, (torch.arange(P)[None] + (P - lengths)[:, None]).clamp(max=P - 1))
+    runs, tokens = {}, []
+    for name, p in (("torch", TORCH), ("kernels", plan)):
+        cache = KVCache.allocate(base.config, batch=3, room=P, new_tokens=3, slack=0,
+                                 growths=0, dtype=torch.bfloat16, device="cpu")
+        step = ModelStep(model, plan=p)
+        with torch.no_grad():
+            z = [step.prefill(cache, left, lengths)]
+            for t in range(2):
+                if name == "torch":
+                    tokens.append(z[-1].argmax(-1))
+                z.append(step.decode(cache, tokens[t], lengths + t))
+        runs[name] = torch.stack(z, 1)  # (B, 3, V)
+    assert kernels_on_cpu["decode_linear"] == 2 * 14  # two decode steps, 2 layers x 7
+    assert kernels_on_cpu["add_rmsnorm"] == 3 * 5  # prefill and decodes, 2 x 2 + final
+    err = (runs["kernels"] - runs["torch"]).abs().amax(-1)  # (B, 3)
+    bound = _kernel_logit_bound(runs["torch"], base.config.num_hidden_layers)
+    assert (err <= bound).all(), (err, bound)
+
+
+def test_loop_with_kernels_equals_without(tok, kernels_on_cpu, caplog):
+    """The whole loop (greedy, k-step checks) with kernels="auto" against kernels="torch" on
+    NF4 + LoRA: one logged line names the path; tokens equal up to each row's first divergence,
+    and log-probs there within 4δ, δ the logit bound of `_kernel_logit_bound` (|Δ log p| <=
+    2δ for the same token; at a divergence the two tokens' torch gap is <= 2δ, so 4δ)."""
+    model = nf4_lora(tok, "llama")
+    ids, mask = batch(tok, PROMPTS[:3])
+    gc = config(tok, [len(tok) + 7], new=4)
+    with caplog.at_level(logging.WARNING):
+        outs = {}
+        for kernels in ("torch", "auto"):
+            loop = DecodeLoop(devices=("cpu",), check_every=2, kernels=kernels)
+            outs[kernels] = loop.generate(model, ids, mask, gc)
+            assert loop.disabled_reason is None and outs[kernels] is not None
+    lines = [r.getMessage() for r in caplog.records if "projections through" in r.getMessage()]
+    assert len(lines) == 1 and "14 of 14 projections" in lines[0], lines
+    assert "add_rmsnorm" in lines[0]
+    assert kernels_on_cpu["decode_linear"] >= 14 * 4  # check step + 3 decode steps, at least
+    # max |z| of each row over its steps, from the eager forward of prompt + torch completion
+    comp = torch.tensor(outs["torch"].token_ids)  # (B, 4): no EOS is ever drawn
+    full = torch.cat([mask, torch.ones_like(comp)], 1)
+    with torch.no_grad():
+        z = model(input_ids=torch.cat([ids, comp], 1), attention_mask=full,
+                  position_ids=(full.cumsum(1) - 1).clamp(min=0)).logits
+    zmax = z[:, ids.shape[1] - 1:-1].float().abs().amax((1, 2))  # (B,)
+    layers = model.get_base_model().config.num_hidden_layers
+    for t, k, lt, lk, m in zip(outs["torch"].token_ids, outs["auto"].token_ids,
+                               outs["torch"].logprobs, outs["auto"].logprobs, zmax.tolist()):
+        n = next((i for i, (a, b) in enumerate(zip(t, k)) if a != b), len(t) - 1)
+        delta = (2 * layers + 2) * _bf16_ulp(m)
+        assert all(abs(a - b) <= 4 * delta for a, b in zip(lt[:n + 1], lk[:n + 1])), \
+            (t, k, lt, lk, delta)
+
+
+def test_unservable_projections_fall_back_with_one_line(tok, kernels_on_cpu, caplog):
+    """DoRA adapters: decode_linear serves no projection, the plan says why in one line (once
+    for two calls), the projections run as module calls and the completions equal HF's."""
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(build(tok, "llama"), LoraConfig(r=4, lora_alpha=8, use_dora=True,
+                                                           target_modules="all-linear")).eval()
+    ids, mask = batch(tok)
+    gc = config(tok, [len(tok) + 7], new=6)
+    loop = cpu_loop(kernels="auto")
+    with caplog.at_level(logging.WARNING):
+        for _ in range(2):
+            assert loop.generate(model, ids, mask, gc).token_ids == \
+                hf_completions(model, ids, mask, gc)
+    lines = [r.getMessage() for r in caplog.records if "projections through" in r.getMessage()]
+    assert len(lines) == 1 and "0 of 14 projections" in lines[0], lines
+    assert "variant" in lines[0]  # the reason: a LoRA variant (DoRA)
+    assert kernels_on_cpu["decode_linear"] == 0 and kernels_on_cpu["add_rmsnorm"] > 0
+
+
+def test_failing_kernels_turn_off_with_one_line(tok, kernels_on_cpu, caplog, monkeypatch):
+    """A kernel that raises in the first-call check turns the kernels off for the run (one
+    logged line); the loop goes on without them and its completions equal HF's."""
+    from trainers.sampling import model_step
+
+    def broken(x, module):
+        raise RuntimeError("forced kernel failure")
+
+    monkeypatch.setattr(model_step, "decode_linear", broken)
+    model = build(tok, "llama", lora=True)
+    ids, mask = batch(tok)
+    gc = config(tok, [len(tok) + 7], new=6)
+    loop = cpu_loop(kernels="auto")
+    with caplog.at_level(logging.WARNING):
+        for _ in range(2):
+            assert loop.generate(model, ids, mask, gc).token_ids == \
+                hf_completions(model, ids, mask, gc)
+    assert loop.disabled_reason is None and loop.kernels == "torch"
+    lines = [r.getMessage() for r in caplog.records if "kernels off for the run" in
+             r.getMessage()]
+    assert len(lines) == 1 and "forced kernel failure" in lines[0], lines
+
+
+def test_kernels_option_is_checked():
+    with pytest.raises(ValueError, match="kernels='triton'"):
+        DecodeLoop(kernels="triton")
 
 
 # -- GPU: captured graphs ---------------------------------------------------------------------
@@ -526,33 +698,75 @@ def _gpu_prompts(vocab, batch=6, seed=0):
 
 
 def _greedy_gap(model, ids, mask, ours, theirs):
-    """For rows whose greedy tokens diverge: the eager logit gap between the two choices at the
-    first divergence, and eager's own change of those logits between batch 1 and the batch."""
+    """For rows whose greedy tokens diverge: (row, step, gap, variation, zmax) at the first
+    divergence: the eager batch-1 logit gap z[theirs] - z[ours] between the two choices,
+    eager's own change of the logits between batch 1 and the batch (max over the vocabulary),
+    and max |z| of the row."""
     report = []
     for b, (o, t) in enumerate(zip(ours, theirs)):
         if o == t:
             continue
         k = next((i for i, (x, y) in enumerate(zip(o, t)) if x != y), min(len(o), len(t)))
         if k >= min(len(o), len(t)):
-            report.append((b, k, 0.0, 0.0))
+            report.append((b, k, 0.0, 0.0, 0.0))
             continue
         prefix = torch.tensor(t[:k], device=ids.device, dtype=ids.dtype)
         row = torch.cat([ids[b][mask[b].bool()], prefix])[None]
         with torch.no_grad():
             z1 = model(input_ids=row).logits[0, -1].float()
             zb = model(input_ids=row.expand(ids.shape[0], -1)).logits[-1, -1].float()
-        report.append((b, k, (z1[t[k]] - z1[o[k]]).item(), (z1 - zb).abs().max().item()))
+        report.append((b, k, (z1[t[k]] - z1[o[k]]).item(), (z1 - zb).abs().max().item(),
+                       z1.abs().max().item()))
     return report
+
+
+def _bf16_ulp(x: float) -> float:
+    """The spacing of bf16 numbers at |x| (8 significant bits): 2^(e - 7) for |x| in [2^e,
+    2^(e+1)), at most 2^-7 |x|."""
+    return 2.0 ** (math.frexp(max(abs(x), 2.0**-126))[1] - 8)
+
+
+def _near_tie(gap, variation, zmax, layers):
+    """A greedy divergence that bf16 rounding explains: the eager gap between the two tokens is
+    within (a) what rounding can move a logit, or (b) eager's own batch-size variation.
+
+    (a) Both forwards sum the same products in different orders (other GEMM shapes, masked SDPA
+    over the static cache, our kernels); each rounds its results to bf16. A different fp32 sum
+    can land one bf16 ulp away after rounding, and the residual stream carries it: each of the
+    2L residual adds (attention and MLP of every layer) rounds to the ulp of the residual, the
+    final norm and the head's bf16 output add one rounding each, so the final hidden state
+    differs by up to (2L + 2) ulps relative, and a logit z = w·n by about as many ulps of the
+    logits' own scale, max |z| (the perturbation of n has random signs: its effect on a logit
+    is of the size of a typical logit times that relative error, below max |z| times it).
+    Two logits can move in opposite directions: 2 · (2L + 2) · ulp(max |z|).
+    (b) eager's own logits change by `variation` between batch 1 and the batch (other GEMM
+    tilings); a gap within twice that is a tie eager itself does not decide.
+    The test keeps its teeth: a wrong position, mask or cache slot changes the logits by their
+    own size, and the token it picks then sits a few standard deviations of the logits (about
+    max |z| / 3) below eager's choice, far outside both bounds."""
+    return abs(gap) <= max(2 * (2 * layers + 2) * _bf16_ulp(zmax), 2 * variation)
+
+
+def test_near_tie_bound_scales_with_the_logits():
+    """The GPU test's divergence bound: one bf16 ulp of a logit in [8, 16) is 2^-4, so a gap of
+    one ulp passes at max |z| = 14 with no batch variation, while a gap of a third of the logits'
+    scale (what a broken forward gives) fails; eager's batch variation is the other way in."""
+    assert _bf16_ulp(14.0) == 2.0**-4 and _bf16_ulp(1.0) == 2.0**-7
+    assert _near_tie(0.0625, 0.0, 14.0, layers=4)
+    assert not _near_tie(14.0 / 3, 0.0, 14.0, layers=4)
+    assert _near_tie(14.0 / 3, 2.5, 14.0, layers=4)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("attention", ["sdpa", "triton"])
-@pytest.mark.parametrize("quant", ["bf16", "nf4"])
-def test_gpu_greedy_and_replay_after_optimizer_step(quant, attention, tmp_path):
-    """Greedy completions of the captured loop against eager `generate` (bf16 / NF4 + LoRA),
-    then an optimizer step on the LoRA weights: the replayed graphs (no new capture) give the
-    updated policy's greedy tokens. One host check per k tokens."""
+@pytest.mark.parametrize("quant,attention,kernels", [
+    ("bf16", "sdpa", "auto"), ("nf4", "sdpa", "torch"), ("nf4", "sdpa", "auto"),
+    ("nf4", "triton", "auto")])
+def test_gpu_greedy_and_replay_after_optimizer_step(quant, attention, kernels, tmp_path):
+    """Greedy completions of the captured loop against eager `generate` (bf16 / NF4 + LoRA;
+    decode kernels on or off), then an optimizer step on the LoRA weights: the replayed graphs
+    (no new capture) give the updated policy's greedy tokens (the 4-bit kernel reads the LoRA
+    factors live). One host check per k tokens."""
     from peft import LoraConfig, get_peft_model
 
     model = _gpu_llama()
@@ -572,25 +786,30 @@ def test_gpu_greedy_and_replay_after_optimizer_step(quant, attention, tmp_path):
     ids, mask = _gpu_prompts(512)
     N, k = 48, 16
     gc = GenerationConfig(max_new_tokens=N, do_sample=False, pad_token_id=0, eos_token_id=[1])
-    loop = DecodeLoop(check_every=k, attention=attention)
+    loop = DecodeLoop(check_every=k, attention=attention, kernels=kernels)
     out = loop.generate(model, ids, mask, gc)
     assert loop.disabled_reason is None and out is not None and loop.stats.captures == 1
+    assert loop.kernels == kernels  # the kernels passed the first-call check
+    (plan,) = loop._plans.values()
+    print(f"\n{quant} {attention} kernels={kernels}: {plan.line}")
+    if kernels == "auto":
+        packed = 28 if quant == "nf4" else 0  # 4 layers x 7 projections
+        assert plan.norms and f"28 of 28 projections through decode_linear ({packed} by" \
+            in plan.line, plan.line
     ref = hf_completions(model, ids, mask, gc)
     gaps = _greedy_gap(model, ids, mask, out.token_ids, ref)
     print(f"\n{quant} {attention}: rows diverging from eager (row, step, eager logit gap, "
-          f"eager batch variation): {gaps}; capture {loop.stats.capture_s:.2f} s, first token "
+          f"eager batch variation, max |z|): {gaps}; capture {loop.stats.capture_s:.2f} s, first token "
           f"{loop.stats.first_token_s:.2f} s")
-    # a divergence only at a near-tie within eager's own batch-size noise; + 1e-2: about one
-    # bf16 ulp (2^-7 relative) of logits of a few units
-    for _, _, gap, variation in gaps:
-        assert abs(gap) <= 2 * variation + 1e-2
+    layers = model.get_base_model().config.num_hidden_layers
+    assert all(_near_tie(*g[2:], layers) for g in gaps), gaps  # rounding near-ties only
     assert loop.stats.host_checks <= math.ceil((N - 1) / k) + 1
     assert loop.stats.first_token_s < 10.0
     shorter = (ids[:, 5:], mask[:, 5:])  # same batch, shorter prompts: the same graph replays
     short_out = loop.generate(model, *shorter, gc)
     assert loop.stats.captures == 1
     gaps = _greedy_gap(model, *shorter, short_out.token_ids, hf_completions(model, *shorter, gc))
-    assert all(abs(gap) <= 2 * variation + 1e-2 for _, _, gap, variation in gaps), gaps
+    assert all(_near_tie(*g[2:], layers) for g in gaps), gaps
 
     # one optimizer step on the LoRA weights, large enough to change the greedy completions
     params = [p for n, p in model.named_parameters() if "lora_" in n]
@@ -605,5 +824,5 @@ def test_gpu_greedy_and_replay_after_optimizer_step(quant, attention, tmp_path):
     after = loop.generate(model, ids, mask, gc)
     assert loop.stats.captures == 1  # replayed, not recaptured
     gaps = _greedy_gap(model, ids, mask, after.token_ids, after_ref)
-    assert all(abs(gap) <= 2 * variation + 1e-2 for _, _, gap, variation in gaps), gaps
+    assert all(_near_tie(*g[2:], layers) for g in gaps), gaps
     assert sum(a == b for a, b in zip(after.token_ids, after_ref)) >= len(after_ref) // 2

@@ -22,6 +22,12 @@ switches, so a moved parameter or a disabled adapter gets a new capture instead 
 stale Python choices.
 Optimizer steps update parameters in place, so replays read the current weights.
 
+Kernels (`kernels="auto"`, on CUDA): decode steps run the q/k/v/o and gate/up/down projections
+through the fused 4-bit + LoRA decode linear where it serves the module, and each residual add
++ RMSNorm through `add_rmsnorm` (`kernel_plan`); the plan is made once per model state and
+logged in one line. If the first-call check fails with the kernels, they are turned off for the
+run (one logged line) and the check is repeated without them.
+
 Safety: the first call checks the loop's logits for the first two tokens (prefill and one
 decode step) against the model's own eager forward on the same prompts, in eval mode; a
 mismatch beyond the dtype's noise, or any exception, turns the loop off for the rest of the run
@@ -40,6 +46,7 @@ from transformers.utils import logging
 
 from trainers.sampling import processors
 from trainers.sampling.cache import MAX_GROWTHS, KVCache, prompt_room
+from trainers.sampling.kernel_plan import KERNELS, TORCH, make_plan
 from trainers.sampling.model_step import ATTENTION, ModelStep, base_model, model_reason
 
 logger = logging.get_logger(__name__)
@@ -158,12 +165,16 @@ class DecodeLoop:
     """Samples on-policy completions with our own decode loop (module docstring)."""
 
     def __init__(self, *, devices=("cuda",), check_every: int = 16, capture: bool = True,
-                 max_prompt_length: int | None = None, attention: str = "sdpa"):
+                 max_prompt_length: int | None = None, attention: str = "sdpa",
+                 kernels: str = "auto"):
+        if kernels not in KERNELS:
+            raise ValueError(f"kernels={kernels!r}; choose one of {KERNELS}")
         if check_every < 1:
             raise ValueError(f"check_every must be >= 1, got {check_every}")
         if attention not in ATTENTION:
             raise ValueError(f"attention={attention!r}; choose one of {ATTENTION}")
         self.attention = attention  # a decode step's attention (model_step.ATTENTION)
+        self.kernels = kernels  # "auto" | "torch" (kernel_plan); "torch" after a failed check
         self.devices = tuple(devices)
         self.check_every = int(check_every)
         self.capture = bool(capture)
@@ -175,6 +186,7 @@ class DecodeLoop:
         self._states: dict[tuple, _State] = {}  # (batch, capacity, vocab) -> state
         self._checked: set[int] = set()  # id(model) whose first call passed the check
         self._logged: set[str] = set()
+        self._plans: dict[tuple, object] = {}  # (id(model), fingerprint) -> KernelPlan
         self._pool = None
 
     # -- policy -----------------------------------------------------------------------------
@@ -215,6 +227,14 @@ class DecodeLoop:
             return f"generation_config does not resolve: {type(exc).__name__}: {exc}"
         _, reason = processors.spec_from_config(config, base.config.vocab_size)
         return reason
+
+    def _plan_for(self, model, fingerprint, device):
+        key = (id(model), fingerprint)
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = self._plans[key] = make_plan(base_model(model), self.kernels, device.type)
+            self._log_once(plan.line)
+        return plan
 
     # -- buffers ----------------------------------------------------------------------------
 
@@ -385,10 +405,23 @@ class DecodeLoop:
         # row b's prompt moved to [0, P_b): ids_left[b, i] = input_ids[b, i + P - P_b]
         shift = (P - lengths)[:, None]
         ids_left = input_ids.gather(1, (pos[None] + shift).clamp(max=P - 1))
-        step_fn = ModelStep(model, self.attention)
+        fingerprint = _fingerprint(model)
+        step_fn = ModelStep(model, self.attention, self._plan_for(model, fingerprint, dev))
         if id(model) not in self._checked:
-            mismatch = self._check(model, step_fn, cache, ids_left, lengths, input_ids,
-                                   attention_mask)
+            try:
+                mismatch = self._check(model, step_fn, cache, ids_left, lengths, input_ids,
+                                       attention_mask)
+            except Exception as exc:  # with the kernels: retried without them
+                if not step_fn.plan.active:
+                    raise
+                mismatch = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+            if mismatch is not None and step_fn.plan.active:
+                logger.warning(f"grpo_lce decode loop: kernels off for the run ({mismatch})")
+                self.kernels = "torch"
+                self._plans.clear()
+                step_fn = ModelStep(model, self.attention, TORCH)
+                mismatch = self._check(model, step_fn, cache, ids_left, lengths, input_ids,
+                                       attention_mask)
             if mismatch is not None:
                 self.disable(mismatch)
                 return None
@@ -419,7 +452,7 @@ class DecodeLoop:
 
         graph = None
         if self.capture and dev.type in CAPTURE_DEVICES:
-            gkey = (spec, tuple(eos_list), pad, _fingerprint(model))
+            gkey = (spec, tuple(eos_list), pad, fingerprint, step_fn.plan)
             graph = st.graphs.get(gkey)
             if graph is None:
                 if self.stats.captures >= MAX_CAPTURES:

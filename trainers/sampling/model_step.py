@@ -24,6 +24,13 @@ the result. With attention="triton" a decode step runs `decode_attention` instea
 only each row's valid keys. A sliding window w (Mistral, Qwen2 / Qwen3 sliding layers) adds
 the condition q - k < w, as HF's sliding mask does.
 Logits are the head's output in the model dtype, then fp32, as HF's `generate` takes them.
+
+With a `kernel_plan.KernelPlan`, decode steps run the planned projections through
+`decode_linear` (an MLP of LlamaMLP's form as down(act(gate(x)) · up(x)), projection by
+projection), and both forwards fuse each residual add with the RMSNorm that follows it
+(`add_rmsnorm`): the residual stream then carries the last block's output `delta` not yet added
+to `h`, and the next norm (a layer's input norm, or the final norm) adds it. Both compute the
+modules' own functions within bf16 rounding (the kernels' docstrings state the bounds).
 """
 
 from __future__ import annotations
@@ -32,6 +39,9 @@ import torch
 import torch.nn.functional as F
 
 from trainers.sampling.decode_attention import decode_attention
+from trainers.sampling.kernel_plan import TORCH, KernelPlan
+from trainers.sampling.kernels.linear4bit import decode_linear
+from trainers.sampling.kernels.rmsnorm import add_rmsnorm
 
 ATTENTION = ("sdpa", "triton")  # decode attention: masked SDPA over M, or decode_attention
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
@@ -116,46 +126,71 @@ def _attention(q, K, V, mask, scale):
 class ModelStep:
     """Prefill and decode over `cache` (a `trainers.sampling.cache.KVCache`) for one model."""
 
-    def __init__(self, model, attention: str = "sdpa"):
+    def __init__(self, model, attention: str = "sdpa", plan: KernelPlan = TORCH):
         if attention not in ATTENTION:
             raise ValueError(f"attention={attention!r}; choose one of {ATTENTION}")
         self.attention = attention
+        self.plan = plan
         self.base = base_model(model)
         self.inner = self.base.model
         self.head = self.base.get_output_embeddings()
         self.layers = list(self.inner.layers)
         self.windows = sliding_windows(self.base)
 
-    def _qkv(self, attn, x, cos, sin):
+    def _proj(self, module, x, fused):
+        if fused and id(module) in self.plan.fused:
+            return decode_linear(x, module)
+        return module(x)
+
+    def _mlp(self, mlp, x, fused):
+        if fused and id(mlp) in self.plan.split_mlp:  # LlamaMLP's forward, piece by piece
+            gate = self._proj(mlp.gate_proj, x, fused)
+            return self._proj(mlp.down_proj, mlp.act_fn(gate) * self._proj(mlp.up_proj, x, fused),
+                              fused)
+        return mlp(x)
+
+    def _add_norm(self, delta, h, norm):
+        """(norm(h + delta), h + delta); delta None: (norm(h), h)."""
+        if not self.plan.norms:
+            h = h if delta is None else h + delta
+            return norm(h), h
+        return add_rmsnorm(h if delta is None else delta, None if delta is None else h,
+                           norm.weight, norm.variance_epsilon)
+
+    def _qkv(self, attn, x, cos, sin, fused):
         B, S, _ = x.shape
         D = attn.head_dim
-        q = attn.q_proj(x).view(B, S, -1, D)
-        k = attn.k_proj(x).view(B, S, -1, D)
-        v = attn.v_proj(x).view(B, S, -1, D)
+        q = self._proj(attn.q_proj, x, fused).view(B, S, -1, D)
+        k = self._proj(attn.k_proj, x, fused).view(B, S, -1, D)
+        v = self._proj(attn.v_proj, x, fused).view(B, S, -1, D)
         if hasattr(attn, "q_norm"):  # qwen3: RMSNorm over the head dim, before RoPE
             q, k = attn.q_norm(q), attn.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H, S, D)
         return _rope(q, cos, sin), _rope(k, cos, sin), v
 
-    def _layers(self, h, positions, attend, write, keys):
+    def _layers(self, h, positions, attend, write, keys, fused=False):
         """Runs every layer: `write(i, k, v)` stores this step's keys and values in layer i's
         cache; `keys(i)` returns the (K, V) the queries attend to; `attend(q, K, V, window,
-        scale)` the attention output (B, H, S, D)."""
+        scale)` the attention output (B, H, S, D). `fused`: the plan's projections run through
+        decode_linear. Returns (h, delta): the residual stream is h + delta."""
         cos, sin = self.inner.rotary_emb(h, positions)  # (B, S, D) in the model dtype
+        delta = None  # the last block's output, not yet added to h
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
-            x = layer.input_layernorm(h)
-            q, k, v = self._qkv(attn, x, cos, sin)
+            x, h = self._add_norm(delta, h, layer.input_layernorm)
+            q, k, v = self._qkv(attn, x, cos, sin, fused)
             write(i, k, v)
             K, V = keys(i)
             o = attend(q, K, V, self.windows[i], attn.scaling)
             B, H, S, D = o.shape
-            h = h + attn.o_proj(o.transpose(1, 2).reshape(B, S, H * D))
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
-        return h
+            a = self._proj(attn.o_proj, o.transpose(1, 2).reshape(B, S, H * D), fused)
+            x, h = self._add_norm(a, h, layer.post_attention_layernorm)
+            delta = self._mlp(layer.mlp, x, fused)
+        return h, delta
 
-    def _logits(self, h):
-        return self.head(self.inner.norm(h)).float()
+    def _logits(self, h, delta):
+        n, _ = self._add_norm(delta, h, self.inner.norm)
+        return self.head(n).float()
 
     def prefill(self, cache, ids, lengths):
         """ids (B, S) with row b's prompt in [0, lengths_b); returns the logits (B, V) fp32 at
@@ -186,10 +221,10 @@ class ModelStep:
             return _attention(q, K, V, masks[window], scale)
 
         h = self.inner.embed_tokens(ids)
-        h = self._layers(h, pos[None].expand(B, S), attend, write, keys)
-        last = (lengths - 1).clamp(min=0)
-        h = h[torch.arange(B, device=dev), last]  # (B, hidden): only these rows reach the head
-        return self._logits(h)
+        h, delta = self._layers(h, pos[None].expand(B, S), attend, write, keys)
+        last = (torch.arange(B, device=dev), (lengths - 1).clamp(min=0))
+        # (B, hidden): only these rows reach the head
+        return self._logits(h[last], None if delta is None else delta[last])
 
     def decode(self, cache, tokens, slots):
         """tokens (B,) at positions `slots` (B,); writes them to the cache, returns (B, V) fp32."""
@@ -224,5 +259,5 @@ class ModelStep:
             return _attention(q, K, V, masks[window], scale)
 
         h = self.inner.embed_tokens(tokens[:, None])  # (B, 1, hidden)
-        h = self._layers(h, slots[:, None], attend, write, keys)
-        return self._logits(h[:, 0])
+        h, delta = self._layers(h, slots[:, None], attend, write, keys, fused=True)
+        return self._logits(h[:, 0], None if delta is None else delta[:, 0])

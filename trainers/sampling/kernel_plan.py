@@ -1,0 +1,102 @@
+"""Which pieces of a decode step run our decode kernels, decided once per model state.
+
+    projections  q/k/v/o and gate/up/down of every layer: `decode_linear(x, module)` (the fused
+                 bitsandbytes 4-bit + LoRA kernel; cuBLAS in PEFT's order for a dense base) where
+                 `linear4bit.unsupported_reason(module)` is None, the module's own call otherwise
+    norms        each residual add + RMSNorm pair (the decoder layer's two, and the last layer's
+                 add with the final norm): `add_rmsnorm`, when every such norm is LlamaRMSNorm's
+                 forward; transformers' modules otherwise
+
+Only decode steps use the projections' kernel (M = batch rows, the kernel's small-M regime);
+the prefill's B·S rows go through the modules (bitsandbytes dequantizes once per GEMM there).
+kernels="torch" uses none of them; "auto" uses them on KERNEL_DEVICES.
+A plan is made once per model state (the loop keys it by the same fingerprint as its graphs: a
+disabled adapter or train mode changes what `decode_linear` supports) and says in one line which
+path the projections take.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from trainers.sampling.kernels import linear4bit
+from trainers.sampling.kernels._interp import interpreting
+from trainers.sampling.kernels.rmsnorm import rmsnorm_params
+
+KERNELS = ("auto", "torch")
+KERNEL_DEVICES = ("cuda",)  # where "auto" uses the kernels (CPU tests add "cpu": the interpreter)
+ATTN_PROJ = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP_PROJ = ("gate_proj", "up_proj", "down_proj")
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelPlan:
+    fused: frozenset = frozenset()  # id() of the projection modules decode_linear serves
+    split_mlp: frozenset = frozenset()  # id() of the LlamaMLP-style MLPs run projection by projection
+    norms: bool = False  # residual add + RMSNorm by add_rmsnorm
+    line: str = "kernels off (kernels='torch')"
+
+    @property
+    def active(self) -> bool:
+        return bool(self.fused) or self.norms
+
+
+TORCH = KernelPlan()
+
+
+def _norm_reason(base) -> str | None:
+    inner = base.model
+    norms = [inner.norm]
+    for layer in inner.layers:
+        norms += [getattr(layer, "input_layernorm", None),
+                  getattr(layer, "post_attention_layernorm", None)]
+    for norm in norms:
+        try:
+            rmsnorm_params(norm)
+        except (ValueError, AttributeError) as exc:
+            return str(exc)
+    return None
+
+
+def _mlp_ok(mlp) -> bool:
+    """LlamaMLP's forward: down(act(gate(x)) · up(x)) (Qwen2 / Qwen3 / Mistral share it)."""
+    return all(hasattr(mlp, n) for n in (*MLP_PROJ, "act_fn")) and \
+        type(mlp).__name__ in ("LlamaMLP", "Qwen2MLP", "Qwen3MLP", "MistralMLP")
+
+
+def make_plan(base, kernels: str, device_type: str) -> KernelPlan:
+    """The plan for transformers causal LM `base` (its PEFT layers included) on `device_type`."""
+    if kernels not in KERNELS:
+        raise ValueError(f"kernels={kernels!r}; choose one of {KERNELS}")
+    if kernels == "torch":
+        return TORCH
+    if device_type not in KERNEL_DEVICES or (device_type != "cuda" and not interpreting()):
+        return KernelPlan(line=f"kernels off (the model is on {device_type!r}; they run on "
+                               f"{' / '.join(KERNEL_DEVICES)})")
+    fused, split_mlp, first_reason, total, packed = set(), set(), None, 0, 0
+    for i, layer in enumerate(base.model.layers):
+        mods = [(n, getattr(layer.self_attn, n)) for n in ATTN_PROJ]
+        mlp_ok = _mlp_ok(layer.mlp)
+        if mlp_ok:
+            mods += [(n, getattr(layer.mlp, n)) for n in MLP_PROJ]
+            split_mlp.add(id(layer.mlp))
+        elif first_reason is None:
+            first_reason = f"layer {i} mlp is {type(layer.mlp).__name__}"
+        for name, mod in mods:
+            total += 1
+            reason = linear4bit.unsupported_reason(mod)
+            if reason is None:
+                fused.add(id(mod))
+                packed += linear4bit._is_linear4bit(linear4bit._resolve_lora(mod).base)
+            else:
+                first_reason = first_reason or f"layer {i} {name}: {reason}"
+    norm_reason = _norm_reason(base)
+    line = (f"{len(fused)} of {total} projections through decode_linear ({packed} by the fused "
+            f"4-bit + LoRA kernel, {len(fused) - packed} dense by cuBLAS)")
+    if first_reason is not None:
+        line += f", the rest as module calls (first: {first_reason})"
+    line += ("; residual add + RMSNorm by add_rmsnorm" if norm_reason is None
+             else f"; RMSNorm by the modules ({norm_reason})")
+    if not fused:
+        split_mlp = set()  # nothing to gain from running the MLP piecewise
+    return KernelPlan(frozenset(fused), frozenset(split_mlp), norm_reason is None, line)
