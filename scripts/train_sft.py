@@ -56,6 +56,7 @@ def sft_trainer(model, tokenizer, train, args, *, output_dir: str, steps: int, l
                 save_steps: int | None, batch_size: int | None = None, prefix: str = ""):
     """A `trainers.SFTTrainer` logging every step through `ProgressCallback`."""
     import torch
+    from _checkpoints import manifest_callback
     from _progress import ProgressCallback
     from trl import SFTConfig
 
@@ -77,6 +78,7 @@ def sft_trainer(model, tokenizer, train, args, *, output_dir: str, steps: int, l
     trainer = SFTTrainer(model=model, args=cfg, train_dataset=train, processing_class=tokenizer)
     ProgressCallback.install(trainer, ProgressCallback(output_dir, ("loss", "mean_token_accuracy",
                                                                     "entropy"), prefix))
+    trainer.add_callback(manifest_callback())  # after each save: its manifest, for --resume
     return trainer
 
 

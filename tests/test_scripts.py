@@ -261,21 +261,36 @@ def test_seed_sweep_collects_ranges(tmp_path):
     assert sweep.parse_seeds("0-2,5,1") == [0, 1, 2, 5]
     with pytest.raises(SystemExit, match="--seeds"):
         sweep.parse_seeds("a-b")
+    assert sweep.parse_threads(f"1,{os.cpu_count()},all") == list(dict.fromkeys(
+        [1, os.cpu_count()]))
+    with pytest.raises(SystemExit, match="--threads"):
+        sweep.parse_threads("0")
     out = tmp_path / "sweep.json"
-    argv = ["--seeds", "0,1", "--work-dir", str(tmp_path / "runs"), "--out", str(out), "--",
-            *GRPO_FAST, "--steps", "2", "--save-steps", "2"]
+    argv = ["--seeds", "0,1", "--threads", "1", "--work-dir", str(tmp_path / "runs"),
+            "--out", str(out), "--", *GRPO_FAST, "--steps", "2", "--save-steps", "2"]
     assert sweep.main(argv) == 0
     result = json.loads(out.read_text())
     runs = result["runs"]
-    assert [r["seed"] for r in runs] == [0, 1] and all("error" not in r for r in runs)
+    assert [(r["seed"], r["threads"]) for r in runs] == [(0, 1), (1, 1)]
+    assert all("error" not in r for r in runs)
     for key in ("reward_first", "reward_last", "eval_before_arithmetic",
-                "eval_after_arithmetic"):
+                "eval_after_arithmetic", "eval_sampled_before_arithmetic",
+                "eval_sampled_after_arithmetic"):
         values = [r[key] for r in runs]
         assert result["ranges"][key] == [min(values), max(values)], key
+    for r in runs:
+        assert r["gain_eval_arithmetic"] == (r["eval_after_arithmetic"]
+                                             - r["eval_before_arithmetic"])
+        assert r["gain_eval_sampled_arithmetic"] == (r["eval_sampled_after_arithmetic"]
+                                                     - r["eval_sampled_before_arithmetic"])
     change = [r["reward_last"] - r["reward_first"] for r in runs]
     assert result["ranges"]["change_reward"] == [min(change), max(change)]
-    assert "change_eval_arithmetic" in result["ranges"]
+    assert sum(result["tally"]["gain_eval_arithmetic"].values()) == 2
     assert result["machine"]["cores"] and result["machine"]["torch"]
+    # the recorded commit is one this repository has
+    assert subprocess.run(["git", "cat-file", "-e", result["commit"] + "^{commit}"], cwd=ROOT,
+                          check=False).returncode == 0
+    assert isinstance(result["tree_modified"], bool)
 
 
 def test_bad_input_subprocess():
