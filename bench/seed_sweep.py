@@ -104,7 +104,10 @@ def run_seed(seed: int, threads: int, work_dir: str, extra: list[str]) -> dict:
     name = f"seed{seed}_threads{threads}"
     out = os.path.join(work_dir, name)
     cmd = [sys.executable, TRAIN, "--seed", str(seed), "--output-dir", out, *extra]
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+    # PYTHONPATH: this checkout's trainers/ and grpo_lce/, whatever an editable install points at
+    path = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
+           "PYTHONPATH": path}
     os.makedirs(out, exist_ok=True)
     t0, cpu0 = time.perf_counter(), os.times()
     with open(os.path.join(work_dir, f"{name}.log"), "w") as log:
