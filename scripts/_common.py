@@ -428,13 +428,20 @@ def load_dataset_arg(spec: str, split: str):
         if os.path.isfile(spec):
             if not spec.endswith((".json", ".jsonl")):
                 raise UserError(f"--dataset: local files must be .json or .jsonl, got {spec}")
+            # datasets logs a parse error with its 0-based row, then raises a generic error:
+            # its log is held back, and a parse error is named by file and 1-based line.
+            log = logging.getLogger("datasets.packaged_modules.json.json")
+            level = log.level
+            log.setLevel(logging.CRITICAL)
             try:
                 return datasets.load_dataset("json", data_files=spec, split="train")
-            except Exception:  # name the line, not datasets' generic error
+            except Exception:
                 problem = json_problem(spec)
                 if problem is None:
                     raise
                 raise UserError(f"--dataset {spec}: {problem}") from None
+            finally:
+                log.setLevel(level)
         if os.path.isdir(spec) and os.path.isfile(os.path.join(spec, "dataset_info.json")):
             ds = datasets.load_from_disk(spec)
             return ds[split] if isinstance(ds, datasets.DatasetDict) else ds

