@@ -27,7 +27,7 @@ import re
 import subprocess
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, as_completed
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN = os.path.join(ROOT, "scripts", "train_grpo.py")
@@ -106,8 +106,10 @@ def run_seed(seed: int, threads: int, work_dir: str, extra: list[str]) -> dict:
     cmd = [sys.executable, TRAIN, "--seed", str(seed), "--output-dir", out, *extra]
     # PYTHONPATH: this checkout's trainers/ and grpo_lce/, whatever an editable install points at
     path = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
+    # OMP_WAIT_POLICY=PASSIVE: a thread waiting at a barrier sleeps instead of spinning, so on a
+    # busy machine it does not take the CPU from the thread it waits for (no effect on results)
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
-           "PYTHONPATH": path}
+           "OMP_WAIT_POLICY": "PASSIVE", "PYTHONPATH": path}
     os.makedirs(out, exist_ok=True)
     t0, cpu0 = time.perf_counter(), os.times()
     with open(os.path.join(work_dir, f"{name}.log"), "w") as log:
@@ -191,23 +193,35 @@ def main(argv=None) -> int:
     print(f"{len(runs)} runs of train_grpo.py {' '.join(extra)} on {info['cpu']} "
           f"({info['cores']} cores), {args.jobs} at a time", flush=True)
     os.makedirs(args.work_dir, exist_ok=True)
-    with ThreadPoolExecutor(args.jobs) as pool:
-        rows = list(pool.map(lambda st: run_seed(*st, args.work_dir, extra), runs))
-    result = {"command": ["python", "-m", "bench.seed_sweep", *argv], **measured,
-              "train_args": extra, "seeds": seeds, "threads": threads, "jobs": args.jobs,
-              "load_before": os.getloadavg()[0], "machine": info, "runs": rows,
-              "ranges": ranges(rows), "tally": tally(rows)}
     slug = re.sub(r"[^A-Za-z0-9]+", "_", info["cpu"]).strip("_")[:40]
     out = args.out or os.path.join(ROOT, "bench", "results",
                                    f"seed_sweep_{os.path.basename(model)}_{slug}.json")
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    with open(out, "w") as f:
-        json.dump(result, f, indent=1)
+    head = {"command": ["python", "-m", "bench.seed_sweep", *argv], **measured,
+            "train_args": extra, "seeds": seeds, "threads": threads, "jobs": args.jobs,
+            "load_average_at_start": os.getloadavg()[0], "machine": info}
+    rows = []
+
+    def record(row):
+        # rewritten after every run, "complete" false until the last, so a sweep cut short
+        # still leaves what it measured
+        rows.append(row)
+        result = {**head, "complete": len(rows) == len(runs), "runs": sorted(
+            rows, key=lambda r: (r["seed"], r["threads"])), "ranges": ranges(rows),
+            "tally": tally(rows)}
+        with open(out, "w") as f:
+            json.dump(result, f, indent=1)
+        return result
+
+    with ThreadPoolExecutor(args.jobs) as pool:
+        futures = [pool.submit(run_seed, s, t, args.work_dir, extra) for s, t in runs]
+        for future in as_completed(futures):
+            result = record(future.result())
     for k, (lo, hi) in result["ranges"].items():
         print(f"  {k:<32} {lo:8.3f} .. {hi:8.3f}")
     for k, t in result["tally"].items():
         print(f"  {k:<32} gained {t['gained']}, same {t['same']}, lost {t['lost']}")
-    failed = [(r["seed"], r["threads"]) for r in rows if "error" in r]
+    failed = [(r["seed"], r["threads"]) for r in result["runs"] if "error" in r]
     print(f"wrote {out}" + (f"; failed (seed, threads) {failed}" if failed else ""))
     return 1 if failed else 0
 
