@@ -286,7 +286,11 @@ def hub_kwargs(model: str, repo_id: str) -> dict:
     from huggingface_hub import constants, try_to_load_from_cache
 
     cache = constants.HF_HUB_CACHE
-    cached = isinstance(try_to_load_from_cache(repo_id, "config.json", cache_dir=cache), str)
+    try:
+        cached = isinstance(try_to_load_from_cache(repo_id, "config.json", cache_dir=cache), str)
+    except ValueError as e:  # huggingface_hub's HFValidationError: not a valid repo id
+        raise UserError(f"--model {model!r}: no such directory, nor a valid hub id "
+                        f"({str(e).splitlines()[0]})") from None
     fetch = f"fetch it with `hf download {repo_id}` where the hub is reachable"
     if constants.HF_HUB_OFFLINE:
         if not cached:
