@@ -334,7 +334,7 @@ def test_cached_hub_id_loads_without_network(tmp_path, monkeypatch, capsys):
     with open(os.path.join(repo, "refs", "main"), "w") as f:
         f.write(sha)
     shutil.copytree(tiny_model_dir(**C.TINY_KW), os.path.join(repo, "snapshots", sha))
-    args = train_grpo.build_parser().parse_args(["--model", "some/cached"])
+    args = train_grpo.parse(["--model", "some/cached"])
     model, tokenizer = C.load_model(args)
     assert model.config.hidden_size == C.TINY_KW["hidden_size"] and tokenizer.pad_token
     assert "is unreachable" in capsys.readouterr().out
