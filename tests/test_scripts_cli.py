@@ -414,11 +414,14 @@ def test_cuda_defaults_and_a_tiny_run(tmp_path):
     # On CUDA: bf16 everywhere; a hub model gets a 4-bit base and activation checkpointing,
     # the built-in tiny model neither; fast generation on. Then two GRPO steps of the tiny
     # model through the parser's defaults (compiles the decode step once).
+    def checkpointing(args):  # transformers' newer name, where this version has it
+        return getattr(args, "activation_checkpointing", args.gradient_checkpointing)
+
     real = train_grpo.parse(["--model", "org/some-model"])
     assert (real.bf16, real.use_cpu, real.dtype) == (True, False, "bfloat16")
-    assert real.load_in_4bit and real.activation_checkpointing and real.fast_generation
+    assert real.load_in_4bit and checkpointing(real) and real.fast_generation
     tiny = train_grpo.parse([])
-    assert not tiny.load_in_4bit and not tiny.activation_checkpointing and tiny.fast_generation
+    assert not tiny.load_in_4bit and not checkpointing(tiny) and tiny.fast_generation
     out = tmp_path / "run"
     assert train_grpo.main([*GRPO_FAST, "--max_steps", "2", "--output_dir", str(out)]) == 0
     with open(out / "metrics.json") as f:

@@ -22,11 +22,13 @@ switches, so a moved parameter or a disabled adapter gets a new capture instead 
 stale Python choices.
 Optimizer steps update parameters in place, so replays read the current weights.
 
-Kernels (`kernels="auto"`, on CUDA): decode steps run the q/k/v/o and gate/up/down projections
-through the fused 4-bit + LoRA decode linear where it serves the module, and each residual add
-+ RMSNorm through `add_rmsnorm` (`kernel_plan`); the plan is made once per model state and
-logged in one line. If the first-call check fails with the kernels, they are turned off for the
-run (one logged line) and the check is repeated without them.
+Kernels (`kernels="auto"`, on CUDA; off by default, `kernels="torch"`, since the captured step
+is slower with them until the decode linear is tuned: bench/README.md): decode steps run the
+q/k/v/o and gate/up/down projections through the fused 4-bit + LoRA decode linear where it
+serves the module, and each residual add + RMSNorm through `add_rmsnorm` (`kernel_plan`); the
+plan is made once per model state and logged in one line. If the first-call check fails with the
+kernels, they are turned off for the run (one logged line) and the check is repeated without
+them.
 
 Safety: the first call checks the loop's logits for the first two tokens (prefill and one
 decode step) against the model's own eager forward on the same prompts, in eval mode; a
@@ -166,7 +168,7 @@ class DecodeLoop:
 
     def __init__(self, *, devices=("cuda",), check_every: int = 16, capture: bool = True,
                  max_prompt_length: int | None = None, attention: str = "sdpa",
-                 kernels: str = "auto"):
+                 kernels: str = "torch"):
         if kernels not in KERNELS:
             raise ValueError(f"kernels={kernels!r}; choose one of {KERNELS}")
         if check_every < 1:
