@@ -114,3 +114,105 @@ def assert_grads_vs_fp64(ours: dict, stock: dict, ref: dict, *, k: float = K_REO
     for n, r in ref.items():
         floor = 4 * EPS32 * r.abs().max().item() if r.numel() else 0.0
         assert_3way(ours[n], stock[n], r, k=k, atol=floor, what=f"{what} {n}")
+
+
+# ---------------------------------------------------------------- the LM head's fp32 gradients
+
+
+def assert_within(ours, ref, bound, *, what: str) -> None:
+    """|ours - ref| <= bound elementwise (bound a tensor of ref's shape, or a number); the
+    element that uses most of its bound shown."""
+    diff = (ours.double() - ref.double()).abs()
+    bound = torch.as_tensor(bound, dtype=torch.float64).expand_as(diff)
+    ratio = diff / bound.clamp(min=1e-300)
+    i = int(ratio.reshape(-1).argmax()) if ratio.numel() else 0
+    worst = ratio.reshape(-1)[i].item() if ratio.numel() else 0.0
+    if ratio.numel():
+        _log(what, diff.reshape(-1)[i].item(), bound.reshape(-1)[i].item())
+    if not worst <= 1.0:
+        raise AssertionError(
+            f"{what}: |ours - ref| = {diff.reshape(-1)[i].item():.3e} > bound "
+            f"{bound.reshape(-1)[i].item():.3e} at flat index {i} ({worst:.2f}x); ours "
+            f"{ours.reshape(-1)[i].item():.8g}, ref {ref.reshape(-1)[i].item():.8g}")
+
+
+def _head_fp64(h, w, b, tau):
+    h, w = h.detach().double(), w.detach().double()
+    z = (h @ w.T + (0.0 if b is None else b.detach().double())) / tau  # (N, V) fp64
+    dz = sum_bound(h.shape[1], 1.0) * (h.abs() @ w.abs().T).amax(-1, keepdim=True) / tau
+    return h, w, z, dz
+
+
+def head_value_bounds(h, w, b, *, tau: float) -> dict:
+    """Per-row bounds on fp32 log p[y] and entropy H of z = (h w^T + b) / tau against fp64, on
+    any machine: every logit carries dz = sum_bound(H, max_v sum_i |h_i w_vi|) / tau (one
+    more ulp for the bias and tau is inside sum_bound's c); log p = z_y - lse moves by <= 2 dz
+    plus the V-term sum inside lse, sum_bound(V, 1) relative (terms e^(z - m) <= 1); H moves by
+    2 dz (H + 1) plus the V-term sums of p z and p, sum_bound(V, |z_bar| + max|z|)."""
+    h, w, z, dz = _head_fp64(h, w, b, tau)
+    V = w.shape[0]
+    logp = torch.log_softmax(z, -1)
+    p = logp.exp()
+    ent = -(p * logp).sum(-1)
+    z_bar = (p * z).sum(-1)
+    dz = dz.squeeze(-1)
+    lse_sum = sum_bound(V, 1.0)
+    return {"logp": 2 * dz + lse_sum + EPS32 * (logp.abs().amax(-1)),
+            "entropy": 2 * dz * (ent + 1) + lse_sum * (1 + ent)
+            + sum_bound(V, 1.0) * (z_bar.abs() + z.abs().amax(-1)) + EPS32 * ent}
+
+
+def ce_bound(h, w, b, y, *, tau: float = 1.0, reduction: str = "mean", ignore_index=-100):
+    """A bound on fp32 cross-entropy against fp64: per row head_value_bounds' log p bound
+    (reduction "none"); their sum plus sum_bound over the N-term sum ("sum"); that / n_valid
+    ("mean")."""
+    valid = y != ignore_index
+    vb = head_value_bounds(h, w, b, tau=tau)
+    row = vb["logp"] * valid
+    if reduction == "none":
+        return row
+    _, _, z, _ = _head_fp64(h, w, b, tau)
+    nll = -torch.log_softmax(z, -1).gather(-1, y.clamp(min=0)[:, None]).squeeze(-1) * valid
+    total = row.sum() + sum_bound(int(valid.sum()), nll.sum().item())
+    return total / max(int(valid.sum()), 1) if reduction == "mean" else total
+
+
+def head_grad_bounds(h, w, b, y, *, tau: float, a, e=None, ignore_index: int = -100) -> dict:
+    """Elementwise bounds on fp32 gradients of L = sum_n a_n logp_n[y_n] + e_n H_n through
+    z = (h w^T + b) / tau (cross-entropy: a = -1 or -1/N, e = 0), against fp64, on any machine.
+
+    G = dL/dz (N, V) = a (onehot - p) - e p (log p + H). The fp32 logits carry per row
+    dz_n = sum_bound(H, max_v sum_i |h_ni w_vi|) / tau; to first order that moves p_v by
+    <= 2 dz p_v and log p_v, H by <= 2 dz, 2 dz (H + 1), so
+    |dG_nv| <= 2 dz_n p_nv (|a_n| + |e_n| (|log p_nv + H_n| + H_n + 2)).
+    The reductions dh = G w / tau (over V), dW = G^T h / tau, db = sum_n G / tau (over N) then
+    round as sum_bound over terms of size |G'| |w| (|h|), with |G'| = |a| (onehot + p) +
+    |e| p (|z| + |z_bar| + |log p + H|): the entropy term as a kernel may form it,
+    sum p z w - z_bar sum p w, not only as sum p (z - z_bar) w. Plus one rounding of the result.
+    """
+    h, w, z, dz = _head_fp64(h, w, b, tau)
+    N, V = z.shape
+    valid = y != ignore_index
+    a = torch.as_tensor(a, dtype=torch.float64).expand(N) * valid
+    e = (torch.zeros(N, dtype=torch.float64) if e is None
+         else torch.as_tensor(e, dtype=torch.float64).expand(N) * valid)
+    logp = torch.log_softmax(z, -1)
+    p = logp.exp()
+    ent = -(p * logp).sum(-1, keepdim=True)  # (N, 1)
+    z_bar = (p * z).sum(-1, keepdim=True)
+    onehot = torch.zeros_like(p)
+    onehot[valid, y[valid]] = 1.0
+    a, e = a[:, None].abs(), e[:, None].abs()
+    dG = 2 * dz * p * (a + e * ((logp + ent).abs() + ent + 2))
+    G_mag = a * (onehot + p) + e * p * (z.abs() + z_bar.abs() + (logp + ent).abs())
+    return {
+        "h": (sum_bound(V, 1.0) * (G_mag @ w.abs()) + dG @ w.abs()) / tau,
+        "w": (sum_bound(N, 1.0) * (G_mag.T @ h.abs()) + dG.T @ h.abs()) / tau,
+        "b": (sum_bound(N, 1.0) * G_mag.sum(0) + dG.sum(0)) / tau,
+    }
+
+
+def assert_head_grad(ours, ref, bound, *, what: str) -> None:
+    """An fp32 head gradient against fp64 within `head_grad_bounds`' bound plus one rounding
+    of the result (EPS32 |ref|)."""
+    assert_within(ours, ref, bound + EPS32 * ref.detach().double().abs(), what=what)
