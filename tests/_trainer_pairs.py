@@ -5,6 +5,7 @@ GRPO and RLOO tests (single-process and DDP) score."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
@@ -106,6 +107,21 @@ def train_logs(cls, model, **kwargs) -> list[dict]:
     tr = build_trainer(cls, model, **kwargs)
     tr.train()
     return [h for h in tr.state.log_history if "loss" in h]
+
+
+@contextlib.contextmanager
+def trl_head_in_fp64(tr):
+    """`tr`'s models (and reference or teacher model) in fp64, and every head call of our
+    trainer handed to TRL's own method (grpo_lce takes fp32 / bf16 / fp16 only): a step inside
+    is the fp64 truth of the same step."""
+    models = {id(m): m for m in (tr.model, getattr(tr, "ref_model", None),
+                                 getattr(tr, "teacher_model", None)) if m is not None}
+    tr._lce_falls_back = lambda reason: True  # shadows the method on this instance only
+    try:
+        with in_fp64(*models.values()):
+            yield
+    finally:
+        del tr._lce_falls_back
 
 
 def fp64_step(tr, inputs, **kwargs):

@@ -57,7 +57,6 @@ rank's local gradient (under `no_sync()`) is nonzero and off the reference by mo
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import importlib.util
 import os
@@ -72,7 +71,8 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 import _ddp_trainers as T  # noqa: E402
 import _ddp_worker as W  # noqa: E402
-from _tolerance import assert_grads_vs_fp64, assert_loss_vs_fp64, in_fp64
+from _tolerance import assert_grads_vs_fp64, assert_loss_vs_fp64
+from _trainer_pairs import trl_head_in_fp64
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORLD = 2
@@ -85,20 +85,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-@contextlib.contextmanager
-def _trl_head_in_fp64(tr):
-    """`tr`'s models in fp64 and every head call handed to TRL's own method (grpo_lce takes
-    fp32 / bf16 / fp16 only): a step inside is the fp64 truth of the same step."""
-    models = {id(m): m for m in (tr.model, getattr(tr, "ref_model", None),
-                                 getattr(tr, "teacher_model", None)) if m is not None}
-    tr._lce_falls_back = lambda reason: True  # shadows the method on this instance only
-    try:
-        with in_fp64(*models.values()):
-            yield
-    finally:
-        del tr._lce_falls_back
 
 
 def _assert_loss(loss, r: dict, what: str):
@@ -142,7 +128,7 @@ def runs(tmp_path_factory):
     proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
 
-    # each reference step also in fp64 (`_trl_head_in_fp64`), the truth that the tolerances
+    # each reference step also in fp64 (`trl_head_in_fp64`), the truth that the tolerances
     # measure the single process's and the ranks' fp32 results against
     for loss_type in W.LOSS_TYPES:
         tr.loss_type = loss_type
@@ -150,23 +136,23 @@ def runs(tmp_path_factory):
         loss, grads = W.grpo_step(tr, tr.model, batches["grpo"])
         ref[f"grpo_{loss_type}"] = {"loss": loss, "grads": grads,
                                     "entropy": tr._metrics["train"]["entropy"][-1]}
-        with _trl_head_in_fp64(tr):
+        with trl_head_in_fp64(tr):
             ref[f"grpo_{loss_type}"]["fp64"] = W.grpo_step(tr, tr.model, batches["grpo"])
     sft = W.sft_trainer(tok, W.tiny_model(tok, peft=True), str(out / "ref"), 1)
     sft_args = sft, sft.model, batches["sft"], batches["sft_num_items"]
     loss, grads = W.sft_step(*sft_args)
-    with _trl_head_in_fp64(sft):
+    with trl_head_in_fp64(sft):
         ref["sft"] = {"loss": loss, "grads": grads, "fp64": W.sft_step(*sft_args)}
     for peft in (False, True):
         tr_f = W.grpo_trainer(tok, W.tiny_model(tok, peft=peft), str(out / "ref"), 1,
                               loss_type="dapo")
         loss, grads = W.grpo_step(tr_f, tr_f.model, batches["grpo"])
-        with _trl_head_in_fp64(tr_f):
+        with trl_head_in_fp64(tr_f):
             ref[f"fsdp2_{'lora' if peft else 'full'}"] = {
                 "loss": loss, "grads": grads, "fp64": W.grpo_step(tr_f, tr_f.model, batches["grpo"])}
     for name, t in trainers.items():
         ref[name] = T.reference_results(name, t, batches[name])
-        with _trl_head_in_fp64(t):
+        with trl_head_in_fp64(t):
             r64 = T.reference_results(name, t, batches[name])
         ref[name]["fp64"] = r64["loss"], r64["grads"]
         if name == "distillation":
