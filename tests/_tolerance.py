@@ -22,8 +22,9 @@ def _log(what: str, err: float, bound: float) -> None:
     path = os.environ.get("GRPO_LCE_TOLERANCE_LOG")
     if path:
         with open(path, "a") as f:
-            f.write(f"{err / bound if bound > 0 else (0.0 if err == 0 else float('inf')):.3e}\t{err:.3e}\t{bound:.3e}"
-                    f"\t{os.environ.get('PYTEST_CURRENT_TEST', '').split(' ')[0]}\t{what}\n")
+            ratio = err / bound if bound > 0 else (0.0 if err == 0 else float("inf"))
+            test = os.environ.get("PYTEST_CURRENT_TEST", "").split(" ")[0]
+            f.write(f"{ratio:.3e}\t{err:.3e}\t{bound:.3e}\t{test}\t{what}\n")
 
 
 def max_err(a: torch.Tensor, ref: torch.Tensor) -> float:

@@ -148,8 +148,9 @@ def runs(tmp_path_factory):
                               loss_type="dapo")
         loss, grads = W.grpo_step(tr_f, tr_f.model, batches["grpo"])
         with trl_head_in_fp64(tr_f):
-            ref[f"fsdp2_{'lora' if peft else 'full'}"] = {
-                "loss": loss, "grads": grads, "fp64": W.grpo_step(tr_f, tr_f.model, batches["grpo"])}
+            loss64, grads64 = W.grpo_step(tr_f, tr_f.model, batches["grpo"])
+        ref[f"fsdp2_{'lora' if peft else 'full'}"] = {"loss": loss, "grads": grads,
+                                                     "fp64": (loss64, grads64)}
     for name, t in trainers.items():
         ref[name] = T.reference_results(name, t, batches[name])
         with trl_head_in_fp64(t):

@@ -15,11 +15,11 @@ Tolerances. fp32 throughout; both forwards run the same backbone on the same wei
 states are bit-identical and only the head differs: TRL's tiles of 32768 columns with an online
 logsumexp, against grpo_lce's chunk loop, both accumulating in fp32 in different orders. That is a
 few ulp of |z| ≤ ~30: atol 5e-5 on per-token values (observed ≤ 7e-6, nearly all of it TRL's
-entropy, which is that far from fp64 itself), so the loss, their mean, within 5e-5 too. The loss
-and the LoRA gradients in the three-way test: within 3× of TRL's own distance to its forward on
-the fp64 model (tests/_tolerance.py), which follows the sum lengths on any machine. Three-way against fp64
-logits: ours within 2× TRL's own fp32 error plus a 32-ulp-of-max|z| floor (the entropy H = lse − Σ
-p z of grpo_lce cancels to a few ulp of max|z|, see tests/test_trainers_grpo.py). is_top1 and
+entropy, which is that far from fp64 itself), so the loss, their mean, within 5e-5 too. The loss and
+the LoRA gradients in the three-way test: within 3× of TRL's own distance to its forward on the fp64
+model (tests/_tolerance.py), which follows the sum lengths on any machine. Three-way against fp64
+logits: ours within 2× TRL's own fp32 error plus a 32-ulp-of-max|z| floor (the entropy H = lse − Σ p
+z of grpo_lce cancels to a few ulp of max|z|, see tests/test_trainers_grpo.py). is_top1 and
 label_mask exactly.
 """
 

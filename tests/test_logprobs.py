@@ -24,10 +24,11 @@ from _tolerance import (assert_3way, assert_close_scaled, assert_head_grad, asse
 # The bf16-logit path torch users run today is ~1e-2 off (checked below).
 VALUE_ATOL = 5e-5
 # Gradients: fp32 is GEMM rounding over V (dh) or N (dW) terms, bounded elementwise by
-# head_grad_bounds (sum lengths and |G| |W| magnitudes); bf16 returns dh in bf16 (2^-8 relative) from bf16 operands G and E (2^-8 each, as on the GPU).
-# The entropy basis Σ p (z − z̄) w cancels between tokens above and below z̄, so its error is a
-# few 2^-8 of the scale (7e-3 measured at V=151936, where torch's own bf16 path is 0.3 off):
-# 2e-2 of the scale, and never worse than torch's bf16 path (3-way, k=1).
+# head_grad_bounds (sum lengths and |G| |W| magnitudes); bf16 returns dh in bf16 (2^-8 relative)
+# from bf16 operands G and E (2^-8 each, as on the GPU). The entropy basis Σ p (z − z̄) w cancels
+# between tokens above and below z̄, so its error is a few 2^-8 of the scale (7e-3 measured at
+# V=151936, where torch's own bf16 path is 0.3 off): 2e-2 of the scale, and never worse than
+# torch's bf16 path (3-way, k=1).
 GRAD_RTOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
 
 # (N, H, V, temperature, with_bias, n_ignored): ragged N (1 and odd), H not a power of two,

@@ -13,17 +13,17 @@ softcapped model, with one logged line.
 
     python -m pytest tests/test_trainers_dpo.py -q
 
-Tolerances. fp32 (bf16=False), identical weights and batches, so the hidden states are
-bit-identical and only the head differs (summation order of two fp32 heads). Loss and gradients:
-within 3× of stock's own distance to the same step on the fp64 models (tests/_tolerance.py,
-`assert_same_step`), which scales with the depth and the sum lengths of the backward on any
-machine; per-token log-probs atol 5e-5 (tests/test_trainers_grpo.py: the 4σ rounding of an
-H = 64 logit) and per-sequence sums of ≤ 20 of them √20 × that, 2e-4; metrics rel 1e-5 with abs 2e-5 (the
-entropy: TRL's own fp32 entropy is ~1e-5 off fp64 on the peaky tiny models). Training logs after
-3 optimizer steps rel 1e-4: Adam's first steps move each weight by ~lr whatever the gradient's
-size, so a 1e-6 difference in a gradient near 0 can flip a sign-sensitive update; the logs
-still agree to ~1e-5 in practice. The mixed-precision cases (bf16 autocast on CPU) compare our
-path with itself, not with TRL's bf16-tile head.
+Tolerances. fp32 (bf16=False), identical weights and batches, so the hidden states are bit-identical
+and only the head differs (summation order of two fp32 heads). Loss and gradients: within 3× of
+stock's own distance to the same step on the fp64 models (tests/_tolerance.py, `assert_same_step`),
+which scales with the depth and the sum lengths of the backward on any machine; per-token log-probs
+atol 5e-5 (tests/test_trainers_grpo.py: the 4σ rounding of an H = 64 logit) and per-sequence sums of
+≤ 20 of them √20 × that, 2e-4; metrics rel 1e-5 with abs 2e-5 (the entropy: TRL's own fp32 entropy
+is ~1e-5 off fp64 on the peaky tiny models). Training logs after 3 optimizer steps rel 1e-4: Adam's
+first steps move each weight by ~lr whatever the gradient's size, so a 1e-6 difference in a gradient
+near 0 can flip a sign-sensitive update; the logs still agree to ~1e-5 in practice. The
+mixed-precision cases (bf16 autocast on CPU) compare our path with itself, not with TRL's bf16-tile
+head.
 """
 
 from __future__ import annotations

@@ -10,9 +10,9 @@ step; the fallback for a softcapped model, with one logged line.
 
     python -m pytest tests/test_trainers_rloo.py -q
 
-Tolerances: as in tests/test_trainers_grpo.py (fp32, bit-identical hidden states, two fp32
-heads summing in different orders): per-token log-probs and entropies atol 5e-5, loss and
-gradients within 3× of stock's own distance to the fp64 step, metrics rel 1e-5 / abs 2e-5, training logs rel 1e-4.
+Tolerances: as in tests/test_trainers_grpo.py (fp32, bit-identical hidden states, two fp32 heads
+summing in different orders): per-token log-probs and entropies atol 5e-5, loss and gradients within
+3× of stock's own distance to the fp64 step, metrics rel 1e-5 / abs 2e-5, training logs rel 1e-4.
 """
 
 from __future__ import annotations

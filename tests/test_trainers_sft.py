@@ -10,11 +10,12 @@ step; the fallback to TRL's compute_loss; and the errors for unsupported setups.
     python -m pytest tests/test_trainers_sft.py -q
 
 Tolerances. fp32 throughout (bf16=False), identical hidden states in both trainers, so only the
-head's summation order differs. Loss and gradients are held to stock's own distance from the
-same step on the fp64 model (×3, tests/_tolerance.py's `assert_grads_vs_fp64`), which follows
-the depth and sum lengths of the backward on any machine; exact token counts and accuracies (argmax ties are measure-zero in fp32 here). The tied tiny model is
-peaky (H ~ 2e-3): grpo_lce's entropy H = lse − Σ p z is exact to a few ulp of max|z| (~20), so
-the entropy metric gets abs 2e-5 (see tests/test_trainers_grpo.py).
+head's summation order differs. Loss and gradients are held to stock's own distance from the same
+step on the fp64 model (×3, tests/_tolerance.py's `assert_grads_vs_fp64`), which follows the depth
+and sum lengths of the backward on any machine; exact token counts and accuracies (argmax ties are
+measure-zero in fp32 here). The tied tiny model is peaky (H ~ 2e-3): grpo_lce's entropy H = lse − Σ
+p z is exact to a few ulp of max|z| (~20), so the entropy metric gets abs 2e-5 (see
+tests/test_trainers_grpo.py).
 """
 
 from __future__ import annotations
