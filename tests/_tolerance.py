@@ -185,7 +185,8 @@ def ce_bound(h, w, b, y, *, tau: float = 1.0, reduction: str = "mean", ignore_in
     return total / max(int(valid.sum()), 1) if reduction == "mean" else total
 
 
-def head_grad_bounds(h, w, b, y, *, tau: float, a, e=None, ignore_index: int = -100) -> dict:
+def head_grad_bounds(h, w, b, y, *, tau: float, a, e=None, ignore_index: int = -100,
+                     operand_rel: float = 0.0) -> dict:
     """Elementwise bounds on fp32 gradients of L = sum_n a_n logp_n[y_n] + e_n H_n through
     z = (h w^T + b) / tau (cross-entropy: a = -1 or -1/N, e = 0), against fp64, on any machine.
 
@@ -197,6 +198,9 @@ def head_grad_bounds(h, w, b, y, *, tau: float, a, e=None, ignore_index: int = -
     round as sum_bound over terms of size |G'| |w| (|h|), with |G'| = |a| (onehot + p) +
     |e| p (|z| + |z_bar| + |log p + H|): the entropy term as a kernel may form it,
     sum p z w - z_bar sum p w, not only as sum p (z - z_bar) w. Plus one rounding of the result.
+    `operand_rel`: the relative rounding of G (and of the entropy basis) when a kernel feeds
+    them to the GEMMs in bf16 (2^-8 covers G' and E each rounded to nearest, 2^-9 each): adds
+    operand_rel |G'| |w| (|h|) to each term.
     """
     h, w, z, dz = _head_fp64(h, w, b, tau)
     N, V = z.shape
@@ -213,14 +217,54 @@ def head_grad_bounds(h, w, b, y, *, tau: float, a, e=None, ignore_index: int = -
     a, e = a[:, None].abs(), e[:, None].abs()
     dG = 2 * dz * p * (a + e * ((logp + ent).abs() + ent + 2))
     G_mag = a * (onehot + p) + e * p * (z.abs() + z_bar.abs() + (logp + ent).abs())
+    rv, rn = sum_bound(V, 1.0) + operand_rel, sum_bound(N, 1.0) + operand_rel
     return {
-        "h": (sum_bound(V, 1.0) * (G_mag @ w.abs()) + dG @ w.abs()) / tau,
-        "w": (sum_bound(N, 1.0) * (G_mag.T @ h.abs()) + dG.T @ h.abs()) / tau,
-        "b": (sum_bound(N, 1.0) * G_mag.sum(0) + dG.sum(0)) / tau,
+        "h": (rv * (G_mag @ w.abs()) + dG @ w.abs()) / tau,
+        "w": (rn * (G_mag.T @ h.abs()) + dG.T @ h.abs()) / tau,
+        "b": (rn * G_mag.sum(0) + dG.sum(0)) / tau,
     }
 
 
+def divergence_grad_bounds(h, w, b, x, u, c, *, tau: float, up, G) -> dict:
+    """Bounds on fp32 gradients of sum_n up_n D_n(p, q) (student p = softmax(z), teacher q)
+    through z = (h w^T + b) / tau, against fp64, from G = dL/dz (fp64, autograd). A kernel
+    forms G from p, q, their logs and z_bar = sum p z, each term of size at most
+    |up| (p + q) (|z| + |z_bar| + |log p| + |log q| + 1) =: |G'|; the fp32 logits move
+    those by 2 dz |G'| (dz as in head_value_bounds); the reductions then round as sum_bound
+    over |G'| |w| (|h|), plus the result's own rounding (assert_head_grad adds it)."""
+    h64, w64, z, dz = _head_fp64(h, w, b, tau)
+    N, V = z.shape
+    lp = torch.log_softmax(z, -1)
+    lq = torch.log_softmax((x.double() @ u.double().T + (0.0 if c is None else c.double()))
+                           / tau, -1)
+    p, q = lp.exp(), lq.exp()
+    z_bar = (p * z).sum(-1, keepdim=True)
+    upa = torch.as_tensor(up, dtype=torch.float64).abs()[:, None]
+    G_mag = G.detach().double().abs() + upa * (p + q) * (
+        z.abs() + z_bar.abs() + lp.abs().clamp(max=1e3) + lq.abs().clamp(max=1e3) + 1)
+    rv = sum_bound(V, 1.0) + 2 * dz
+    rn = sum_bound(N, 1.0)
+    return {"h": (rv * G_mag) @ w64.abs() / tau,
+            "w": (rn * G_mag + 2 * dz * G_mag).T @ h64.abs() / tau,
+            "b": (rn * G_mag + 2 * dz * G_mag).sum(0) / tau}
+
+
+def bf16_grad_bounds(h, w, G, *, tau: float) -> dict:
+    """Bounds on the gradients dh = G w / tau, dW = G^T h / tau, db = sum_n G / tau of a head
+    whose kernel feeds G (N, V) = dL/dz (fp64 here, from autograd) to the GEMMs in bf16: 2^-8
+    (G' and a basis each rounded to nearest, 2^-9 each) plus sum_bound's fp32 accumulation, of
+    |G| |w| (|h|). The fp32 logits' own error moves G by ~1e-6 relative, 4 orders below and
+    left out: for fp32 gradients use head_grad_bounds."""
+    h, w, G = h.detach().double(), w.detach().double(), G.detach().double().abs()
+    N, V = G.shape
+    rv, rn = sum_bound(V, 1.0) + 2.0**-8, sum_bound(N, 1.0) + 2.0**-8
+    return {"h": rv * (G @ w.abs()) / tau, "w": rn * (G.T @ h.abs()) / tau,
+            "b": rn * G.sum(0) / tau}
+
+
 def assert_head_grad(ours, ref, bound, *, what: str) -> None:
-    """An fp32 head gradient against fp64 within `head_grad_bounds`' bound plus one rounding
-    of the result (EPS32 |ref|)."""
-    assert_within(ours, ref, bound + EPS32 * ref.detach().double().abs(), what=what)
+    """A head gradient against fp64 within `head_grad_bounds`' bound plus one rounding of the
+    result to its dtype (fp32: EPS32 |ref|; bf16: 2^-8 |ref|, nearest is 2^-9, once more for
+    a kernel that rounds before it returns)."""
+    rel = EPS32 if ours.dtype == torch.float32 else torch.finfo(ours.dtype).eps
+    assert_within(ours, ref, bound + rel * ref.detach().double().abs(), what=what)

@@ -24,7 +24,8 @@ import torch
 
 from grpo_lce import linear_logprobs
 from grpo_lce.reference import logits_ref, logprobs_ref
-from _tolerance import assert_3way, assert_grads_vs_fp64, assert_loss_vs_fp64, in_fp64
+from _tolerance import (assert_3way, assert_grads_vs_fp64, assert_loss_vs_fp64, assert_within,
+                        head_value_bounds, in_fp64)
 
 pytestmark = pytest.mark.slow
 
@@ -161,6 +162,7 @@ def test_grpo_trainer_matches_trl_on_smollm2(smol, batch, tmp_path):
     from trl.trainer.utils import use_adapter
 
     import test_trainers_grpo as g
+    from trainers.head import forward_hidden_states, lm_head_params
 
     path, tok = smol
     ids, mask, c = batch
@@ -177,10 +179,20 @@ def test_grpo_trainer_matches_trl_on_smollm2(smol, batch, tmp_path):
                 out.append(tr._get_per_token_logps_and_entropies(
                     tr.model, ids, mask, c, batch_size=3, compute_entropy=True))
         (lp_s, ent_s, _), (lp_o, ent_o, _) = out
-        # fp32, identical hidden states: only the head's summation order differs, a few ulp
-        # of |z| <= ~40 (the same bound as the tiny models')
-        g._assert_close(lp_o, lp_s, atol=g.LOGP_ATOL, what=f"logp adapter={adapter}")
-        g._assert_close(ent_o, ent_s, atol=g.LOGP_ATOL, what=f"entropy adapter={adapter}")
+        # fp32, identical hidden states: only the heads' summation orders differ, each within
+        # tests/_tolerance.py's head_value_bounds of fp64 (H = 576 and the trained model's
+        # |h| |w| magnitudes), so the two within twice that
+        ctx = use_adapter(ours.model, adapter_name=None) if adapter is None else (
+            contextlib.nullcontext())
+        with torch.no_grad(), ctx:
+            hidden, _ = forward_hidden_states(ours.model, input_ids=ids, attention_mask=mask)
+        weight, _ = lm_head_params(ours.model)
+        vb = head_value_bounds(hidden[:, -c - 1:-1].reshape(-1, hidden.shape[-1]), weight, None,
+                               tau=0.7)
+        keep = mask[:, -c:].bool()
+        for name, o, s_ in (("logp", lp_o, lp_s), ("entropy", ent_o, ent_s)):
+            bound = 2 * vb[name].reshape(keep.shape) * keep
+            assert_within(o, s_, bound, what=f"{name} adapter={adapter}")
         assert (lp_o[mask[:, -c:] == 0] == 0).all()
         policy[adapter] = lp_o
     assert (policy["default"] - policy[None]).abs().max() > 1e-3  # the adapter matters
