@@ -15,12 +15,13 @@ Tolerances. fp32 throughout; both forwards run the same backbone on the same wei
 states are bit-identical and only the head differs: TRL's tiles of 32768 columns with an online
 logsumexp, against grpo_lce's chunk loop, both accumulating in fp32 in different orders. That is a
 few ulp of |z| ≤ ~30: atol 5e-5 on per-token values (observed ≤ 7e-6, nearly all of it TRL's
-entropy, which is that far from fp64 itself), so the loss, their mean, within 5e-5 too. The loss and
-the LoRA gradients in the three-way test: within 3× of TRL's own distance to its forward on the fp64
-model (tests/_tolerance.py), which follows the sum lengths on any machine. Three-way against fp64
-logits: ours within 2× TRL's own fp32 error plus a 32-ulp-of-max|z| floor (the entropy H = lse − Σ p
-z of grpo_lce cancels to a few ulp of max|z|, see tests/test_trainers_grpo.py). is_top1 and
-label_mask exactly.
+entropy, which is that far from fp64 itself), so the loss, their mean, within 5e-5 too; in the
+three-way test, within 3× of TRL's own distance to its forward on the fp64 model
+(tests/_tolerance.py). The LoRA gradients (of the loss and the entropy) 1e-5 × max|grad| (observed ≤
+2e-6): grpo_lce's entropy form rounds to ulps of max|z| where TRL's rounds to ulps of H, so TRL's
+own error is no noise floor for them. Three-way against fp64 logits: ours within 2× TRL's own fp32
+error plus a 32-ulp-of-max|z| floor (the entropy H = lse − Σ p z of grpo_lce cancels to a few ulp of
+max|z|, see tests/test_trainers_grpo.py). is_top1 and label_mask exactly.
 """
 
 from __future__ import annotations
@@ -38,11 +39,12 @@ from trainers import fused_forward
 from trainers.base import FusedHeadMixin
 from trainers.tiny import build_tokenizer
 from _tiny_models import add_head_bias, tiny_model
-from _tolerance import assert_grads_vs_fp64, assert_loss_vs_fp64, in_fp64, max_err
+from _tolerance import assert_loss_vs_fp64, in_fp64, max_err
 
 ALL_OUTPUTS = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
 FIELDS = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits")
 VALUE_ATOL = 5e-5
+GRAD_RTOL = 1e-5
 B, L = 4, 13
 
 
@@ -165,16 +167,16 @@ def test_fields_match_trl_and_fp64(tok, arch, tied, bias, temperature):
     assert o.aux_loss is None and s.aux_loss is None
     assert o.mean_logits.grad_fn is None and o.log_sum_sq_probs.grad_fn is None
     assert g_s.keys() == g_o.keys() and len(g_s) > 0 and all("lora_" in n for n in g_s)
-    # loss and gradients: against TRL's forward on the fp64 model, within K_REORDERED of TRL's
-    # own fp32 error (tests/_tolerance.py); the loss averages the label tokens' nll
-    stock.zero_grad(set_to_none=True)
-    with in_fp64(stock):
+    # the loss: against TRL's forward on the fp64 model, within K_REORDERED of TRL's own fp32
+    # error (tests/_tolerance.py); it averages the label tokens' nll
+    with torch.no_grad(), in_fp64(stock):
         r = stock(input_ids=ids, attention_mask=mask, labels=labels, fused_lm_head=True)
-        (r.loss + 0.1 * r.entropy.sum()).backward()
-        g_r = {n: p.grad.clone() for n, p in stock.named_parameters() if p.grad is not None}
-    stock.zero_grad(set_to_none=True)
-    assert_loss_vs_fp64(o.loss, s.loss, r.loss.detach(), n_terms=int((y != -100).sum()))
-    assert_grads_vs_fp64(g_o, g_s, g_r)
+    assert_loss_vs_fp64(o.loss, s.loss, r.loss, n_terms=int((y != -100).sum()))
+    # The gradients carry the entropy's, which grpo_lce forms as lse − Σ p z: on the peaky tied
+    # models that rounds to a few ulp of max|z| where TRL's −Σ p log p rounds to ulps of H (5×
+    # its error against fp64 here), so TRL's own error is no noise floor for them: 1e-5 × max|g|
+    for n in g_s:
+        _close(g_o[n], g_s[n], rtol=GRAD_RTOL, atol=1e-10, what=f"grad {n}")
 
     ref, z_max = _fp64_fields(ours, ids, mask, y, temperature)
     floor = 32 * torch.finfo(torch.float32).eps * z_max.item()
