@@ -130,6 +130,13 @@ def assert_grads_vs_fp64(ours: dict, stock: dict, ref: dict, *, k: float = K_REO
                 f"{ours[n].reshape(-1)[i].item():.8g}, fp64 {r.reshape(-1)[i].item():.8g}")
 
 
+def gemm_bound(a, b) -> torch.Tensor:
+    """Elementwise bound on the fp32 rounding of a @ b (K = a.shape[-1] terms per element)
+    against fp64: sum_bound(K, (|a| @ |b|)_ij), plus one rounding of the result."""
+    mag = a.detach().double().abs() @ b.detach().double().abs()
+    return sum_bound(a.shape[-1], 1.0) * mag + EPS32 * mag
+
+
 # ---------------------------------------------------------------- the LM head's fp32 gradients
 
 
