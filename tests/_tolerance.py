@@ -67,7 +67,9 @@ EPS32 = torch.finfo(torch.float32).eps  # 2^-23: one ulp at 1
 
 # Ours and stock TRL (or one process and two) compute the same quantity in fp32 with different
 # summation orders: each one's distance to fp64 is a sum of roundings of one distribution, and
-# |ours - fp64| <= |stock - fp64| + |ours - stock|, the last at most two such errors: k = 3.
+# ||ours - fp64|| <= ||stock - fp64|| + ||ours - stock||, the last ~sqrt(2) such errors for
+# independent roundings (1 + sqrt(2) = 2.4): k = 3. Norms over a tensor, not its max element:
+# the max of n errors is too noisy a statistic for a ratio.
 # This scales with whatever the depth of the backward and the lengths of its sums make stock's
 # own error, on every machine, where a fixed rtol x max|ref| holds on one BLAS build only.
 K_REORDERED = 3.0
@@ -212,8 +214,9 @@ def head_grad_bounds(h, w, b, y, *, tau: float, a, e=None, ignore_index: int = -
     |e| p (|z| + |z_bar| + |log p + H|): the entropy term as a kernel may form it,
     sum p z w - z_bar sum p w, not only as sum p (z - z_bar) w. Plus one rounding of the result.
     `operand_rel`: the relative rounding of G (and of the entropy basis) when a kernel feeds
-    them to the GEMMs in bf16 (2^-8 covers G' and E each rounded to nearest, 2^-9 each): adds
-    operand_rel |G'| |w| (|h|) to each term.
+    them to the GEMMs in bf16: 2^-8 is the worst case of one truncation (kernels/split_float
+    keeps the high bf16 half, one-signed: errors add up to the worst case, not as a random
+    walk) or of two roundings to nearest (2^-9 each); adds operand_rel |G'| |w| (|h|).
     """
     h, w, z, dz = _head_fp64(h, w, b, tau)
     N, V = z.shape
@@ -265,8 +268,8 @@ def divergence_grad_bounds(h, w, b, x, u, c, *, tau: float, up, G) -> dict:
 def bf16_grad_bounds(h, w, G, *, tau: float) -> dict:
     """Bounds on the gradients dh = G w / tau, dW = G^T h / tau, db = sum_n G / tau of a head
     whose kernel feeds G (N, V) = dL/dz (fp64 here, from autograd) to the GEMMs in bf16: 2^-8
-    (G' and a basis each rounded to nearest, 2^-9 each) plus sum_bound's fp32 accumulation, of
-    |G| |w| (|h|). The fp32 logits' own error moves G by ~1e-6 relative, 4 orders below and
+    (one truncation, or two roundings to nearest at 2^-9; see head_grad_bounds) plus
+    sum_bound's fp32 accumulation, of |G| |w| (|h|); a worst case, not a random walk. The fp32 logits' own error moves G by ~1e-6 relative, 4 orders below and
     left out: for fp32 gradients use head_grad_bounds."""
     h, w, G = h.detach().double(), w.detach().double(), G.detach().double().abs()
     N, V = G.shape
@@ -277,7 +280,7 @@ def bf16_grad_bounds(h, w, G, *, tau: float) -> dict:
 
 def assert_head_grad(ours, ref, bound, *, what: str) -> None:
     """A head gradient against fp64 within `head_grad_bounds`' bound plus one rounding of the
-    result to its dtype (fp32: EPS32 |ref|; bf16: 2^-8 |ref|, nearest is 2^-9, once more for
-    a kernel that rounds before it returns)."""
+    result to its dtype (fp32: EPS32 |ref|; bf16: 2^-8 |ref|, one truncation or two roundings
+    to nearest)."""
     rel = EPS32 if ours.dtype == torch.float32 else torch.finfo(ours.dtype).eps
     assert_within(ours, ref, bound + rel * ref.detach().double().abs(), what=what)
