@@ -146,7 +146,7 @@ def assert_within(ours, ref, bound, *, what: str) -> None:
     """|ours - ref| <= bound elementwise (bound a tensor of ref's shape, or a number); the
     element that uses most of its bound shown."""
     diff = (ours.double() - ref.double()).abs()
-    bound = torch.as_tensor(bound, dtype=torch.float64).expand_as(diff)
+    bound = torch.as_tensor(bound, dtype=torch.float64).to(diff.device).expand_as(diff)
     ratio = diff / bound.clamp(min=1e-300)
     i = int(ratio.reshape(-1).argmax()) if ratio.numel() else 0
     worst = ratio.reshape(-1)[i].item() if ratio.numel() else 0.0
