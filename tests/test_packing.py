@@ -38,6 +38,8 @@ from contextlib import nullcontext
 import pytest
 import torch
 import torch.nn.functional as F
+from _tolerance import assert_grads_vs_fp64, assert_loss_vs_fp64
+from _trainer_pairs import trl_head_in_fp64
 from peft import PromptTuningConfig, get_peft_model
 from test_trainers_grpo import (
     _assert_close,
@@ -68,8 +70,6 @@ from trainers.packing import (
     unpack,
 )
 from trainers.tiny import build_tiny_llama, build_tokenizer
-from _tolerance import assert_grads_vs_fp64, assert_loss_vs_fp64
-from _trainer_pairs import trl_head_in_fp64
 
 LOGP_ATOL = 2e-5
 

@@ -5,9 +5,9 @@ Run: python -m pytest tests/test_row_softmax.py -q
 
 import pytest
 import torch
+from _tolerance import EPS32, assert_within, sum_bound
 
 from grpo_lce.kernels.row_softmax import row_softmax
-from _tolerance import EPS32, assert_within, sum_bound
 
 
 def _run(backend, z, y, bias, inv_tau, op_dtype, alpha, beta):
