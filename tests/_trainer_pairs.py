@@ -12,6 +12,7 @@ import copy
 
 import pytest
 import torch
+from _tolerance import _log, assert_grads_vs_fp64, assert_loss_vs_fp64, in_fp64
 
 
 def assert_close(ours, ref, *, rtol=0.0, atol=0.0, what=""):
@@ -19,6 +20,7 @@ def assert_close(ours, ref, *, rtol=0.0, atol=0.0, what=""):
     ours, ref = torch.as_tensor(ours).double(), torch.as_tensor(ref).double()
     err = (ours - ref).abs().max().item() if ref.numel() else 0.0
     bound = atol + rtol * (ref.abs().max().item() if ref.numel() else 0.0)
+    _log(what, err, bound)
     assert err <= bound, f"{what}: max err {err:.3e} > {bound:.3e}"
 
 
@@ -138,17 +140,49 @@ def train_logs(cls, model, **kwargs) -> list[dict]:
     return [h for h in tr.state.log_history if "loss" in h]
 
 
-def assert_same_step(stock_step, ours_step, *, loss_rtol, grad_rtol, metric_rel, metric_abs,
-                     lora_only=True):
-    """Loss, gradients (the same parameters, each within grad_rtol · its max) and every logged
-    metric of two `loss_step` results."""
-    (loss_s, g_s, m_s), (loss_o, g_o, m_o) = stock_step, ours_step
-    assert_close(loss_o, loss_s, rtol=loss_rtol, atol=1e-7, what="loss")
+@contextlib.contextmanager
+def trl_head_in_fp64(tr):
+    """`tr`'s models (and reference or teacher model) in fp64, and every head call of our
+    trainer handed to TRL's own method (grpo_lce takes fp32 / bf16 / fp16 only): a step inside
+    is the fp64 truth of the same step."""
+    models = {id(m): m for m in (tr.model, getattr(tr, "ref_model", None),
+                                 getattr(tr, "teacher_model", None)) if m is not None}
+    tr._lce_falls_back = lambda reason: True  # shadows the method on this instance only
+    try:
+        with in_fp64(*models.values()):
+            yield
+    finally:
+        del tr._lce_falls_back
+
+
+def fp64_step(tr, inputs, **kwargs):
+    """`loss_step` of `tr` with its model (and reference or teacher model) in fp64: the truth
+    that `assert_same_step` measures both fp32 steps against."""
+    models = {id(m): m for m in (tr.model, getattr(tr, "ref_model", None),
+                                 getattr(tr, "teacher_model", None)) if m is not None}
+    # this step's metrics and token count are not part of the trainer's history
+    logged = copy.deepcopy(tr._metrics), getattr(tr, "_total_train_tokens", None)
+    try:
+        with in_fp64(*models.values()):
+            return loss_step(tr, inputs, **kwargs)
+    finally:
+        tr._metrics, tokens = logged
+        if tokens is not None:
+            tr._total_train_tokens = tokens
+
+
+def assert_same_step(stock_step, ours_step, ref_step, *, metric_rel, metric_abs, lora_only=True,
+                     loss_terms=64):
+    """Loss and gradients of two fp32 `loss_step` results against stock's `fp64_step`
+    (`ref_step`), each within K_REORDERED of stock's own error (tests/_tolerance.py; the loss
+    a mean of at most `loss_terms` terms, the tokens or pairs of these tiny batches), the same
+    parameters, and every logged metric."""
+    (loss_s, g_s, m_s), (loss_o, g_o, m_o), (loss_r, g_r, _) = stock_step, ours_step, ref_step
+    assert_loss_vs_fp64(loss_o, loss_s, loss_r, n_terms=loss_terms)
     assert g_s.keys() == g_o.keys() and len(g_s) > 0
     if lora_only:
         assert all("lora_" in n for n in g_s), [n for n in g_s if "lora_" not in n]
-    for n in g_s:
-        assert_close(g_o[n], g_s[n], rtol=grad_rtol, atol=1e-10, what=f"grad {n}")
+    assert_grads_vs_fp64(g_o, g_s, g_r)
     assert m_s.keys() == m_o.keys()
     for k in m_s:
         assert m_o[k] == pytest.approx(m_s[k], rel=metric_rel, abs=metric_abs), (k, m_o[k], m_s[k])

@@ -7,6 +7,15 @@ triton. With CUDA nothing is changed. Tests marked `gpu` are skipped without CUD
 Tests choose a path through grpo_lce._dispatch's seams (`override`, here as the `fused_triton_env`
 and `dispatch_override` fixtures) and observe it through `recording()`, not by patching module
 attributes.
+
+`GRPO_LCE_TEST_THREADS=N` runs the whole suite with `torch.set_num_threads(N)` (set here, before
+any test), so that a run on one machine can take the summation orders of another's thread count:
+
+    GRPO_LCE_TEST_THREADS=1 python -m pytest -m "not gpu and not slow" -q
+
+Unset, torch keeps its default (OMP_NUM_THREADS, else the number of cores). It sets the pytest
+process only: subprocesses a test starts keep their own setting (the DDP ranks run with
+OMP_NUM_THREADS=1).
 """
 
 import contextlib
@@ -19,8 +28,28 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+
+def _test_threads() -> int | None:
+    value = os.environ.get("GRPO_LCE_TEST_THREADS", "").strip()
+    if not value:
+        return None
+    if not value.isdigit() or int(value) < 1:
+        raise pytest.UsageError(
+            f"GRPO_LCE_TEST_THREADS must be a positive integer, got {value!r}")
+    return int(value)
+
+
+if (_threads := _test_threads()) is not None:
+    torch.set_num_threads(_threads)
+
 # (imports triton, so after TRITON_INTERPRET is set)
 from grpo_lce._dispatch import override  # noqa: E402
+
+
+def pytest_report_header(config):
+    return (f"torch threads: {torch.get_num_threads()} (GRPO_LCE_TEST_THREADS="
+            f"{os.environ.get('GRPO_LCE_TEST_THREADS')}, OMP_NUM_THREADS="
+            f"{os.environ.get('OMP_NUM_THREADS')})")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -48,8 +48,10 @@ GRPO and SFT steps (DDP, FSDP2, ZeRO-3) run inside `_trainer_pairs.fused_head_ra
 rank and in the single-process reference (`_ddp_worker.grpo_step`, `sft_step`).
 
 Tolerances. fp32; the two sides run identical weights on different row groupings (DPO and
-KTO: per-rank padding too), so only summation order differs: rtol 1e-5 on losses, 1e-4 ×
-max|grad| on gradients (as in tests/test_trainers_grpo.py), metrics rel 1e-5 / abs 2e-6.
+KTO: per-rank padding too), so only summation order differs: losses and gradients within 3× of
+the single process's own distance to the same step in fp64 (TRL's head on fp64 models;
+tests/_tolerance.py), which grows with the depth and sum lengths as the rounding does on any
+machine; metrics rel 1e-5 / abs 2e-6.
 That DDP really all-reduced: the synced gradients are bitwise equal on both ranks, while each
 rank's local gradient (under `no_sync()`) is nonzero and off the reference by more than
 1e-2 × max|grad|, and the mean of the local ones equals the reference.
@@ -71,9 +73,10 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 import _ddp_trainers as T  # noqa: E402
 import _ddp_worker as W  # noqa: E402
+from _tolerance import assert_grads_vs_fp64, assert_loss_vs_fp64
+from _trainer_pairs import trl_head_in_fp64
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-LOSS_RTOL, GRAD_RTOL = 1e-5, 1e-4
 WORLD = 2
 SCENARIOS = "ddp,fsdp2" + (",zero3" if importlib.util.find_spec("deepspeed") else "")
 # CPU only: tests/test_multigpu.py runs SCENARIOS, whose batches its `--reference` writes
@@ -86,17 +89,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _close(ours, ref, *, rtol, what):
-    ours, ref = torch.as_tensor(ours).double(), torch.as_tensor(ref).double()
-    err = (ours - ref).abs().max().item()
-    bound = rtol * ref.abs().max().item() + 1e-9
-    assert err <= bound, f"{what}: max err {err:.3e} > {bound:.3e}"
+def _assert_loss(loss, r: dict, what: str):
+    """A DDP / FSDP2 / ZeRO-3 loss (fp32) against the single process's (fp32) and its fp64
+    truth: within K_REORDERED of the single process's own error (tests/_tolerance.py); the
+    tiny batches' losses average <= 64 tokens' or pairs' terms."""
+    assert_loss_vs_fp64(loss, r["loss"], r["fp64"][0], n_terms=64, what=what)
 
 
-def _assert_grads(got: dict, ref: dict, what: str):
-    assert got.keys() == ref.keys() and len(ref) > 0, (what, sorted(got)[:4], sorted(ref)[:4])
-    for n in ref:
-        _close(got[n], ref[n], rtol=GRAD_RTOL, what=f"{what} grad {n}")
+def _assert_grads(got: dict, r: dict, what: str):
+    """Gradients, as `_assert_loss`: per parameter within K_REORDERED of the single process's
+    own distance to fp64 (tests/_tolerance.py's `assert_grads_vs_fp64`)."""
+    assert_grads_vs_fp64(got, r["grads"], r["fp64"][1], what=f"{what} grad")
 
 
 @pytest.fixture(scope="module")
@@ -127,22 +130,36 @@ def runs(tmp_path_factory):
     proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
 
+    # each reference step also in fp64 (`trl_head_in_fp64`), the truth that the tolerances
+    # measure the single process's and the ranks' fp32 results against
     for loss_type in W.LOSS_TYPES:
         tr.loss_type = loss_type
         tr._metrics["train"].clear()
         loss, grads = W.grpo_step(tr, tr.model, batches["grpo"])
         ref[f"grpo_{loss_type}"] = {"loss": loss, "grads": grads,
                                     "entropy": tr._metrics["train"]["entropy"][-1]}
+        with trl_head_in_fp64(tr):
+            ref[f"grpo_{loss_type}"]["fp64"] = W.grpo_step(tr, tr.model, batches["grpo"])
     sft = W.sft_trainer(tok, W.tiny_model(tok, peft=True), str(out / "ref"), 1)
-    loss, grads = W.sft_step(sft, sft.model, batches["sft"], batches["sft_num_items"])
-    ref["sft"] = {"loss": loss, "grads": grads}
+    sft_args = sft, sft.model, batches["sft"], batches["sft_num_items"]
+    loss, grads = W.sft_step(*sft_args)
+    with trl_head_in_fp64(sft):
+        ref["sft"] = {"loss": loss, "grads": grads, "fp64": W.sft_step(*sft_args)}
     for peft in (False, True):
         tr_f = W.grpo_trainer(tok, W.tiny_model(tok, peft=peft), str(out / "ref"), 1,
                               loss_type="dapo")
         loss, grads = W.grpo_step(tr_f, tr_f.model, batches["grpo"])
-        ref[f"fsdp2_{'lora' if peft else 'full'}"] = {"loss": loss, "grads": grads}
+        with trl_head_in_fp64(tr_f):
+            loss64, grads64 = W.grpo_step(tr_f, tr_f.model, batches["grpo"])
+        ref[f"fsdp2_{'lora' if peft else 'full'}"] = {"loss": loss, "grads": grads,
+                                                     "fp64": (loss64, grads64)}
     for name, t in trainers.items():
         ref[name] = T.reference_results(name, t, batches[name])
+        with trl_head_in_fp64(t):
+            r64 = T.reference_results(name, t, batches[name])
+        ref[name]["fp64"] = r64["loss"], r64["grads"]
+        if name == "distillation":
+            ref[name]["token_mean_loss"]["fp64"] = r64["token_mean_loss"]["loss"]
 
     try:
         log, _ = proc.communicate(timeout=240)
@@ -165,9 +182,9 @@ def _assert_ddp_step(ref, ranks, case):
     r = ref[case]
     # the DDP loss is the mean of the ranks' losses (what the logged loss averages to)
     loss = torch.stack([rk[case]["loss"] for rk in ranks]).mean()
-    _close(loss, r["loss"], rtol=LOSS_RTOL, what=f"{case} loss")
+    _assert_loss(loss, r, f"{case} loss")
     for rank, rk in enumerate(ranks):
-        _assert_grads(rk[case]["synced"], r["grads"], f"{case} rank {rank} (DDP)")
+        _assert_grads(rk[case]["synced"], r, f"{case} rank {rank} (DDP)")
         assert all("lora_" in n for n in rk[case]["synced"])
     # the all-reduce happened: identical on every rank, the local grads alone are wrong,
     # and their average is the reference
@@ -181,7 +198,7 @@ def _assert_ddp_step(ref, ranks, case):
     for rank, rk in enumerate(ranks):  # every rank contributes (not, e.g., all rows clipped)
         assert max(g.abs().max() for g in rk[case]["local"].values()) > 0, (case, rank)
     mean_local = {n: sum(rk[case]["local"][n] for rk in ranks) / WORLD for n in r["grads"]}
-    _assert_grads(mean_local, r["grads"], f"{case} mean of local")
+    _assert_grads(mean_local, r, f"{case} mean of local")
     if "entropy" in r:  # TRL's metric gathers over processes: the global masked mean
         for rk in ranks:
             assert rk[case]["entropy"] == pytest.approx(r["entropy"], rel=1e-5, abs=2e-6)
@@ -216,8 +233,9 @@ def test_trainer_ddp_matches_single_process(runs, case):
         n = [p["n_valid"] for p in parts]
         assert n[0] != n[1] and sum(n) == ref[case]["token_mean_loss"]["n_valid"], n
         weighted = sum(p["loss"] * p["n_valid"] for p in parts) / sum(n)
-        _close(weighted, ref[case]["token_mean_loss"]["loss"], rtol=LOSS_RTOL,
-               what="distillation token-mean loss")
+        r_tm = ref[case]["token_mean_loss"]
+        assert_loss_vs_fp64(weighted, r_tm["loss"], r_tm["fp64"], n_terms=64,
+                            what="distillation token-mean loss")
         plain = torch.stack([p["loss"] for p in parts]).mean()
         assert (plain - weighted).abs() > 1e-3 * weighted.abs(), "the two means coincide"
 
@@ -230,9 +248,9 @@ def test_fsdp2_matches_single_process(runs, case):
     ref, ranks = runs
     r = ref[case]
     loss = torch.stack([rk[case]["loss"] for rk in ranks]).mean()
-    _close(loss, r["loss"], rtol=LOSS_RTOL, what=f"{case} loss")
+    _assert_loss(loss, r, f"{case} loss")
     for rank, rk in enumerate(ranks):
-        _assert_grads(rk[case]["synced"], r["grads"], f"{case} rank {rank} (FSDP2)")
+        _assert_grads(rk[case]["synced"], r, f"{case} rank {rank} (FSDP2)")
     if case == "fsdp2_full":
         assert "model.embed_tokens.weight" in r["grads"]
 
@@ -245,9 +263,9 @@ def test_zero3_matches_single_process(runs):
     ref, ranks = runs
     r = ref["fsdp2_lora"]
     loss = torch.stack([rk["zero3_lora"]["loss"] for rk in ranks]).mean()
-    _close(loss, r["loss"], rtol=LOSS_RTOL, what="zero3 loss")
+    _assert_loss(loss, r, "zero3 loss")
     for rank, rk in enumerate(ranks):
-        _assert_grads(rk["zero3_lora"]["synced"], r["grads"], f"zero3 rank {rank}")
+        _assert_grads(rk["zero3_lora"]["synced"], r, f"zero3 rank {rank}")
 
 
 # ---------------------------------------------------------------- check_parallelism refusals

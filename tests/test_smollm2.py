@@ -24,7 +24,8 @@ import torch
 
 from grpo_lce import linear_logprobs
 from grpo_lce.reference import logits_ref, logprobs_ref
-from _tolerance import assert_3way
+from _tolerance import (EPS32, K_REORDERED, assert_3way, assert_grads_vs_fp64, assert_loss_vs_fp64,
+                        in_fp64)
 
 pytestmark = pytest.mark.slow
 
@@ -161,6 +162,7 @@ def test_grpo_trainer_matches_trl_on_smollm2(smol, batch, tmp_path):
     from trl.trainer.utils import use_adapter
 
     import test_trainers_grpo as g
+    from trainers.head import forward_hidden_states, lm_head_params
 
     path, tok = smol
     ids, mask, c = batch
@@ -177,10 +179,26 @@ def test_grpo_trainer_matches_trl_on_smollm2(smol, batch, tmp_path):
                 out.append(tr._get_per_token_logps_and_entropies(
                     tr.model, ids, mask, c, batch_size=3, compute_entropy=True))
         (lp_s, ent_s, _), (lp_o, ent_o, _) = out
-        # fp32, identical hidden states: only the head's summation order differs, a few ulp
-        # of |z| <= ~40 (the same bound as the tiny models')
-        g._assert_close(lp_o, lp_s, atol=g.LOGP_ATOL, what=f"logp adapter={adapter}")
-        g._assert_close(ent_o, ent_s, atol=g.LOGP_ATOL, what=f"entropy adapter={adapter}")
+        # fp32, identical hidden states: only the heads differ. Three-way against fp64 logits of
+        # those hidden states (H = 576 and a trained model's outlier features make any a-priori
+        # rounding bound loose): ours within K_REORDERED of TRL's own error, plus 4 ulp of
+        # max|z|; the entropy's floor is 32 ulp of max|z|, grpo_lce forming H = lse - Σ p z
+        # (as in tests/test_trainers_grpo.py)
+        ctx = use_adapter(ours.model, adapter_name=None) if adapter is None else (
+            contextlib.nullcontext())
+        with torch.no_grad(), ctx:
+            hidden, _ = forward_hidden_states(ours.model, input_ids=ids, attention_mask=mask)
+            weight, _ = lm_head_params(ours.model)
+            z = hidden[:, -c - 1:-1].double() @ weight.double().T / 0.7  # (B, c, V) fp64
+        logp_all = torch.log_softmax(z, -1)
+        keep = mask[:, -c:].bool()
+        lp64 = logp_all.gather(-1, ids[:, -c:, None]).squeeze(-1) * keep
+        ent64 = -(logp_all.exp() * logp_all).sum(-1) * keep
+        z_max = z.abs().max().item()
+        assert_3way(lp_o, lp_s, lp64, k=K_REORDERED, atol=4 * EPS32 * z_max,
+                    what=f"logp adapter={adapter}")
+        assert_3way(ent_o, ent_s, ent64, k=K_REORDERED, atol=32 * EPS32 * z_max,
+                    what=f"entropy adapter={adapter}")
         assert (lp_o[mask[:, -c:] == 0] == 0).all()
         policy[adapter] = lp_o
     assert (policy["default"] - policy[None]).abs().max() > 1e-3  # the adapter matters
@@ -188,13 +206,12 @@ def test_grpo_trainer_matches_trl_on_smollm2(smol, batch, tmp_path):
     inputs = g._inputs(tok, stock, with_ref=True, batch=(ids, mask, c))
     loss_s, grads_s, _ = g._run_loss(stock, inputs)
     loss_o, grads_o, _ = g._run_loss(ours, inputs)
-    g._assert_close(loss_o, loss_s, rtol=g.LOSS_RTOL, atol=1e-7, what="loss")
-    assert grads_s.keys() == grads_o.keys() and len(grads_s) > 0
+    # 30 layers of backward after the head: every gradient's rounding grows with the depth and
+    # the sums on the way, so the bound is stock's own distance to the fp64 model (x K_REORDERED)
+    with in_fp64(stock.model):
+        loss_r, grads_r, _ = g._run_loss(stock, inputs)
+    g._assert_losses_and_grads(inputs, (loss_o, grads_o), (loss_s, grads_s), (loss_r, grads_r))
     assert all("lora_" in n for n in grads_s)
-    # 30 layers of backward after the head: a few more roundings per element than the tiny
-    # models' 2, still 1e-4 of each gradient's scale
-    for n in grads_s:
-        g._assert_close(grads_o[n], grads_s[n], rtol=g.GRAD_RTOL, atol=1e-9, what=f"grad {n}")
 
 
 def _sft_datasets():
@@ -227,11 +244,12 @@ def test_sft_trainer_matches_trl_on_smollm2(smol, tmp_path, data, monkeypatch):
     assert (batch["labels"] == -100).any() and (batch["labels"] != -100).any()
     loss_s, grads_s, m_s = s._step(stock, batch, None)
     loss_o, grads_o, m_o = s._step(ours, batch, None)
-    s._assert_close(loss_o, loss_s, rtol=s.LOSS_RTOL, what="loss")
+    with in_fp64(stock.model):
+        loss_r, grads_r, _ = s._step(stock, batch, None)
+    # the mean nll over the label tokens, each term a few nats (~ the loss)
+    assert_loss_vs_fp64(loss_o, loss_s, loss_r, n_terms=int((batch["labels"] != -100).sum()))
     assert m_o["num_tokens"] == m_s["num_tokens"]
     assert m_o["mean_token_accuracy"] == pytest.approx(m_s["mean_token_accuracy"], abs=1e-7)
     assert 0 < m_s["mean_token_accuracy"][0] < 1  # a real model gets some tokens right
     assert m_o["entropy"] == pytest.approx(m_s["entropy"], rel=1e-5, abs=s.ENTROPY_ATOL)
-    assert grads_s.keys() == grads_o.keys() and len(grads_s) > 0
-    for n in grads_s:
-        s._assert_close(grads_o[n], grads_s[n], rtol=s.GRAD_RTOL, atol=1e-10, what=f"grad {n}")
+    assert_grads_vs_fp64(grads_o, grads_s, grads_r)  # 30 layers deep: as in the GRPO test

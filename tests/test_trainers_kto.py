@@ -14,9 +14,10 @@ tests/_force_fallback.py).
 
     python -m pytest tests/test_trainers_kto.py -q
 
-Tolerances: as in tests/test_trainers_dpo.py (fp32, bit-identical hidden states, two fp32
-heads summing in different orders): loss rtol 1e-5, gradients 1e-5 × max|grad|, per-token
-log-probs atol 5e-5, per-sequence 1e-4, metrics rel 1e-5 / abs 2e-5, training logs rel 1e-4.
+Tolerances: as in tests/test_trainers_dpo.py (fp32, bit-identical hidden states, two fp32 heads
+summing in different orders): loss and gradients within 3× of stock's own distance to the fp64 step,
+per-token log-probs atol 5e-5, per-sequence √20 × that, 2e-4, metrics rel 1e-5 / abs 2e-5, training
+logs rel 1e-4.
 """
 
 from __future__ import annotations
@@ -26,20 +27,26 @@ import logging
 import pytest
 import torch
 import trl
+from _tiny_models import tiny_model
+from _trainer_pairs import (
+    assert_close,
+    assert_same_logs,
+    assert_same_step,
+    build_pair,
+    fp64_step,
+    fused_head_ran,
+    loss_step,
+    train_logs,
+)
 from datasets import Dataset
 from peft import LoraConfig
 
 from grpo_lce._dispatch import recording
 from trainers import KTOTrainer
 from trainers.tiny import build_tokenizer
-from _tiny_models import tiny_model
-from _trainer_pairs import assert_close, assert_same_logs, assert_same_step, loss_step
-from _trainer_pairs import build_pair, fused_head_ran, train_logs
 
 LOGP_ATOL = 5e-5
-SEQ_LOGP_ATOL = 1e-4
-LOSS_RTOL = 1e-5
-GRAD_RTOL = 1e-5
+SEQ_LOGP_ATOL = 2e-4  # a sum of <= 20 per-token errors, each <= LOGP_ATOL at 4σ: √20 × 5e-5
 METRIC_REL, METRIC_ABS = 1e-5, 2e-5
 
 
@@ -83,7 +90,7 @@ def _same(stock, ours, start=0, **kw):
     with fused_head_ran(ours):
         ours_step = loss_step(ours, _batch(ours, start))
     assert_same_step(stock_step, ours_step,
-                     loss_rtol=LOSS_RTOL, grad_rtol=GRAD_RTOL, metric_rel=METRIC_REL,
+                     fp64_step(stock, _batch(stock, start)), metric_rel=METRIC_REL,
                      metric_abs=METRIC_ABS, **kw)
 
 

@@ -14,9 +14,9 @@ tests/_force_fallback.py).
 
     python -m pytest tests/test_trainers_rloo.py -q
 
-Tolerances: as in tests/test_trainers_grpo.py (fp32, bit-identical hidden states, two fp32
-heads summing in different orders): per-token log-probs and entropies atol 5e-5, loss rtol
-1e-5, gradients 1e-5 × max|grad|, metrics rel 1e-5 / abs 2e-5, training logs rel 1e-4.
+Tolerances: as in tests/test_trainers_grpo.py (fp32, bit-identical hidden states, two fp32 heads
+summing in different orders): per-token log-probs and entropies atol 5e-5, loss and gradients within
+3× of stock's own distance to the fp64 step, metrics rel 1e-5 / abs 2e-5, training logs rel 1e-4.
 """
 
 from __future__ import annotations
@@ -28,18 +28,25 @@ from contextlib import nullcontext
 import pytest
 import torch
 import trl
+from _tiny_models import tiny_model
+from _trainer_pairs import (
+    assert_close,
+    assert_same_logs,
+    assert_same_step,
+    fp64_step,
+    fused_head_ran,
+    fused_if_ours,
+    loss_step,
+    ragged_ids_and_mask,
+    randomize_adapter,
+)
 from datasets import Dataset
 from trl.trainer.utils import use_adapter
 
 from trainers import RLOOTrainer
 from trainers.tiny import build_tokenizer
-from _tiny_models import tiny_model
-from _trainer_pairs import assert_close, assert_same_logs, assert_same_step, loss_step
-from _trainer_pairs import fused_head_ran, fused_if_ours, ragged_ids_and_mask, randomize_adapter
 
 LOGP_ATOL = 5e-5
-LOSS_RTOL = 1e-5
-GRAD_RTOL = 1e-5
 METRIC_REL, METRIC_ABS = 1e-5, 2e-5
 
 B, P, C = 4, 6, 9  # completions, prompt length, completion length (ragged via masks below)
@@ -160,9 +167,9 @@ def test_loss_grads_and_metrics_match_trl(tok, tmp_path, arch, tied, peft, tempe
     inputs = _inputs(stock, tok)
     stock_step = loss_step(stock, inputs)
     with fused_head_ran(ours):
-        steps = stock_step, loss_step(ours, inputs)
-    assert_same_step(*steps, loss_rtol=LOSS_RTOL, grad_rtol=GRAD_RTOL, metric_rel=METRIC_REL,
-                     metric_abs=METRIC_ABS, lora_only=peft)
+        ours_step = loss_step(ours, inputs)
+    steps = stock_step, ours_step, fp64_step(stock, inputs)
+    assert_same_step(*steps, metric_rel=METRIC_REL, metric_abs=METRIC_ABS, lora_only=peft)
     m = steps[0][2]
     assert m["clip_ratio/region_mean"][0] > 0  # the clipped branch was exercised
 
