@@ -81,6 +81,9 @@ def quiet_third_party() -> None:
     if not sys.stdout.isatty():
         os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
         os.environ.setdefault("TQDM_DISABLE", "1")
+        datasets = sys.modules.get("datasets")  # read the variable at its import: if it is
+        if datasets is not None:  # already imported (a caller's own import), tell it directly
+            datasets.disable_progress_bars()
 
 
 # --------------------------------------------------------------------------- trainers

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ast
 import os
+import pathlib
 import subprocess
 import sys
 import zipfile
@@ -88,10 +89,9 @@ def test_trainers_package_never_imports_itself_by_name():
     # An absolute `from trainers...` inside the package would load the user's trainers/ under
     # the alias; only relative imports resolve to the alias's own modules.
     offenders = []
-    for name in sorted(os.listdir(os.path.join(ROOT, "trainers"))):
-        if not name.endswith(".py"):
-            continue
-        with open(os.path.join(ROOT, "trainers", name)) as f:
+    for path in sorted(pathlib.Path(ROOT, "trainers").rglob("*.py")):  # subpackages too
+        name = path.relative_to(pathlib.Path(ROOT, "trainers")).as_posix()
+        with open(path) as f:
             tree = ast.parse(f.read())
         for node in ast.walk(tree):
             if isinstance(node, ast.ImportFrom) and node.level == 0:

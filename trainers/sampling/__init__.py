@@ -8,6 +8,6 @@ fp32 log-prob of every sampled token under the distribution it was drawn from, o
 then samples with `trainers.generation.FastSampler`).
 """
 
-from trainers.sampling.loop import Completions, DecodeLoop, LoopStats
+from .loop import Completions, DecodeLoop, LoopStats
 
 __all__ = ["Completions", "DecodeLoop", "LoopStats"]

@@ -19,9 +19,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from trainers.sampling.kernels import linear4bit
-from trainers.sampling.kernels._interp import interpreting
-from trainers.sampling.kernels.rmsnorm import rmsnorm_params
+from .kernels import linear4bit
+from .kernels._interp import interpreting
+from .kernels.rmsnorm import rmsnorm_params
 
 KERNELS = ("auto", "torch")
 KERNEL_DEVICES = ("cuda",)  # where "auto" uses the kernels (CPU tests add "cpu": the interpreter)

@@ -46,10 +46,10 @@ import time
 import torch
 from transformers.utils import logging
 
-from trainers.sampling import processors
-from trainers.sampling.cache import MAX_GROWTHS, KVCache, prompt_room
-from trainers.sampling.kernel_plan import KERNELS, TORCH, make_plan
-from trainers.sampling.model_step import ATTENTION, ModelStep, base_model, model_reason
+from . import processors
+from .cache import MAX_GROWTHS, KVCache, prompt_room
+from .kernel_plan import KERNELS, TORCH, make_plan
+from .model_step import ATTENTION, ModelStep, base_model, model_reason
 
 logger = logging.get_logger(__name__)
 

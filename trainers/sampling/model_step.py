@@ -38,10 +38,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from trainers.sampling.decode_attention import decode_attention
-from trainers.sampling.kernel_plan import TORCH, KernelPlan
-from trainers.sampling.kernels.linear4bit import decode_linear
-from trainers.sampling.kernels.rmsnorm import add_rmsnorm
+from .decode_attention import decode_attention
+from .kernel_plan import TORCH, KernelPlan
+from .kernels.linear4bit import decode_linear
+from .kernels.rmsnorm import add_rmsnorm
 
 ATTENTION = ("sdpa", "triton")  # decode attention: masked SDPA over M, or decode_attention
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral")

@@ -40,7 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
-from trainers.sampling.kernels._interp import dot, interpreting, to_dtype
+from ..kernels._interp import dot, interpreting, to_dtype
 
 
 @triton.jit

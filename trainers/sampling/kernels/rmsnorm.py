@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from trainers.sampling.kernels._interp import interpreting, to_dtype
+from ..kernels._interp import interpreting, to_dtype
 
 # norms whose forward is LlamaRMSNorm's (fp32 statistics, cast, then weight ·), read by name so
 # that transformers need not be imported here
