@@ -144,13 +144,18 @@ def train_logs(cls, model, **kwargs) -> list[dict]:
     return [h for h in tr.state.log_history if "loss" in h]
 
 
+def _models(tr) -> dict:
+    """`tr`'s model and its reference or teacher model, where it has one, by id."""
+    return {id(m): m for m in (tr.model, getattr(tr, "ref_model", None),
+                               getattr(tr, "teacher_model", None)) if m is not None}
+
+
 @contextlib.contextmanager
 def trl_head_in_fp64(tr):
     """`tr`'s models (and reference or teacher model) in fp64, and every head call of our
     trainer handed to TRL's own method (grpo_lce takes fp32 / bf16 / fp16 only): a step inside
     is the fp64 truth of the same step."""
-    models = {id(m): m for m in (tr.model, getattr(tr, "ref_model", None),
-                                 getattr(tr, "teacher_model", None)) if m is not None}
+    models = _models(tr)
     tr._lce_falls_back = lambda reason: True  # shadows the method on this instance only
     tr._lce_fp64_truth = True  # `fused_head_ran` asserts nothing on this step
     try:
@@ -163,8 +168,7 @@ def trl_head_in_fp64(tr):
 def fp64_step(tr, inputs, **kwargs):
     """`loss_step` of `tr` with its model (and reference or teacher model) in fp64: the truth
     that `assert_same_step` measures both fp32 steps against."""
-    models = {id(m): m for m in (tr.model, getattr(tr, "ref_model", None),
-                                 getattr(tr, "teacher_model", None)) if m is not None}
+    models = _models(tr)
     # this step's metrics and token count are not part of the trainer's history
     logged = copy.deepcopy(tr._metrics), getattr(tr, "_total_train_tokens", None)
     try:

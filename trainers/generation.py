@@ -131,13 +131,19 @@ def _compile_allowed(base):
         base.hf_quantizer = quantizer
 
 
+def completion_lengths(completions: torch.Tensor, eos_token_ids) -> list[int]:
+    """Per row of `completions` (B, S): its tokens up to and including its first EOS (S when it
+    has none)."""
+    completions = completions.cpu()
+    is_eos = torch.isin(completions, torch.as_tensor(eos_token_ids, dtype=completions.dtype))
+    return torch.where(is_eos.any(1), is_eos.int().argmax(1) + 1, completions.size(1)).tolist()
+
+
 def trim_after_eos(completions: torch.Tensor, eos_token_ids) -> list[list[int]]:
     """Each row of `completions` (B, S) up to and including its first EOS, as token lists: what
     TRL's generate path keeps of a padded batch of completions."""
-    completions = completions.cpu()
-    is_eos = torch.isin(completions, torch.as_tensor(eos_token_ids))
-    ends = torch.where(is_eos.any(1), is_eos.int().argmax(1) + 1, completions.size(1))
-    return [row[:n].tolist() for row, n in zip(completions, ends.tolist())]
+    ends = completion_lengths(completions, eos_token_ids)
+    return [row[:n].tolist() for row, n in zip(completions.cpu(), ends)]
 
 
 @contextlib.contextmanager

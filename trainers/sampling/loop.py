@@ -46,6 +46,7 @@ import time
 import torch
 from transformers.utils import logging
 
+from ..generation import completion_lengths
 from . import processors
 from .cache import MAX_GROWTHS, KVCache, prompt_room
 from .kernel_plan import KERNELS, TORCH, make_plan
@@ -491,7 +492,6 @@ class DecodeLoop:
         logp = st.logp[:, :N].cpu()
         self.stats.decode_s += time.perf_counter() - t0
         self.stats.calls += 1
-        is_eos = torch.isin(out, torch.tensor(eos_list or [-1]))
-        ends = torch.where(is_eos.any(1), is_eos.int().argmax(1) + 1, N).tolist()
+        ends = completion_lengths(out, eos_list)
         return Completions([r[:n].tolist() for r, n in zip(out, ends)],
                            [r[:n].tolist() for r, n in zip(logp, ends)])
