@@ -41,7 +41,7 @@ from grpo_lce._dispatch import HAS_TRITON, interpreting
 # tl.dot N; rows past B masked); larger batches take several row blocks, which read the same W
 # tile from L2. bench/sample.py --sweep times the alternatives.
 SAMPLE_CONFIG = dict(BLOCK_V=128, BLOCK_B=64, BLOCK_H=128, TILES=1, num_warps=4, num_stages=4)
-# Under Triton's interpreter (CPU tests) each program costs a fixed ~0.1 s of Python: few,
+# Under Triton's interpreter (CPU tests) each program costs a fixed amount of Python: few,
 # large programs (BLOCK_B up to 1024 rows, `launch_config`).
 INTERPRET_CONFIG = dict(BLOCK_V=64, BLOCK_B=1024, BLOCK_H=64, TILES=4, num_warps=4,
                         num_stages=1)
