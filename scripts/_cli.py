@@ -142,8 +142,12 @@ def parse(script: str, parser, argv: list[str], *, cuda: bool):
             setattr(ns, name, rule(ns.max_steps))
     if getattr(ns, "data_seed", 0) is None:
         ns.data_seed = ns.seed  # the data order follows --seed unless set on its own
-    if "gradient_checkpointing" in explicit and "activation_checkpointing" not in explicit:
-        ns.activation_checkpointing = ns.gradient_checkpointing  # the older name, as given
+    # One field for the scripts whatever this transformers calls it: `activation_checkpointing`
+    # where TrainingArguments has it, else (or when only the older name was given) the value
+    # of `gradient_checkpointing`.
+    if not hasattr(ns, "activation_checkpointing") or (
+            "gradient_checkpointing" in explicit and "activation_checkpointing" not in explicit):
+        ns.activation_checkpointing = ns.gradient_checkpointing
     ns.explicit = explicit
     return ns
 

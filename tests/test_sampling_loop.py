@@ -19,6 +19,7 @@ import copy
 import logging
 import math
 import types
+import weakref
 
 import pytest
 import torch
@@ -167,15 +168,27 @@ def test_greedy_with_triton_decode_attention(tok, family, monkeypatch):
 
 def test_replay_path_with_a_fake_graph(tok, monkeypatch):
     """The capture path on CPU: a warm-up step that must leave no trace, then k-step "graphs"
-    (here the captured function itself) replayed per host check, a shorter prompt reusing the
+    (here the captured function, holding its tensors weakly as a graph holds only their
+    addresses) replayed per host check, a shorter prompt reusing the
     graph, and a new graph when the model state changes; completions equal HF's throughout."""
     from trainers.sampling import loop as loop_module
 
     made = []
 
     def fake_graph(run, pool):
-        made.append(run)
-        return types.SimpleNamespace(replay=run)
+        # A CUDA graph keeps addresses, not references: the captured call's tensors are held
+        # weakly, and a replay that would read one freed since capture (its memory reused by
+        # then) fails
+        func = run.func
+        args = [weakref.ref(a) if isinstance(a, torch.Tensor) else a for a in run.args]
+        made.append(None)
+
+        def replay():
+            live = [a() if isinstance(a, weakref.ref) else a for a in args]
+            assert all(a is not None for a in live), "a graph reads a tensor freed since capture"
+            func(*live)
+
+        return types.SimpleNamespace(replay=replay)
 
     monkeypatch.setattr(loop_module, "CAPTURE_DEVICES", ("cuda", "cpu"))
     monkeypatch.setattr(loop_module, "_graph_of", fake_graph)

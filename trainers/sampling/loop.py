@@ -21,6 +21,8 @@ the train/eval mode of each module, the addresses of its parameters and its PEFT
 switches, so a moved parameter or a disabled adapter gets a new capture instead of a replay of
 stale Python choices.
 Optimizer steps update parameters in place, so replays read the current weights.
+A graph keeps addresses, not Python references: every tensor a captured step reads is owned by
+the state or the cache (a per-call tensor would be freed and reused under the graph).
 
 Kernels (`kernels="auto"`, on CUDA; off by default, `kernels="torch"`, since the captured step
 is slower with them until the decode linear is tuned: bench/README.md): decode steps run the
@@ -41,6 +43,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import functools
 import time
 
 import torch
@@ -96,6 +99,9 @@ class _State:
     logp: torch.Tensor
     seen: torch.Tensor
     graphs: dict = dataclasses.field(default_factory=dict)  # (spec, fingerprint) -> CUDAGraph
+    # EOS ids -> (E,) int64: a graph reads the tensor it was captured with at every replay, so
+    # the tensor lives as long as the state that holds the graph
+    eos: dict = dataclasses.field(default_factory=dict)
 
     def tensors(self):
         return (self.cur, self.slot, self.done, self.step, self.out, self.logp, self.seen)
@@ -325,8 +331,8 @@ class DecodeLoop:
             torch.set_rng_state(rng)
         if self._pool is None and st.cur.is_cuda:
             self._pool = torch.cuda.graph_pool_handle()
-        graph = _graph_of(lambda: self._decode_steps(step_fn, cache, st, spec, eos, pad,
-                                                     self.check_every), self._pool)
+        graph = _graph_of(functools.partial(self._decode_steps, step_fn, cache, st, spec, eos,
+                                            pad, self.check_every), self._pool)
         if st.cur.is_cuda:
             torch.cuda.synchronize()
         self.stats.captures += 1
@@ -432,11 +438,14 @@ class DecodeLoop:
 
         t0 = time.perf_counter()
         eos_list = _eos_ids(config)
-        eos = torch.tensor(eos_list or [-1], dtype=torch.long, device=dev)
         pad = config.pad_token_id if config.pad_token_id is not None else (eos_list or [0])[0]
         z = step_fn.prefill(cache, ids_left, lengths)  # (B, V) fp32
         V = z.shape[1]
         st = self._state_for(cache, B, V, dev)
+        eos = st.eos.get(tuple(eos_list))
+        if eos is None:
+            eos = st.eos[tuple(eos_list)] = torch.tensor(eos_list or [-1], dtype=torch.long,
+                                                         device=dev)
         st.done.zero_()
         st.step.zero_()
         st.out.fill_(pad)
