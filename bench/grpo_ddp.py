@@ -10,7 +10,7 @@ Reported per world size P, from rank 0 and gathered from every rank:
     step_s        median whole-step time after the warm-up steps (on_step_begin -> on_step_end;
                   the DDP all-reduce of the backward synchronizes the ranks inside it)
     generation_s  median of the sampling part alone (rank 0)
-    compile_s     each rank's one-time compile + capture of its decode step
+    compile_s     each rank's one-time capture (decode loop) or compile (compiled sampler)
     wait_s        each rank's first step minus its own compile and minus its steady step: the
                   time it spent waiting for another rank (a slower compile, a collective)
     efficiency    step_s(1) / step_s(P): completions per second over P · those of one GPU
@@ -80,12 +80,20 @@ def run_rank(rank: int, world: int, args, out_file: str) -> None:
         t0 = time.perf_counter()
         tr.train()
         train_s = time.perf_counter() - t0
-    stats = tr._lce_sampler.stats
+    # the one-time cost of whichever sampler served: the decode loop's captures, or the
+    # compiled sampler's compiles
+    samplers = tr._lce_samplers
+    fast = samplers.metrics()
+    loop_off = samplers.loop_off or getattr(samplers.loop, "disabled_reason", None)
     rec = {"rank": rank, "world": world, "train_s": train_s,
            "step_s": [s["step"]["s"] for s in timer.steps],
            "generation_s": [s.get("generation", {}).get("s") for s in timer.steps],
-           "compile_s": stats.compile_s, "compiles": stats.compiles,
-           "sampler_off": tr._lce_sampler.disabled_reason,
+           "compile_s": fast.get("fast_generation/capture_s", 0.0)
+           + fast.get("fast_generation/compile_s", 0.0),
+           "compiles": fast.get("fast_generation/captures", 0.0)
+           + fast.get("fast_generation/compiles", 0.0),
+           "sampler_calls": {k.split("/")[1]: v for k, v in fast.items() if k.endswith("_calls")},
+           "sampler_off": loop_off,
            "device": str(next(model.parameters()).device),
            "loss": [h["loss"] for h in tr.state.log_history if "loss" in h]}
     with open(out_file, "a") as f:
@@ -123,6 +131,7 @@ def summarize(recs: list[dict], warmup: int) -> dict:
         "compile_s_per_rank": [r["compile_s"] for r in recs],
         "wait_s_per_rank": [f - r["compile_s"] - s for f, r, s in zip(first, recs, steady)],
         "sampler_off": [r["sampler_off"] for r in recs],
+        "sampler_calls": [r["sampler_calls"] for r in recs],
         "devices": [r["device"] for r in recs],
         "loss_rank0": r0["loss"],
     }
@@ -146,7 +155,8 @@ def main(argv=None) -> int:
         r = results[-1]
         print(f"P={world}: step {r['step_s']:.2f} s (per rank {r['step_s_per_rank']}), "
               f"generation {r['generation_s']:.2f} s, compile {r['compile_s_per_rank']} s, "
-              f"wait {r['wait_s_per_rank']} s, sampler off: {r['sampler_off']}", flush=True)
+              f"wait {r['wait_s_per_rank']} s, sampler calls {r['sampler_calls']}, "
+              f"loop off: {r['sampler_off']}", flush=True)
     one = next((r for r in results if r["world"] == 1), None)
     for r in results:
         r["efficiency"] = None if one is None else one["step_s"] / r["step_s"]
