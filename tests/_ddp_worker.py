@@ -334,7 +334,10 @@ def _run(rank, world, port, out_dir, scenarios, device):
 def reference(out_dir, device, world: int):
     """Single process, no process group: write DIR/inputs.pt (the trainers' batches split for
     `world` ranks) and the reference DIR/ref.pt, as the `runs` fixture of tests/test_ddp.py
-    computes them (same builders, same order)."""
+    computes them (same builders, same order), each step also in fp64 (`trl_head_in_fp64`):
+    the truth the tolerances measure the fp32 results against."""
+    from _trainer_pairs import trl_head_in_fp64
+
     warnings.filterwarnings("ignore")
     _exact_fp32(device)
     from trainers.tiny import build_tokenizer
@@ -354,19 +357,29 @@ def reference(out_dir, device, world: int):
         loss, grads = grpo_step(tr, tr.model, grpo_in)
         ref[f"grpo_{loss_type}"] = {"loss": loss, "grads": grads,
                                     "entropy": tr._metrics["train"]["entropy"][-1]}
+        with trl_head_in_fp64(tr):
+            ref[f"grpo_{loss_type}"]["fp64"] = grpo_step(tr, tr.model, grpo_in)
     sft = sft_trainer(tok, tiny_model(tok, peft=True), out_dir, 1, device=device)
-    loss, grads = sft_step(sft, sft.model, to_device(batches["sft"], dev),
-                           batches["sft_num_items"].to(dev))
-    ref["sft"] = {"loss": loss, "grads": grads}
+    sft_args = (sft, sft.model, to_device(batches["sft"], dev), batches["sft_num_items"].to(dev))
+    loss, grads = sft_step(*sft_args)
+    with trl_head_in_fp64(sft):
+        ref["sft"] = {"loss": loss, "grads": grads, "fp64": sft_step(*sft_args)}
     for peft in (False, True):
         tr_f = grpo_trainer(tok, tiny_model(tok, peft=peft), out_dir, 1, device=device,
                             loss_type="dapo")
         loss, grads = grpo_step(tr_f, tr_f.model, grpo_in)
-        ref[f"fsdp2_{'lora' if peft else 'full'}"] = {"loss": loss, "grads": grads}
+        with trl_head_in_fp64(tr_f):
+            fp64 = grpo_step(tr_f, tr_f.model, grpo_in)
+        ref[f"fsdp2_{'lora' if peft else 'full'}"] = {"loss": loss, "grads": grads, "fp64": fp64}
     for name in _ddp_trainers.NAMES:  # same builders and order as tests/test_ddp.py's fixture
         t = _ddp_trainers.build(name, tok, out_dir, 1, device=device)
         batches[name] = _ddp_trainers.batches(name, tok, t, world)
         ref[name] = _ddp_trainers.reference_results(name, t, batches[name])
+        with trl_head_in_fp64(t):
+            r64 = _ddp_trainers.reference_results(name, t, batches[name])
+        ref[name]["fp64"] = r64["loss"], r64["grads"]
+        if name == "distillation":
+            ref[name]["token_mean_loss"]["fp64"] = r64["token_mean_loss"]["loss"]
     torch.save(batches, os.path.join(out_dir, "inputs.pt"))
     torch.save(ref, os.path.join(out_dir, "ref.pt"))
 

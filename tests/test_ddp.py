@@ -304,3 +304,29 @@ def test_check_parallelism_refusals():
         check_parallelism(_fake_trainer(full, fsdp_version=2, offload=CPUOffloadPolicy()))
     with pytest.raises(ValueError, match="ZeRO-3 only with a frozen LM head"):
         check_parallelism(_fake_trainer(copy.deepcopy(full), zero_stage=3))
+
+
+def _shape(tree):
+    """The nested keys of a results dict (tensors and numbers as leaves)."""
+    if isinstance(tree, dict):
+        return {k: _shape(v) for k, v in tree.items()}
+    if isinstance(tree, (tuple, list)):
+        return [_shape(v) for v in tree]
+    return None
+
+
+def test_gpu_reference_writer_matches_the_fixture(runs, tmp_path):
+    """tests/test_multigpu.py's single-process reference comes from `_ddp_worker.py
+    --reference`, not from this module's fixture: run it here on CPU; it must write every
+    result the checks read (the fp64 truths included), with the fixture's losses."""
+    ref, _ = runs
+    env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
+           "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    cmd = [sys.executable, os.path.join(REPO, "tests", "_ddp_worker.py"), "--reference",
+           "--device", "cpu", "--nprocs", str(WORLD), "--out", str(tmp_path)]
+    proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    written = torch.load(tmp_path / "ref.pt", weights_only=False)
+    for case, r in ref.items():
+        assert _shape(written[case]) == _shape(r), case
+        _assert_loss(written[case]["loss"], r, f"{case} loss by the reference writer")
