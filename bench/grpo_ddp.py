@@ -24,6 +24,7 @@ Writes bench/results/grpo_ddp_<GPU>.json (`--out-dir` to change).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import socket
@@ -111,12 +112,26 @@ def _spawned(rank: int, world: int, args, port: int, out_file: str) -> None:
 
 
 def _spawned_one(_index: int, args, out_file: str) -> None:
-    """World size 1 in a process of its own that sees one GPU: TRL refuses a process that sees
-    several (Trainer would wrap the model in nn.DataParallel)."""
-    if args.device == "cuda":
-        os.environ["CUDA_VISIBLE_DEVICES"] = os.environ.get("CUDA_VISIBLE_DEVICES",
-                                                            "0").split(",")[0]
+    """World size 1 in a process of its own that sees one GPU (`_one_gpu_visible`)."""
     run_rank(0, 1, args, out_file)
+
+
+@contextlib.contextmanager
+def _one_gpu_visible(device: str):
+    """CUDA_VISIBLE_DEVICES narrowed to the first GPU for the processes started inside: TRL
+    refuses a process that sees several (Trainer would wrap the model in nn.DataParallel). Set
+    before the child starts, since torch caches the device count at its first query, which an
+    import can make."""
+    saved = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if device == "cuda":
+        os.environ["CUDA_VISIBLE_DEVICES"] = (saved or "0").split(",")[0]
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = saved
 
 
 def summarize(recs: list[dict], warmup: int) -> dict:
@@ -146,7 +161,8 @@ def main(argv=None) -> int:
         with tempfile.NamedTemporaryFile("w", suffix=".jsonl", delete=False) as f:
             out_file = f.name
         if world == 1:
-            torch.multiprocessing.spawn(_spawned_one, args=(args, out_file), nprocs=1)
+            with _one_gpu_visible(args.device):
+                torch.multiprocessing.spawn(_spawned_one, args=(args, out_file), nprocs=1)
         else:
             torch.multiprocessing.spawn(_spawned, args=(world, args, _free_port(), out_file),
                                         nprocs=world)
