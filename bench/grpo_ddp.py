@@ -1,8 +1,8 @@
 """The whole GRPO step with fast generation under DDP: N GPUs against 1 (weak scaling).
 
-Each rank runs `trainer.train()` of trainers.GRPOTrainer with its defaults (fast generation,
-packing "auto") on its own copy of the model, so each rank compiles and captures its own decode
-step. Same set-up as bench.grpo_step's `ours` system: a Llama-3.2-1B-shaped model (random init,
+Each rank runs `trainer.train()` of trainers.GRPOTrainer (packing "auto"; `--system ours_loop`,
+the default: the decode loop, the trainer's default sampler; `ours`: the compiled FastSampler)
+on its own copy of the model, so each rank captures (or compiles) its own decode step. Same set-up as bench.grpo_step's `ours` / `ours_loop` systems: a Llama-3.2-1B-shaped model (random init,
 never emits EOS, so every completion is L tokens), NF4 double-quant base, LoRA r=16 on every
 linear layer, G completions of one 64-character prompt per rank and step, β = 0.04, dapo.
 
@@ -51,6 +51,9 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=2, help="steps not counted (the compile)")
     p.add_argument("--steps", type=int, default=3, help="timed steps")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    p.add_argument("--system", choices=("ours_loop", "ours"), default="ours_loop",
+                   help="bench.grpo_step's system: the decode loop (the trainer's default "
+                        "sampler) or the compiled FastSampler")
     p.add_argument("--out-dir", default=str(bc.RESULTS_DIR))
     return p.parse_args(argv)
 
@@ -74,8 +77,8 @@ def run_rank(rank: int, world: int, args, out_file: str) -> None:
     base = torch.cuda.memory_allocated() if cuda else 0
     steps = args.warmup + args.steps
     with tempfile.TemporaryDirectory() as out:
-        tr = G.build_trainer("ours", model, tok, G=args.generations, L=args.length, steps=steps,
-                             device=args.device, out=out)
+        tr = G.build_trainer(args.system, model, tok, G=args.generations, L=args.length,
+                             steps=steps, device=args.device, out=out)
         timer = G.PartTimer(cuda, base)
         G.attach(tr, timer)
         t0 = time.perf_counter()
@@ -181,7 +184,8 @@ def main(argv=None) -> int:
     for pkg in ("transformers", "trl", "peft", "accelerate", "bitsandbytes"):
         env[pkg] = bc.package_version(pkg)
     tag = bc.gpu_short_name(dev) if args.device == "cuda" else "cpu"
-    suffix = "" if args.model == "1b" else f"_{args.model}"
+    suffix = ("" if args.model == "1b" else f"_{args.model}") + (
+        "" if args.system == "ours_loop" else f"_{args.system}")
     path = Path(args.out_dir) / f"grpo_ddp_{tag}{suffix}.json"
     bc.write_json(path, {"args": vars(args), "env": env, "results": results})
     print("| GPUs | step s | generation s (rank 0) | compile s per rank | wait s per rank | "
