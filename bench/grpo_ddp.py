@@ -2,9 +2,10 @@
 
 Each rank runs `trainer.train()` of trainers.GRPOTrainer (packing "auto"; `--system ours_loop`,
 the default: the decode loop, the trainer's default sampler; `ours`: the compiled FastSampler)
-on its own copy of the model, so each rank captures (or compiles) its own decode step. Same set-up as bench.grpo_step's `ours` / `ours_loop` systems: a Llama-3.2-1B-shaped model (random init,
-never emits EOS, so every completion is L tokens), NF4 double-quant base, LoRA r=16 on every
-linear layer, G completions of one 64-character prompt per rank and step, β = 0.04, dapo.
+on its own copy of the model, so each rank captures (or compiles) its own decode step. Same
+set-up as bench.grpo_step's `ours` / `ours_loop` systems: a Llama-3.2-1B-shaped model (random
+init, never emits EOS, so every completion is L tokens), NF4 double-quant base, LoRA r=16 on
+every linear layer, G completions of one 64-character prompt per rank and step, β = 0.04, dapo.
 
 Reported per world size P, from rank 0 and gathered from every rank:
     step_s        median whole-step time after the warm-up steps (on_step_begin -> on_step_end;
