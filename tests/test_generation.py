@@ -64,7 +64,7 @@ def eager(model, ids, mask, config):
         return model.generate(input_ids=ids, attention_mask=mask, generation_config=config)
 
 
-SHORT = ["7+5=", "hello there", "a"]  # longest 11 tokens: prompt bucket 64
+SHORT = ["7+5=", "hello there", "a"]  # longest 11 tokens: prompt capacity 16
 LONG = ["x" * 70, "y", "the longest prompt of all, well past one hundred characters " * 2]
 
 

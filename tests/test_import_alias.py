@@ -112,7 +112,7 @@ import sys
 
 name = sys.argv[1]
 heavy = [f"{name}.{m}" for m in ("grpo", "sft", "rloo", "dpo", "kto", "distillation",
-                                  "fused_forward", "base", "packing", "varlen", "head",
+                                  "fused_forward", "base", "packing", "attention", "head",
                                   "generation")]
 heavy += [f"trl.trainer.{m}_trainer" for m in ("grpo", "sft", "rloo", "dpo", "kto",
                                                 "distillation")]

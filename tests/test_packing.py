@@ -7,7 +7,7 @@ its parts and against padded; log-probs and entropies of the policy and the adap
 loss and LoRA gradients (grpo and dapo, β > 0), packed vs padded in the same trainer; a short
 `train()` whose logs match padded step by step; the varlen kwargs reaching the attention
 function; flex_attention packing under "auto" (no-grad only: FlexAttention has no CPU
-backward in torch 2.13); sdpa models switched to `trainers.varlen` (the CUDA varlen kernel
+backward in torch 2.13); sdpa models switched to `trainers.attention` (the CUDA varlen kernel
 replaced by its contract in plain sdpa; unpacked calls bit-identical to sdpa; the dense
 fallback; refusals; its attention function registered on first use, not at import); and the
 padded fallback, logged once, under sdpa on CPU.
@@ -38,6 +38,7 @@ from contextlib import nullcontext
 import pytest
 import torch
 import torch.nn.functional as F
+from _ragged_batch import synthetic_ragged_batch
 from _tolerance import assert_grads_vs_fp64, assert_loss_vs_fp64
 from _trainer_pairs import trl_head_in_fp64
 from peft import PromptTuningConfig, get_peft_model
@@ -54,16 +55,11 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, flash_atten
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from trl.trainer.utils import use_adapter
 
-from trainers import GRPOTrainer, varlen
+from trainers import GRPOTrainer, attention
+from trainers.attention import choose_packing
 from trainers.head import forward_hidden_states, head_logprobs, lm_head_params
 from trainers.models import backbone, unwrap_causal_lm
-from trainers.packing import (
-    choose_packing,
-    packed_logprobs,
-    plan_packs,
-    synthetic_ragged_batch,
-    unpack,
-)
+from trainers.packing import packed_logprobs, plan_packs, unpack
 from trainers.tiny import build_tiny_llama, build_tokenizer
 
 LOGP_ATOL = 2e-5
@@ -190,7 +186,7 @@ def _packed_by_hand(model, ids, mask, kind, max_tokens, **head_kwargs):
     plan = plan_packs(ids, mask, C, max_tokens=max_tokens)
     hidden = []
     for pack in plan.packs:
-        with varlen.packed_forward() if kind == "sdpa_varlen" else nullcontext():
+        with attention.packed_forward() if kind == "sdpa_varlen" else nullcontext():
             h, _ = forward_hidden_states(model, **pack.model_inputs(kind))
         hidden.append(h[0, pack.hidden_index])
     out = head_logprobs(torch.cat(hidden), weight, bias, plan.targets, **head_kwargs)
@@ -215,7 +211,7 @@ def test_packed_logprobs_is_the_packed_pass(tok, tmp_path):
         return nullcontext()
 
     handle = backbone(tr.model).register_forward_pre_hook(
-        lambda *_: seen.append((len(entered), varlen._packed.get())))
+        lambda *_: seen.append((len(entered), attention._packed.get())))
     cases = [("dense", B * (P + C), True), ("dense", 16, False), ("sdpa_varlen", 16, True)]
     with torch.no_grad():
         tr.packing = False
@@ -223,7 +219,7 @@ def test_packed_logprobs_is_the_packed_pass(tok, tmp_path):
             tr.model, ids, mask, C, compute_entropy=True)
         for kind, max_tokens, entropy in cases:
             if kind == "sdpa_varlen":
-                varlen.use_sdpa_varlen(lm)  # on CPU: the dense block-diagonal fallback
+                attention.use_sdpa_varlen(lm)  # on CPU: the dense block-diagonal fallback
             kw = {"temperature": 0.7, "return_entropy": entropy}
             seen.clear()
             entered.clear()
@@ -451,6 +447,38 @@ def test_dense_mask_attention_falls_back_to_padded_once(tok, tmp_path, caplog):
     assert "\n" not in msgs[0] and len(msgs[0]) <= 100 and "flex" not in msgs[0], msgs
 
 
+def test_packing_decided_once_per_model(tok, tmp_path, monkeypatch, caplog):
+    # trainers.attention.choose_packing runs once per model, not once per pass; again when what
+    # it reads changes (the option, the attention implementation). Sampling's settle call makes
+    # the decision without logging its note; the first log-prob pass logs it, once.
+    decided = []
+    rule = attention.choose_packing
+    monkeypatch.setattr(attention, "choose_packing",
+                        lambda model, packing: decided.append(packing) or rule(model, packing))
+    tr = _trainer(tok, tmp_path, packing="auto")
+    ids, mask = _ragged(tok)
+
+    def passes(n):
+        with torch.no_grad(), _BackboneCalls(tr.model) as calls:
+            for _ in range(n):
+                tr._get_per_token_logps_and_entropies(tr.model, ids, mask, C)
+        return calls.shapes
+
+    with caplog.at_level(logging.WARNING, logger="trainers.grpo"):
+        tr._lce_settle_attention(tr.model)
+        assert decided == ["auto"] and caplog.records == []
+        assert passes(3) == [(B, P + C)] * 3  # sdpa on CPU: padded
+        assert decided == ["auto"]
+        notes = [r.getMessage() for r in caplog.records]
+        assert len(notes) == 1 and "stay padded" in notes[0], notes
+        tr.packing = True
+        assert passes(2) == [(1, N_PACKED)] * 2
+        assert decided == ["auto", True]
+        unwrap_causal_lm(tr.model).set_attn_implementation("eager")
+        assert passes(2) == [(1, N_PACKED)] * 2
+        assert decided == ["auto", True, True]
+
+
 def test_unpackable_batch_and_options(tok, tmp_path, caplog):
     tr = _trainer(tok, tmp_path, packing=True)
     ids, mask = _ragged(tok)
@@ -493,30 +521,43 @@ def test_packing_blockers(tok):
 # ---------------------------------------------------------------- sdpa through varlen_attn
 
 # In a fresh interpreter: importing every trainers module registers no attention function;
-# the first switch to varlen.IMPL does, whether asked for directly or made by "auto" packing
-# (through GRPOTrainer._lce_packing_kind, which fast generation calls before its first compile).
+# the first switch to attention.IMPL does, whether asked for directly or made by "auto" packing
+# (through GRPOTrainer._lce_packing_kind, or `_lce_settle_attention`, which fast generation
+# calls before its first compile).
 _REGISTRATION = r"""
-from types import SimpleNamespace
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-from trainers import GRPOTrainer, SFTTrainer, generation, packing, varlen
+from trainers import GRPOTrainer, SFTTrainer, attention, generation, packing
 from trainers.tiny import build_tiny_llama, build_tokenizer
 
 def registered():
-    return varlen.IMPL in ALL_ATTENTION_FUNCTIONS, varlen.IMPL in ALL_MASK_ATTENTION_FUNCTIONS
+    return attention.IMPL in ALL_ATTENTION_FUNCTIONS, attention.IMPL in ALL_MASK_ATTENTION_FUNCTIONS
+
+def bare_trainer():
+    # GRPOTrainer's packing methods, with the state FusedHeadMixin.__init__ gives them (TRL's
+    # __init__ would need a dataset and rewards)
+    trainer = object.__new__(GRPOTrainer)
+    trainer.packing = "auto"
+    trainer._lce_packing_logged = set()
+    trainer._lce_packing_decisions = attention.PackingDecisions()
+    return trainer
 
 assert registered() == (False, False), "importing trainers registered an attention function"
 tok = build_tokenizer()
 model = build_tiny_llama(tok, hidden_size=32, num_layers=1)
-trainer = SimpleNamespace(packing="auto", _lce_packing_warning=lambda message: None)
+trainer = bare_trainer()
 assert GRPOTrainer._lce_packing_kind(trainer, model, False) is None  # CPU fp32: padded
 assert registered() == (False, False), "a padded choice registered an attention function"
-varlen.varlen_blocker = lambda lm: None  # what it says on CUDA in bf16
+attention.varlen_blocker = lambda lm: None  # what it says on CUDA in bf16
+trainer = bare_trainer()  # a trainer on that machine (the decision above is kept per trainer)
 assert GRPOTrainer._lce_packing_kind(trainer, model, False) == "sdpa_varlen"
-assert registered() == (True, True) and model.config._attn_implementation == varlen.IMPL
+assert registered() == (True, True) and model.config._attn_implementation == attention.IMPL
+third = build_tiny_llama(tok, hidden_size=32, num_layers=1)
+bare_trainer()._lce_settle_attention(third)  # what sampling calls first: the same switch
+assert third.config._attn_implementation == attention.IMPL
 other = build_tiny_llama(tok, hidden_size=32, num_layers=1)
-varlen.use_sdpa_varlen(other)  # registering again is harmless
-assert other.config._attn_implementation == varlen.IMPL
+attention.use_sdpa_varlen(other)  # registering again is harmless
+assert other.config._attn_implementation == attention.IMPL
 print("ok")
 """
 
@@ -553,11 +594,11 @@ def _varlen_attn_reference(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, win
 
 @pytest.mark.parametrize("signature", ["window_size,enable_gqa", "is_causal"])
 def test_sdpa_varlen_packs_sdpa_models(tok, tmp_path, monkeypatch, signature):
-    # trainers.varlen on CPU: the CUDA kernel is replaced by its contract in plain sdpa, for the
+    # trainers.attention on CPU: the CUDA kernel is replaced by its contract in plain sdpa, for the
     # two varlen_attn signatures torch has had (window_size + enable_gqa, or is_causal only).
     params = frozenset({"scale", *signature.split(",")})
-    monkeypatch.setattr(varlen, "_varlen_attn", lambda: (_varlen_attn_reference, params))
-    monkeypatch.setattr(varlen, "_kernel_runs", lambda query: True)
+    monkeypatch.setattr(attention, "_varlen_attn", lambda: (_varlen_attn_reference, params))
+    monkeypatch.setattr(attention, "_kernel_runs", lambda query: True)
     monkeypatch.setattr(_varlen_attn_reference, "seen", [], raising=False)
     tr = _trainer(tok, tmp_path, packing="auto")
     lm = unwrap_causal_lm(tr.model)
@@ -565,7 +606,7 @@ def test_sdpa_varlen_packs_sdpa_models(tok, tmp_path, monkeypatch, signature):
     kw = dict(compute_entropy=True)
     lp_sdpa, ent_sdpa, _ = tr._get_per_token_logps_and_entropies(tr.model, ids, mask, C, **kw)
     assert lm.config._attn_implementation == "sdpa"  # CPU fp32: varlen_blocker said no
-    varlen.use_sdpa_varlen(lm)
+    attention.use_sdpa_varlen(lm)
     assert choose_packing(tr.model, "auto") == ("sdpa_varlen", None)
     tr.packing = False  # unpacked calls under IMPL are sdpa, bit for bit
     lp_off, ent_off, _ = tr._get_per_token_logps_and_entropies(tr.model, ids, mask, C, **kw)
@@ -606,15 +647,15 @@ def test_sdpa_varlen_dense_fallback_and_refusals(tok, tmp_path, caplog):
     with torch.no_grad():
         tr.packing = False
         lp_pad, _, _ = tr._get_per_token_logps_and_entropies(tr.model, ids, mask, C)
-        varlen.use_sdpa_varlen(lm)
+        attention.use_sdpa_varlen(lm)
         tr.packing = True
         with _BackboneCalls(tr.model) as calls:
             lp, _, _ = tr._get_per_token_logps_and_entropies(tr.model, ids, mask, C)
     assert calls.shapes == [(1, N_PACKED)]
     _assert_close(lp, lp_pad, atol=LOGP_ATOL, what="logp sdpa_varlen dense fallback")
-    reason = varlen.varlen_blocker(build_tiny_llama(tok, hidden_size=32, num_layers=1))
+    reason = attention.varlen_blocker(build_tiny_llama(tok, hidden_size=32, num_layers=1))
     assert "CUDA" in reason or "varlen_attn" in reason
     q = torch.zeros(1, 2, 4, 8)
     cu = torch.tensor([0, 4], dtype=torch.int32)
     with pytest.raises(NotImplementedError, match="sliding_window"):
-        varlen.sdpa_varlen_attention(None, q, q, q, None, cu_seq_lens_q=cu, sliding_window=2)
+        attention.sdpa_varlen_attention(None, q, q, q, None, cu_seq_lens_q=cu, sliding_window=2)

@@ -1,6 +1,6 @@
 """Packed vs padded GRPO passes on a GPU in bf16, against the padded path's own bf16 noise,
 under flex_attention and under sdpa (packed through torch's varlen FlashAttention,
-trainers.varlen); and that attention function against per-row SDPA.
+trainers.attention); and that attention function against per-row SDPA.
 
 Marked `gpu`; skipped without CUDA. Run on the GPU machine:
     python -m pytest tests/test_packing_gpu.py -m gpu -q -s
@@ -134,7 +134,7 @@ def test_packed_loss_and_lora_grads_within_padded_noise(trainer):
     # The padded references always run under flex_attention: under sdpa, the backward of the
     # left-padding rows (queries that see no key at all) gives NaN LoRA gradients in this bf16
     # model, so sdpa's padded path cannot serve as the reference (printed below).
-    from trainers import varlen
+    from trainers import attention
     from trainers.models import unwrap_causal_lm
 
     (ids, mask), (ids_b, mask_b), rev = _compositions()
@@ -147,7 +147,7 @@ def test_packed_loss_and_lora_grads_within_padded_noise(trainer):
     loss_a, g_a = _loss_and_grads(trainer, ids, mask, adv, False)
     loss_b, g_b = _loss_and_grads(trainer, ids_b, mask_b, adv[rev], False)
     if trainer.expected_kind == "sdpa_varlen":
-        varlen.use_sdpa_varlen(lm)
+        attention.use_sdpa_varlen(lm)
     loss_p, g_p = _loss_and_grads(trainer, ids, mask, adv, "auto")
     assert trainer._lce_packing_kind(trainer.model, False) == trainer.expected_kind
     assert torch.isfinite(g_p).all()
@@ -160,13 +160,13 @@ def test_packed_loss_and_lora_grads_within_padded_noise(trainer):
 
 
 def test_sdpa_varlen_attention_matches_per_row_sdpa():
-    # trainers.varlen's packed call (the real varlen_attn kernel) against causal SDPA run on each
+    # trainers.attention's packed call (the real varlen_attn kernel) against causal SDPA run on each
     # row alone, forward and backward, bf16, GQA 8/2 heads, rows of 1 to 700 tokens. Both are
     # bf16 FlashAttention-class kernels with fp32 softmax; observed differences are bf16 output
     # rounding (a few ulp), so atol 2e-2 on O(1) outputs and 5e-2 relative on gradients.
-    from trainers import varlen
+    from trainers import attention
 
-    if not varlen.varlen_kernel_available():
+    if not attention.varlen_kernel_available():
         pytest.skip(f"torch {torch.__version__} has no varlen_attn")
     lens = [1, 700, 129, 64, 333]
     T, Hq, Hkv, D = sum(lens), 8, 2, 64
@@ -174,7 +174,7 @@ def test_sdpa_varlen_attention_matches_per_row_sdpa():
     q, k, v = (torch.randn(1, h, T, D, device="cuda", generator=g, dtype=torch.bfloat16)
                .requires_grad_() for h in (Hq, Hkv, Hkv))
     cu = torch.tensor([0, *lens], device="cuda").cumsum(0).to(torch.int32)
-    out, _ = varlen.sdpa_varlen_attention(
+    out, _ = attention.sdpa_varlen_attention(
         None, q, k, v, None, scaling=D ** -0.5, cu_seq_lens_q=cu, cu_seq_lens_k=cu,
         max_length_q=max(lens), max_length_k=max(lens))
     assert out.shape == (1, T, Hq, D)

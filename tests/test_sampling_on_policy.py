@@ -7,7 +7,8 @@ completions TRL trains on being exactly those the loop returned, the served coun
 `timing/generation_s` / `fast_generation/*` metrics in the logs; greedy completions of our
 path equal to TRL's own `_generate_single_turn` on the same prompts, each path seen running;
 the `sampler` / `fast_generation` options choosing the path (keywords, config fields, later
-attribute changes) and their validation; the loop's fallback line inside a trainer.
+attribute changes) and their validation; the loop's fallback line inside a trainer; the
+packing decision made before sampling, once, without a logged note.
 
     python -m pytest tests/test_sampling_on_policy.py -q
 """
@@ -153,6 +154,27 @@ def test_loop_fallback_line_inside_a_trainer(tok, tmp_path, caplog):
     assert lines == [("grpo_lce decode loop not used (this family is not supported); sampling "
                      "with trainers.generation.FastSampler.")]
     assert tr._lce_samplers.served == {"loop": 0, "compiled": 2, "trl": 0}
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_sampling_settles_attention_without_a_note(kind, tok, tmp_path, monkeypatch, caplog):
+    # Before its first sample, a trainer makes the policy's packing decision (which may switch
+    # the attention implementation a captured decode step reads): once, whatever the number of
+    # samples, and without logging the decision's note (here: sdpa on CPU stays padded), which
+    # is the log-prob passes' to give.
+    from trainers import attention
+
+    decided = []
+    rule = attention.choose_packing
+    monkeypatch.setattr(attention, "choose_packing",
+                        lambda model, packing: decided.append(packing) or rule(model, packing))
+    tr = _trainer(kind, tok, tmp_path)
+    with caplog.at_level(logging.WARNING):
+        for _ in range(2):
+            _single_turn(tr, [tok("abc").input_ids])
+    assert tr._lce_samplers.served["loop"] == 2
+    assert decided == ["auto"]
+    assert [r.getMessage() for r in caplog.records if "pack" in r.getMessage()] == []
 
 
 def test_grpo_config_fields(tok, tmp_path):

@@ -313,7 +313,7 @@ def test_what_stays_padded(tok, tmp_path, caplog):
 @pytest.mark.gpu
 def test_bf16_packs_through_varlen_on_cuda(tok, tmp_path):
     """On CUDA in bf16, `packing="auto"` switches sdpa to PyTorch's varlen FlashAttention
-    (trainers.varlen) for both backbones: they run (1, T) packs, and the loss and LoRA
+    (trainers.attention) for both backbones: they run (1, T) packs, and the loss and LoRA
     gradients stay within bf16 noise of the padded run (the attention kernel differs, so the
     hidden states differ by bf16 roundings; exactness is checked in fp32 above)."""
     s_model = _model(tok, "llama", tied=True, peft=True, hidden=256).to("cuda", torch.bfloat16)

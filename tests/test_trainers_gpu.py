@@ -158,7 +158,7 @@ def test_grpo_qlora_step_memory_below_trl(model_dir, tmp_path):
     ds = Dataset.from_dict({"prompt": ["hello"] * B})
     trainers = {}
     # ours: the default packing="auto", which packs this sdpa model through torch's varlen
-    # FlashAttention (trainers.varlen); ours_padded: packing=False, TRL's own backbone call.
+    # FlashAttention (trainers.attention); ours_padded: packing=False, TRL's own backbone call.
     for name, cls, kw in (("trl", trl.GRPOTrainer, {}), ("ours", GRPOTrainer, {}),
                           ("ours_padded", GRPOTrainer, {"packing": False})):
         trainers[name] = cls(

@@ -203,7 +203,7 @@ def test_kto_bf16_closer_to_fp64(tmp_path):
 
 def test_dpo_bf16_packs_through_varlen(tmp_path):
     """A smoke test of the CUDA packed path (sdpa switched to PyTorch's varlen FlashAttention,
-    trainers.varlen) under DPO: it packs, backpropagates, and its log-probs stay within bf16
+    trainers.attention) under DPO: it packs, backpropagates, and its log-probs stay within bf16
     noise of the padded pass (the backbone's attention kernel differs, so hidden states differ
     by bf16 roundings; exactness of packing itself is checked in fp32 on CPU,
     tests/test_fused_forward_packing.py)."""

@@ -1,6 +1,6 @@
 """What the trainers (`trainers.GRPOTrainer`, `SFTTrainer`, `RLOOTrainer`, `DPOTrainer`,
-`KTOTrainer`) do the same way, written once: the checks at construction, and the one logged line
-when a call goes to TRL's own code.
+`KTOTrainer`, `DistillationTrainer`) do the same way, written once: the checks at construction,
+the one logged line when a call goes to TRL's own code, and the packing decision per model.
 
     class GRPOTrainer(FusedHeadMixin, trl.GRPOTrainer):
         _trl_name = "GRPOTrainer"                  # the TRL class stood in for
@@ -19,13 +19,14 @@ Fallbacks: a trainer names why a call cannot use the fused head (its `_lce_fallb
 None), and `_lce_falls_back(reason)` says whether to hand the call to TRL's own method, logging
 each distinct reason once per trainer (the reasons seen: `_lce_fallbacks_logged`).
 
-Packing options (`PackingOptionsMixin`, for the trainers whose only packing options are the two
-constructor keywords: DPO, KTO, RLOO and distillation; GRPO also reads them from its config):
-`packing` ("auto", True or False) and `max_packed_tokens`, checked before TRL's `__init__`
-runs, and `_lce_packing_note` logging each packing note once per trainer. The two attributes
-are checked on every assignment, after construction too (`trainer.packing = "bogus"` raises
-a ValueError naming the value and the allowed ones): `FusedHeadMixin` holds them as `_Checked`
-attributes, so GRPO's own assignments go through the same check.
+Packing: `packing` ("auto", True or False) and `max_packed_tokens` are `_Checked` attributes,
+checked on every assignment (`trainer.packing = "bogus"` raises a ValueError naming the value
+and the allowed ones). `PackingOptionsMixin` takes them as constructor keywords, checked before
+TRL's `__init__` runs (DPO, KTO, RLOO, distillation; GRPO also reads them from its config).
+`_lce_packing_for(model)` is the one packing decision per model
+(`trainers.attention.PackingDecisions`), its note logged once per trainer
+(`_lce_packing_note`); a trainer adds only its per-call vetoes. `_lce_settle_attention(model)`
+makes the decision without a note, for sampling, before a decode step is captured.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from __future__ import annotations
 import logging
 
 from ._version import check_trl_version
+from .attention import PackingDecisions
 from .config import check_max_packed_tokens, normalize_packing
 from .head import check_fused_head, check_parallelism
 
@@ -81,6 +83,8 @@ class FusedHeadMixin:
         check_trl_version(self._trl_name)
         # before TRL's __init__: DPO / KTO precompute reference log-probs inside it
         self._lce_fallbacks_logged: set[str] = set()
+        self._lce_packing_logged: set[str] = set()
+        self._lce_packing_decisions = PackingDecisions()
         super().__init__(*args, **kwargs)
         for model in (self.model, getattr(self, "ref_model", None)):
             if model is not None:
@@ -102,6 +106,23 @@ class FusedHeadMixin:
                             f"grpo_lce head not used ({reason}); using {self._trl_fallback}.")
         return True
 
+    def _lce_packing_note(self, message: str) -> None:
+        self._lce_warn_once(self._lce_packing_logged, message, message)
+
+    def _lce_packing_for(self, model) -> str | None:
+        """How `model`'s passes pack under `self.packing` ("varlen", "block", "sdpa_varlen",
+        "dense"), or None for padded: the decision kept for this model, its note logged once."""
+        kind, note = self._lce_packing_decisions.decide(model, self.packing)
+        if note is not None:
+            self._lce_packing_note(note)
+        return kind
+
+    def _lce_settle_attention(self, model) -> None:
+        """Make `model`'s packing decision now, logging nothing: it may switch the attention
+        implementation (sdpa to `trainers.attention.IMPL`), which a captured decode step
+        depends on, so sampling calls this before its first capture."""
+        self._lce_packing_decisions.decide(model, getattr(self, "packing", False))
+
 
 class PackingOptionsMixin(FusedHeadMixin):
     """The `packing` and `max_packed_tokens` keywords (module docstring).
@@ -119,8 +140,4 @@ class PackingOptionsMixin(FusedHeadMixin):
         # set before TRL's __init__: DPO / KTO precompute reference log-probs inside it
         self.packing = normalize_packing(packing)
         self.max_packed_tokens = max_packed_tokens
-        self._lce_packing_logged: set[str] = set()
         super().__init__(*args, **kwargs)
-
-    def _lce_packing_note(self, message: str) -> None:
-        self._lce_warn_once(self._lce_packing_logged, message, message)

@@ -42,10 +42,10 @@ backbone on the valid tokens only, the rows one after another in packs of ≤ `m
 (default: the padded call's B · (P + K)), position_ids restarting at 0 per row; the hidden
 states that score a completion token are scattered back to TRL's (B, K, H), zeros at the
 padding (which the loss mask drops). It is GRPO's plan (`trainers.packing.plan_packs`, with
-TRL's `logits_to_keep` as K), and GRPO's rule for when "auto" packs
-(`trainers.packing.choose_packing`, decided for each model: the teacher may pack while the
-student does not); a left-padded prompt's positions shift by its pad count, which RoPE turns
-into rounding only (`trainers.packing`, "Positions"). Calls with multimodal inputs, and
+TRL's `logits_to_keep` as K), and GRPO's rule for when "auto" packs (`trainers.attention`,
+decided once for each model: the teacher may pack while the student does not); a left-padded
+prompt's positions shift by its pad count, which RoPE turns into rounding only
+(docs/DESIGN.md, "Packing"). Calls with multimodal inputs, and
 batches whose mask is not one contiguous run per row, run TRL's padded pass (the latter with
 one note).
 
@@ -80,7 +80,7 @@ from grpo_lce import linear_divergence
 from .base import PackingOptionsMixin
 from .head import check_fused_head, head_inputs
 from .models import unwrap_model
-from .packing import choose_packing, packed_hidden, plan_packs
+from .packing import packed_hidden, plan_packs
 from .sampling.on_policy import OnPolicySamplingMixin
 from .sharded import full_head_params
 
@@ -139,7 +139,7 @@ class DistillationTrainer(OnPolicySamplingMixin, PackingOptionsMixin, trl.Distil
     _lce_logger = logger
 
     # "basis" or "chunked": grpo_lce.linear_divergence's implementation (its module docstring);
-    # a class attribute so that a benchmark can time both through the same trainer
+    # a class attribute so that a test can run both through the same trainer
     _lce_divergence_method = "basis"
 
     def __init__(self, *args, **kwargs):
@@ -187,9 +187,7 @@ class DistillationTrainer(OnPolicySamplingMixin, PackingOptionsMixin, trl.Distil
         """(packing kind, `trainers.packing.PackPlan` with a (B, K) output) for this model's
         pass, or None for TRL's padded pass (packing off or not chosen for this model, a mask
         that does not pack, no completion token)."""
-        kind, message = choose_packing(model, self.packing)
-        if message is not None:
-            self._lce_packing_note(message)
+        kind = self._lce_packing_for(model)
         if kind is None:
             return None
         plan = plan_packs(input_ids, attention_mask, K,

@@ -1,81 +1,29 @@
 """TRL's fused-LM-head forward, computed by `grpo_lce`: the one seam of the DPO, KTO and RLOO
-trainers.
+trainers (why this seam, and how it meets accelerate: docs/DESIGN.md, "Trainers").
 
-TRL 1.16's DPOTrainer, KTOTrainer and RLOOTrainer never see logits. In `__init__` each calls
-`trl.trainer.utils.add_fused_lm_head(model, temperature=τ, outputs=(...))` on the policy's
-causal LM (`get_base_model()` under PEFT) and on `ref_model`, which sets the instance attribute
-`model.forward` to TRL's `_fused_forward`; every log-prob the trainer needs (policy, reference
-with a disabled adapter or a `ref_model`, KTO's KL pass, the precomputed reference log-probs)
-then comes from one call, `model(**inputs, labels=labels, fused_lm_head=True)`, returning a
-`FusedCausalLMOutput`. `install(trainer)` replaces that instance attribute, on exactly the
-models TRL patched, with ours, and keeps TRL's as the fallback and for every call without
-`fused_lm_head=True` (generation, `return_outputs`), which it hands on unchanged. Where
-accelerate has since wrapped TRL's forward for mixed precision (TRL prepares `ref_model` in its
-`__init__`: under bf16 / fp16 its forward becomes an autocast + fp32-outputs wrapper around
-TRL's), that wrapper is what ours replaces and keeps as the fallback, and our fused path enters
-the same autocast itself.
-
-Why this seam. The loss methods of the three trainers are hundreds of lines each (fifteen DPO
-loss types, f-divergences, WPO, LD-DPO, KTO's KL and weights, RLOO's clipping); overriding them
-would mean copying them. The fused forward is the one call all three make, its contract is
-TRL's public, documented `FusedCausalLMOutput`, and TRL itself chose the instance attribute as
-its own seam. Replacing what TRL set on those model instances touches no class attribute or
-module global of TRL or transformers, and nothing outside the models this trainer was given.
-
-What ours computes, with the options TRL patched the model with (τ and `outputs`, read off TRL's
-function when we install; the 1.16 version check pins their names). With labels ℓ (B, L):
+TRL 1.16 gets every log-prob of these trainers from `model(**inputs, labels=ℓ,
+fused_lm_head=True)` → `FusedCausalLMOutput`, through the instance attribute `model.forward`
+its `add_fused_lm_head` set. `install(trainer)` replaces that attribute on exactly the models
+TRL patched, keeping TRL's forward as the fallback and for calls without `fused_lm_head`. With
+labels ℓ (B, L) and the τ and `outputs` TRL patched the model with:
 
     h = backbone(**inputs).last_hidden_state       (B, L, H)   the same call TRL makes
     y_t = ℓ_{t+1} for t < L−1, −100 at t = L−1     (or y = shift_labels as given)
-    logp, H, argmax = linear_logprobs(h, W, y, bias=b, temperature=τ,        (B, L) fp32
-                                      return_entropy=..., return_argmax=...)
+    logp, H, argmax = linear_logprobs(h, W, y, bias=b, temperature=τ, ...)   (B, L) fp32
 
-so only the rows with a label reach a GEMM, and no (B, L, V) tensor exists. Then, each field
-(B, L − 1) (or (B, L) with `shift_labels`), 0 / False where the label is −100:
+and each field, (B, L − 1) (or (B, L) with `shift_labels`), 0 / False where y = −100:
 
-    log_probs          logp (differentiable)
-    entropy            H (differentiable, as TRL's is)
-    is_top1            argmax == y: the label is the first maximum, TRL's rule for ties
-    mean_logits        mean_v z = (h · w̄ + b̄) / τ, w̄ = Σ_v W_v / V in fp32: a matrix-vector
-                       product, not a GEMM over V; no gradient
-    log_sum_sq_probs   log Σ_v p_v² = lse(2 d) − 2 lse(d), d = z − max z, from a second,
-                       no-grad pass over the labelled rows (`grpo_lce.chunked_linear`), asked
-                       for by WPO (`use_weighting`) only
-    label_mask         y != −100
-    loss               −Σ logp / (num_items_in_batch, or the label count clamped to ≥ 1)
+    log_probs, entropy   logp, H (differentiable; an all-masked batch stays in the graph)
+    is_top1              argmax == y (the first maximum: TRL's rule for ties)
+    mean_logits          (h · w̄ + b̄) / τ, w̄ = Σ_v W_v / V in fp32; no gradient
+    log_sum_sq_probs     lse(2d) − 2 lse(d), d = z − max z (WPO only: a second, no-grad pass)
+    label_mask           y != −100
+    loss                 −Σ logp / (num_items_in_batch, or the label count clamped to ≥ 1)
 
-An all-masked micro-batch still gives outputs connected to the graph (they come out of
-`linear_logprobs`'s autograd node), so its zero loss backpropagates. The head runs with autocast
-off and fp32 logits whatever the model's dtype (`trainers.head.head_logprobs`), which also
-covers TRL's `cast_lm_head_to_fp32`.
-
-Packing (`FusedForwardMixin`'s `packing=`, default "auto", and `max_packed_tokens=`). DPO and
-KTO rows are prompt + completion right-padded to the longest pair of the batch, RLOO's are
-left-padded prompts with right-padded completions; the backbone runs on all B·L positions.
-Packed, the valid tokens of the rows that have a label go one row after another into sequences
-of ≤ `max_packed_tokens` tokens (default: the call's B·L), position_ids restarting at 0 per row,
-and only the labelled positions reach the head; their fields are scattered back to (B, L)
-(`trainers.packing.plan_target_packs`, `packed_hidden`, `unpack`). Which attention
-implementations keep packed rows apart, and what "auto" does with each, is GRPO's rule
-(`trainers.packing.choose_packing`): on CUDA with sdpa in bf16/fp16, flash attention or flex
-attention it packs; under eager, or sdpa on CPU or in fp32, it stays padded and says so once;
-`packing=True` packs there too (a dense (T, T) mask: exact, not leaner), `packing=False` never.
-A call stays padded (with one note) when it carries inputs other than `input_ids` and
-`attention_mask` (position_ids, inputs_embeds, token types, a cache: prompt-learning PEFT
-among them), when a row's mask is not one contiguous run or a label sits on padding, and,
-silently, without an attention mask or with nothing to score. Right-padded rows start at
-position 0 either way; a left-padded row's positions shift by its pad count, which RoPE turns
-into rounding only (`trainers.packing`, "Positions").
-
-Falls back to TRL's own fused forward for that call, with one logged line per reason (the
-trainer's `FusedHeadMixin._lce_falls_back`): MoE router logits (the load-balancing aux loss is
-computed from the backbone's router outputs by TRL), logits softcapped or scaled before the
-softmax (`trainers.head.fused_head_unsupported_reason`), multimodal inputs, a call without
-labels. The refusals at construction are `FusedHeadMixin`'s.
-
-The forward keeps a weak reference to its trainer (for the fallback notices and the packing
-options), so a model outliving its trainer does not keep the trainer alive; it then scores
-padded and logs its fallbacks through this module's logger.
+Packed (`packing=`, `max_packed_tokens=`): the labelled rows' valid tokens
+(`trainers.packing.plan_target_packs`) where `trainers.attention` decides the model packs; a
+call with inputs beyond ids and mask stays padded. Falls back to TRL's forward, one logged line
+per reason: MoE router logits, logits softcapped or scaled, multimodal inputs, no labels.
 """
 
 from __future__ import annotations
@@ -96,7 +44,7 @@ from grpo_lce import chunked_linear, default_chunk_size
 from .base import PackingOptionsMixin
 from .head import check_fused_head, fused_head_unsupported_reason, head_logprobs, lm_head_params
 from .models import unwrap_causal_lm, unwrap_model
-from .packing import choose_packing, packed_hidden, plan_target_packs, unpack
+from .packing import packed_hidden, plan_target_packs, unpack
 
 logger = logging.getLogger(__name__)
 
@@ -188,10 +136,7 @@ class FusedForwardMixin(PackingOptionsMixin):
             self._lce_packing_note(f"grpo_lce packing off for forwards with {what}; using "
                                    "padded forwards.")
             return None
-        kind, message = choose_packing(lm, self.packing)
-        if message is not None:
-            self._lce_packing_note(message)
-        return kind
+        return self._lce_packing_for(lm)
 
 
 def install(trainer) -> None:

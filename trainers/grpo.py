@@ -1,61 +1,29 @@
 """GRPOTrainer: TRL 1.16's GRPOTrainer with the per-token log-probs from `grpo_lce` and its
-on-policy samples from a compiled decode step.
-
-Change one import and nothing else:
+on-policy samples from our decode loop. Change one import and nothing else:
 
     from trainers import GRPOTrainer          # instead of: from trl import GRPOTrainer
 
-Every log-probability TRL asks for goes through one method,
-`_get_per_token_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep, ...)`:
-the training loss (policy, with entropy), the old-policy pass (no grad) and the reference pass
-(a separate `ref_model`, or the PEFT model under `use_adapter(..., None)` / the "ref"
-adapter). That is the only log-prob method overridden. Per row chunk of `batch_size` sequences:
+`_get_per_token_logps_and_entropies(model, input_ids, attention_mask, K, ...)` is the one
+log-prob method TRL calls (the loss's policy pass with entropy, old policy, reference), and the
+only one overridden. Per row chunk of `batch_size` sequences:
 
-    h = backbone(input_ids)[:, -K-1:-1]          (B, K, H)   K = logits_to_keep completion tokens
+    h = backbone(input_ids)[:, -K-1:-1]          (B, K, H)   K = logits_to_keep
     y = input_ids[:, -K:], −100 where attention_mask is 0
     logp, H = linear_logprobs(h, W, y, bias=b, temperature=τ, return_entropy=...)   (B, K) fp32
 
-which is what TRL's own fused head returns (0 at masked positions), without any (B, K, V)
-tensor. h comes through the wrapped model's forward (see `trainers.head`), so DDP, PEFT,
-bitsandbytes 4-bit and gradient checkpointing act as in stock TRL; generation never passes here.
+TRL's own fused head's results (0 at masked positions) without a (B, K, V) tensor; h comes
+through the wrapped model's forward (`trainers.head`), so DDP, PEFT, 4-bit and gradient
+checkpointing act as in TRL, whose loss code is untouched. Packed (`packing`:
+`trainers.packing.packed_logprobs`) where `trainers.attention` decides the model packs, never
+for the MoE aux-loss pass.
 
-TRL's loss code stays in charge of everything else: loss types, β and the KL, ε / ε_high / δ
-clipping, token or sequence importance sampling, `top_entropy_quantile`, the entropy bonus,
-gradient accumulation, `steps_per_generation`, vLLM importance sampling and every metric. No
-loss math is reproduced here.
+Sampling (`fast_generation`, `sampler`: `trainers.sampling.on_policy`): our decode loop, else the
+compiled FastSampler, else TRL's; the loop's log-probs feed TRL's importance-sampling correction
+(`sampler_importance_sampling_correction`: `trainers.sampling.correction`).
 
-Padding-free passes (`packing`, see `trainers.packing`): the valid tokens of the rows are packed
-into one sequence per `max_packed_tokens` (position_ids restarting at 0 per row, no
-attention_mask), the backbone runs on Σ n_b tokens instead of B·L, only the completion positions
-reach the head, and the results are scattered back to (B, K). `packing="auto"` (the default)
-packs when the attention implementation keeps packed rows apart without a dense (T, T) mask:
-flash_attention_2/3/4 (varlen), flex_attention, and sdpa on CUDA in fp16/bf16 (the model is
-switched to `trainers.varlen.IMPL`: sdpa for every other call, PyTorch's varlen FlashAttention
-for packed ones). Under eager, or sdpa where that kernel cannot run (CPU, fp32), it stays
-padded and says so once; `packing=True` packs there too (correct, with a warning: the mask is
-dense); `packing=False` never packs. Never packed, whatever the option: the MoE aux-loss pass,
-prompt-learning PEFT adapters, models with non-attention layers, batches whose mask is not one
-contiguous run per row after a non-empty prompt.
-
-Sampling (`fast_generation`, `sampler`; `trainers.sampling.on_policy`, shared with RLOO and
-distillation): `_generate_single_turn`, TRL's non-vLLM branch, pads the prompts as TRL does and
-hands TRL's own generation config to `trainers.sampling.serve.Samplers`: our decode loop
-(`trainers.sampling.loop`), else the compiled `trainers.generation.FastSampler`, else TRL's
-method, each fallback with one logged line; completions are kept up to their first EOS as TRL
-does. vLLM, continuous batching and multimodal prompts go to TRL's method. `_generate` adds the
-metrics `timing/generation_s` and `fast_generation/*`.
-
-Importance sampling without vLLM (`sampler_importance_sampling_correction`, default True;
-`trainers.sampling.correction`): when our decode loop served a generation, its exact sampling
-log-probs feed TRL's vLLM importance-sampling correction (`vllm_importance_sampling_mode`,
-`_clip_min`, `_clip_max`) and its `sampling/*` mismatch metrics, computed by TRL's own code.
-
-Falls back to TRL's own (chunked, also logit-free) head, with one warning per reason, for:
-multimodal inputs (`pixel_values` and friends), and models whose logits are transformed before
-the softmax (final-logit softcapping or a logit scale, e.g. Gemma 2, Cohere, Granite).
-Refused at construction: TRL outside 1.16.x, a PEFT adapter or `modules_to_save` on the LM head,
-a quantized LM head, models without `lm_head` or backbone, FSDP and DeepSpeed ZeRO-3 (their
-parameters are sharded outside the module's forward).
+Falls back to TRL's head, one warning per reason: multimodal inputs, logits softcapped or scaled
+before the softmax. Refused at construction (`trainers.base`): TRL outside 1.16.x, an adapted,
+quantized or missing LM head, FSDP and DeepSpeed ZeRO-3.
 """
 
 from __future__ import annotations
@@ -72,7 +40,7 @@ from .head import (
     head_logprobs,
     lm_head_params,
 )
-from .packing import choose_packing, packed_logprobs
+from .packing import packed_logprobs
 from .sampling.correction import SamplerCorrection
 from .sampling.on_policy import OnPolicySamplingMixin
 
@@ -99,7 +67,8 @@ class GRPOTrainer(OnPolicySamplingMixin, FusedHeadMixin, trl.GRPOTrainer):
             log-probs feed TRL's importance-sampling correction (module docstring).
 
     See the module docstring for what is overridden, what falls back to TRL's head and what is
-    refused (`trainers.base`: the checks and fallback notices shared with SFTTrainer).
+    refused (`trainers.base`: the checks, fallback notices and packing decision all six
+    trainers share).
     """
 
     _trl_name = "GRPOTrainer"
@@ -125,10 +94,6 @@ class GRPOTrainer(OnPolicySamplingMixin, FusedHeadMixin, trl.GRPOTrainer):
         if correction is None:
             correction = getattr(self.args, "sampler_importance_sampling_correction", True)
         self._lce_correction = SamplerCorrection(self, enabled=correction)
-        self._lce_packing_logged: set[str] = set()
-
-    def _lce_packing_warning(self, message: str) -> None:
-        self._lce_warn_once(self._lce_packing_logged, message, message)
 
     def _lce_fallback_reason(self, model, multimodal_inputs: dict) -> str | None:
         present = sorted(k for k, v in multimodal_inputs.items() if v is not None)
@@ -138,16 +103,14 @@ class GRPOTrainer(OnPolicySamplingMixin, FusedHeadMixin, trl.GRPOTrainer):
 
     def _lce_packing_kind(self, model, compute_aux_loss: bool) -> str | None:
         """How to pack for `model` ("varlen", "block", "sdpa_varlen", "dense"), or None for the
-        padded path."""
+        padded path: the model's decision (`FusedHeadMixin._lce_packing_for`) unless this is
+        the MoE aux-loss pass."""
         if compute_aux_loss and self.packing is not False:
-            self._lce_packing_warning(
+            self._lce_packing_note(
                 "grpo_lce packing off for the MoE aux-loss pass (the router's load-balancing loss "
                 "is defined on padded rows); using padded forwards.")
             return None
-        kind, message = choose_packing(model, self.packing)
-        if message is not None:
-            self._lce_packing_warning(message)
-        return kind
+        return self._lce_packing_for(model)
 
     def _get_per_token_logps_and_entropies(
         self,
@@ -189,7 +152,7 @@ class GRPOTrainer(OnPolicySamplingMixin, FusedHeadMixin, trl.GRPOTrainer):
                 autocast=self.accelerator.autocast, **head_kwargs,
             )
             if note is not None:
-                self._lce_packing_warning(note)
+                self._lce_packing_note(note)
             if packed is not None:  # else the padded forwards below
                 return (*packed, None)
         all_logps, all_entropies, all_aux = [], [], []

@@ -41,7 +41,6 @@ from trl.models import unwrap_model_for_generation
 from trl.trainer.utils import pad
 
 from ..config import SAMPLER_CHOICES, check_sampler_options
-from ..packing import choose_packing
 from .serve import Sample, Samplers
 
 
@@ -60,7 +59,6 @@ class OnPolicySamplingMixin:
         self.sampler = sampler if sampler is not None else getattr(self.args, "sampler", "auto")
         check_sampler_options(self.fast_generation, self.sampler)
         self._lce_samplers = Samplers(self.sampler)
-        self._lce_attention_settled = False
         if self._lce_fast_sampling_on() and (self.is_deepspeed_enabled or self.is_fsdp_enabled):
             self._lce_samplers.disable("FSDP / DeepSpeed shard the parameters")
 
@@ -93,23 +91,14 @@ class OnPolicySamplingMixin:
                 and images is None and not multimodal_fields
                 and not getattr(self, "_is_vlm", False))
 
-    def _lce_settle_attention(self) -> None:
-        """Packing may switch the model's attention implementation (sdpa -> the varlen one) at
-        its first log-prob pass; compiled and captured decode steps depend on it, so make that
-        choice before the first capture instead of capturing again after it."""
-        if self._lce_attention_settled:
-            return
-        self._lce_attention_settled = True
-        _, message = choose_packing(self.model, getattr(self, "packing", False))
-        if message is not None:
-            self._lce_warn_once(self._lce_packing_logged, message, message)
-
     def _lce_sample(self, prompt_ids: list[list[int]], images, multimodal_fields
                     ) -> Sample | None:
         """One call of TRL's regular generation path, served by our samplers; None: TRL's."""
         if not self._lce_sampling_applies(images, multimodal_fields):
             return None
-        self._lce_settle_attention()
+        # the packing decision may switch the attention implementation a captured decode step
+        # reads: make it before the first capture (`FusedHeadMixin._lce_settle_attention`)
+        self._lce_settle_attention(self.model)
         self._lce_samplers.choice = self.sampler
         device = self.accelerator.device
         rows = [torch.tensor(ids) for ids in prompt_ids]
