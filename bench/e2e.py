@@ -694,54 +694,50 @@ def cell(rec, fn) -> str:
     return fn(rec)
 
 
-def grpo_table(recs: dict, models, systems) -> str:
-    rows = ["| model | L | G | system | ref ms | ref extra GiB | loss ms | loss extra GiB | "
-            "peak total GiB | time vs TRL 1.16 | loss |",
-            "|---|---|---|---|---|---|---|---|---|---|---|"]
-    pts = sorted({(r["model"], r["L"], r["G"]) for r in recs.values()
-                  if r.get("part") == "grpo" and "L" in r}, key=lambda p: (p[0], p[2], p[1]))
-    for model, L, G in pts:
+def _sweep_rows(recs: dict, part: str, dims: tuple[str, str], systems, blanks: int, cells):
+    """Table rows of a length x batch sweep: per point and system, `cells(r)` or the status."""
+    a, b = dims
+    pts = sorted({(r["model"], r[a], r[b]) for r in recs.values()
+                  if r.get("part") == part and a in r}, key=lambda p: (p[0], p[2], p[1]))
+    rows = []
+    for model, x, y in pts:
         for s in systems:
-            r = recs.get(f"grpo|{model}|{s}|L={L}|G={G}")
-            if r is None:
-                continue
-            if r.get("status") != "ok":
-                rows.append(f"| {model} | {L} | {G} | {SYSTEM_LABEL[s]} | {cell(r, str)} |"
-                            + " |" * 6)
-                continue
-            tot = max(r["ref"]["total_bytes"] or 0, r["loss"]["total_bytes"] or 0) or None
-            base = recs.get(f"grpo|{model}|trl116|L={L}|G={G}")
-            ratio = ""  # (ref + loss) time over TRL 1.16's at the same point
-            if base is not None and base.get("status") == "ok":
-                t = r["ref"]["ms"] + r["loss"]["ms"]
-                ratio = f"{t / (base['ref']['ms'] + base['loss']['ms']):.2f}x"
-            rows.append(
-                f"| {model} | {L} | {G} | {SYSTEM_LABEL[s]} | {r['ref']['ms']:.0f} | "
-                f"{gib(r['ref']['extra_bytes'])} | {r['loss']['ms']:.0f} | "
+            r = recs.get(f"{part}|{model}|{s}|{a}={x}|{b}={y}")
+            if r is not None:
+                ok = r.get("status") == "ok"
+                rows.append(f"| {model} | {x} | {y} | {SYSTEM_LABEL[s]} | "
+                            + (cells(r, model) if ok else f"{cell(r, str)} |" + " |" * blanks))
+    return rows
+
+
+def grpo_table(recs: dict, models, systems) -> str:
+    def cells(r, model):
+        tot = max(r["ref"]["total_bytes"] or 0, r["loss"]["total_bytes"] or 0) or None
+        base = recs.get(f"grpo|{model}|trl116|L={r['L']}|G={r['G']}")
+        ratio = ""  # (ref + loss) time over TRL 1.16's at the same point
+        if base is not None and base.get("status") == "ok":
+            t = r["ref"]["ms"] + r["loss"]["ms"]
+            ratio = f"{t / (base['ref']['ms'] + base['loss']['ms']):.2f}x"
+        return (f"{r['ref']['ms']:.0f} | {gib(r['ref']['extra_bytes'])} | {r['loss']['ms']:.0f} | "
                 f"{gib(r['loss']['extra_bytes'])} | {gib(tot)} | {ratio} | "
                 f"{r['loss_value']:+.5f} |")
-    return "\n".join(rows)
+
+    return "\n".join(["| model | L | G | system | ref ms | ref extra GiB | loss ms | "
+                      "loss extra GiB | peak total GiB | time vs TRL 1.16 | loss |",
+                      "|---|---|---|---|---|---|---|---|---|---|---|",
+                      *_sweep_rows(recs, "grpo", ("L", "G"), systems, 6, cells)])
 
 
 def sft_table(recs: dict, models, systems) -> str:
-    rows = ["| model | T | B | system | ms | tokens/s | extra GiB | peak total GiB | loss |",
-            "|---|---|---|---|---|---|---|---|---|"]
-    pts = sorted({(r["model"], r["T"], r["B"]) for r in recs.values()
-                  if r.get("part") == "sft" and "T" in r}, key=lambda p: (p[0], p[2], p[1]))
-    for model, T, B in pts:
-        for s in systems:
-            r = recs.get(f"sft|{model}|{s}|T={T}|B={B}")
-            if r is None:
-                continue
-            if r.get("status") != "ok":
-                rows.append(f"| {model} | {T} | {B} | {SYSTEM_LABEL[s]} | {cell(r, str)} |"
-                            + " |" * 4)
-                continue
-            st = r["step"]
-            rows.append(f"| {model} | {T} | {B} | {SYSTEM_LABEL[s]} | {st['ms']:.0f} | "
-                        f"{r['tokens_per_s']:.0f} | {gib(st['extra_bytes'])} | "
-                        f"{gib(st['total_bytes'])} | {r['loss_value']:.4f} |")
-    return "\n".join(rows)
+    def cells(r, model):
+        st = r["step"]
+        return (f"{st['ms']:.0f} | {r['tokens_per_s']:.0f} | {gib(st['extra_bytes'])} | "
+                f"{gib(st['total_bytes'])} | {r['loss_value']:.4f} |")
+
+    return "\n".join(["| model | T | B | system | ms | tokens/s | extra GiB | peak total GiB "
+                      "| loss |",
+                      "|---|---|---|---|---|---|---|---|---|",
+                      *_sweep_rows(recs, "sft", ("T", "B"), systems, 4, cells)])
 
 
 def _fit_cells(summary: list[dict]) -> list[str]:

@@ -557,16 +557,15 @@ def worker(a) -> int:
 # =========================================================================== report
 
 
-def median_part(rec: dict, part: str, key: str = "s"):
+def median_part(rec: dict, part: str, key: str = "s", over=statistics.median):
+    """`over` (median) of `part`'s `key` over the timed steps, None where none has it."""
     vals = [s[part][key] for s in rec.get("steps", [])[rec.get("warmup", 0):]
             if part in s and s[part].get(key) is not None]
-    return statistics.median(vals) if vals else None
+    return over(vals) if vals else None
 
 
 def max_part(rec: dict, part: str, key: str = "peak_bytes"):
-    vals = [s[part][key] for s in rec.get("steps", [])[rec.get("warmup", 0):]
-            if part in s and s[part].get(key) is not None]
-    return max(vals) if vals else None
+    return median_part(rec, part, key, max)
 
 
 def fmt(rec: dict) -> str:

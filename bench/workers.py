@@ -1,17 +1,10 @@
-"""The driver / worker split shared by bench.e2e, bench.grpo_step and bench.trainer_step.
+"""The driver / worker split of bench.e2e, bench.grpo_step and bench.trainer_step.
 
-Each measured system runs in a worker process of its own: TRL 1.13 and 1.16 cannot share a
-process, and every system's peak memory starts from a fresh CUDA context. The driver must not
-start CUDA itself. Here:
-
-    add_worker_args   the hidden flags a driver passes its workers
-    worker_argv       a worker's command line from the driver's own options
-    run_worker        one worker, in its own session, killed with its children at a given time;
-                      returns why it failed (None if it did not) and the records it appended
-    unrecorded        the points a failed worker left without a record: a driver writes the
-                      failure's reason as the first one's status, so the table shows a row
-    Sink              appends one JSON line per record, synced, so a killed run keeps its lines
-    worker_env        the environment record a worker writes first (commit, GPU, versions)
+Each measured system runs in a worker process of its own (TRL 1.13 and 1.16 cannot share a
+process; each system's peak memory starts from a fresh CUDA context), so a driver never starts
+CUDA. A worker appends one JSON line per record as soon as it has it; the driver runs the
+workers one at a time, kills one past its time, and records a point a failed worker left
+unrecorded as a row whose status gives the reason.
 """
 
 from __future__ import annotations
@@ -43,10 +36,8 @@ def add_worker_args(p: argparse.ArgumentParser, *extra: str) -> None:
 
 
 def add_run_args(p: argparse.ArgumentParser, *, device: str | None = "cuda") -> None:
-    """The options every worker-per-system driver has: --device, --model-cache, --out-dir."""
-    p.add_argument("--device", default=device,
-                   help="cuda, or cpu for the --tiny smoke run" if device
-                   else "cuda (default when available) or cpu")
+    """--device, --model-cache, --out-dir."""
+    p.add_argument("--device", default=device, help="cuda, or cpu for the --tiny smoke run")
     p.add_argument("--model-cache", default="/tmp/grpo_lce_e2e_models",
                    help="where the random 1b / 8b models are built once (2.5 / 16 GB)")
     p.add_argument("--out-dir", default=str(bc.RESULTS_DIR))
@@ -74,15 +65,15 @@ def child_env(**overrides: str) -> dict:
 
 @dataclass
 class Run:
-    status: str | None  # None: exited with status 0; else a record's status saying why not
-    records: list[dict] = field(default_factory=list)  # the lines it appended to the JSONL
+    status: str | None  # None: exited with status 0; else why not, as a record's status
+    records: list[dict] = field(default_factory=list)  # the lines it appended
 
 
 def run_worker(argv: list[str], jsonl: Path, *, kill_at: float = float("inf"),
                env: dict | None = None, killed: str = "killed at the time limit") -> Run:
-    """Run one worker to its end; at `kill_at` (epoch seconds) kill it and its children (its own
-    session: torch.compile's workers too). Status `killed` then, "error: worker exited with
-    status N" when it failed otherwise."""
+    """Run one worker to its end, or kill it with its children (its own session: torch.compile's
+    workers too) at `kill_at` (epoch seconds): status `killed`; a crash: "error: worker exited
+    with status N"."""
     jsonl = Path(jsonl)
     start = jsonl.stat().st_size if jsonl.exists() else 0
     proc = subprocess.Popen(argv, env=env or child_env(), cwd=ROOT, start_new_session=True)
