@@ -178,13 +178,54 @@ def write_json(path: Path, obj) -> None:
     path.write_text(json.dumps(obj, indent=1, default=str) + "\n")
 
 
+def parse_jsonl(text: str) -> list[dict]:
+    """The records of JSON lines; a line cut short (a killed writer) is passed over."""
+    recs = []
+    for line in text.splitlines():
+        try:
+            recs.append(json.loads(line))
+        except json.JSONDecodeError:
+            pass
+    return recs
+
+
 def read_jsonl(paths) -> list[dict]:
     """The records of the given .jsonl files, in file order (a missing file has none)."""
     recs = []
     for path in map(Path, paths):
         if path.exists():
-            recs += [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+            recs += parse_jsonl(path.read_text())
     return recs
+
+
+def write_report(stem: Path, md: str, records, plot=None) -> None:
+    """<stem>.md (the tables), <stem>.json (the records) and, where `plot(path)` draws one,
+    <stem>.png; prints the tables."""
+    stem.with_suffix(".md").write_text(md)
+    write_json(stem.with_suffix(".json"), records)
+    if plot is not None and plot(stem.with_suffix(".png")):
+        print(f"wrote {stem.with_suffix('.png')}")
+    print(md)
+
+
+def pyplot():
+    """matplotlib.pyplot on the file-only Agg backend, or None where matplotlib is missing."""
+    try:
+        import matplotlib
+    except ImportError:
+        return None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save_figure(fig, path: Path, dpi: int = 100) -> None:
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=dpi)
+    plt.close(fig)
 
 
 def newest_points(points, key) -> list[dict]:

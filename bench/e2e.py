@@ -94,9 +94,7 @@ from pathlib import Path
 
 from bench import common as bc
 from bench import e2e_common as E
-
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
+from bench import workers as W
 
 GRPO_SYSTEMS = ("ours", "ours_padded", "ours_packed", "trl116", "trl113")
 # ours: the default packing="auto", which under sdpa on CUDA packs through torch's varlen
@@ -145,28 +143,13 @@ DEFAULT_PARTS = {"full": "grpo,sft", "quick": "grpo,sft,lossmatch", "tiny": ",".
 # =========================================================================== worker
 
 
-class Sink:
-    """Appends one JSON line per record and flushes it, so a killed run keeps what it had."""
-
-    def __init__(self, path: str, base: dict):
-        self.path, self.base = path, base
-
-    def write(self, rec: dict) -> None:
-        rec = {**self.base, **rec, "time": time.time()}
-        with open(self.path, "a") as f:
-            f.write(json.dumps(rec, default=str) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
+def task_row(part: str, task: dict, status: str) -> dict:
+    """The record of a task that did not run, saying why (a fit task's is its summary)."""
+    return {**task, "status": status, **({"kind": "summary"} if part == "fit" else {})}
 
 
 def worker_env(device: str) -> dict:
-    import torch
-
-
-
-    info = bc.env_info(torch.device(device))
-    for pkg in ("transformers", "trl", "peft", "accelerate", "bitsandbytes", "liger-kernel"):
-        info[pkg] = bc.package_version(pkg)
+    info = W.worker_env(device)
     import trl  # the version this process imports, which is what PYTHONPATH picked
 
     info["trl"] = trl.__version__
@@ -566,12 +549,11 @@ def worker_main(a) -> int:
 
     hf_logging.set_verbosity_error()
     tasks = json.loads(a.tasks)
-    sink = Sink(a.jsonl, {"part": a.part, "model": a.model, "system": a.system})
+    sink = W.Sink(a.jsonl, part=a.part, model=a.model, system=a.system)
     why = unavailable(a.system, a.device)
     if why is not None:
         for t in tasks:
-            sink.write({"key": t["key"], **{k: v for k, v in t.items() if k != "key"},
-                        "status": why, **({"kind": "summary"} if a.part == "fit" else {})})
+            sink.write(task_row(a.part, t, why))
         print(f"  [{a.system}] {why}", flush=True)
         return 0
     import torch
@@ -645,18 +627,6 @@ def plan(a, grid) -> list[dict]:
     return jobs
 
 
-def read_jsonl(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    recs = []
-    for line in path.read_text().splitlines():
-        try:
-            recs.append(json.loads(line))
-        except json.JSONDecodeError:  # a line cut short by a kill
-            pass
-    return recs
-
-
 def latest(recs: list[dict]) -> dict[str, dict]:
     out: dict[str, dict] = {}
     for r in recs:
@@ -665,59 +635,47 @@ def latest(recs: list[dict]) -> dict[str, dict]:
 
 
 def worker_env_vars(system: str, a) -> dict:
-    env = dict(os.environ)
-    parts = [p for p in env.get("PYTHONPATH", "").split(os.pathsep)
+    """The worker's environment: TRL 1.13's directory first on PYTHONPATH for trl113 only."""
+    parts = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
              if p and os.path.abspath(p) != os.path.abspath(a.trl113_path)]
     if system == "trl113":
         parts.insert(0, a.trl113_path)
-    if str(ROOT) not in parts:
-        parts.append(str(ROOT))
-    env["PYTHONPATH"] = os.pathsep.join(parts)
-    env.setdefault("HF_HUB_OFFLINE", "1")
-    env["PYTHONUNBUFFERED"] = "1"
-    return env
+    if str(W.ROOT) not in parts:
+        parts.append(str(W.ROOT))
+    return W.child_env(PYTHONPATH=os.pathsep.join(parts))
 
 
 def run_job(job, a, jsonl: Path, deadline: float) -> None:
     """Run one worker (again, after a crash, for what is left) until its tasks are recorded."""
-    done = {k for k, r in latest(read_jsonl(jsonl)).items()
+    done = {k for k, r in latest(bc.read_jsonl([jsonl])).items()
             if not str(r.get("status", "")).startswith("error")}
     todo = [t for t in job["tasks"] if t["key"] not in done]
     if not todo:
         return
-    sink = Sink(str(jsonl), {"part": job["part"], "model": job["model"], "system": job["system"]})
+    label = f"[{job['part']} {job['model']} {job['system']}]"
+    sink = W.Sink(jsonl, part=job["part"], model=job["model"], system=job["system"])
     if job["system"] == "trl113" and not (Path(a.trl113_path) / "trl").is_dir():
         for t in todo:  # no process needed to say so
-            sink.write({"key": t["key"], **{k: v for k, v in t.items() if k != "key"},
-                        "status": f"n/a: not installed (no trl in {a.trl113_path})",
-                        **({"kind": "summary"} if job["part"] == "fit" else {})})
-        print(f"[{job['part']} {job['model']} {job['system']}] n/a: not installed", flush=True)
+            sink.write(task_row(job["part"], t,
+                                f"n/a: not installed (no trl in {a.trl113_path})"))
+        print(f"{label} n/a: not installed", flush=True)
         return
+    # an "error" status: --resume runs the task again
+    killed = f"error: killed {a.grace_s:.0f} s after the budget"
     while todo and time.time() < deadline:
-        print(f"[{job['part']} {job['model']} {job['system']}] {len(todo)} task(s)", flush=True)
-        cmd = [sys.executable, "-m", "bench.e2e", "--worker", "--part", job["part"],
-               "--model", job["model"], "--system", job["system"], "--tasks", json.dumps(todo),
-               "--jsonl", str(jsonl), "--deadline", str(deadline), "--device", a.device,
-               "--model-cache", a.model_cache, "--reps", str(a.reps),
-               "--trl113-path", a.trl113_path]
-        proc = subprocess.Popen(cmd, env=worker_env_vars(job["system"], a), cwd=ROOT,
-                                start_new_session=True)
-        try:
-            rc = proc.wait(timeout=max(1.0, deadline + a.grace_s - time.time()))
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, 9)  # the worker's own session: itself and its children only
-            proc.wait()
-            print(f"  killed after the budget (+{a.grace_s:.0f} s grace)", flush=True)
+        print(f"{label} {len(todo)} task(s)", flush=True)
+        argv = W.worker_argv("bench.e2e", a, ("device", "model_cache", "reps", "trl113_path"),
+                             part=job["part"], model=job["model"], system=job["system"],
+                             tasks=json.dumps(todo), jsonl=jsonl, deadline=deadline)
+        run = W.run_worker(argv, jsonl, kill_at=deadline + a.grace_s, killed=killed,
+                           env=worker_env_vars(job["system"], a))
+        left = W.unrecorded(run, todo, key=lambda r: r.get("key"))
+        if run.status is None or not left:
             return
-        recorded = set(latest(read_jsonl(jsonl)))
-        left = [t for t in todo if t["key"] not in recorded]
-        if rc == 0 or not left:
-            return
-        # A crash (not an exception, which the worker records): blame the task it was on.
-        sink.write({"key": left[0]["key"], **{k: v for k, v in left[0].items() if k != "key"},
-                    "status": f"error: worker exited with status {rc}",
-                    **({"kind": "summary"} if job["part"] == "fit" else {})})
-        todo = left[1:]
+        # a crash or kill, not an exception (which the worker records): blame the task it was on
+        print(f"  {left[0]['key']}: {run.status}", flush=True)
+        sink.write(task_row(job["part"], left[0], run.status))
+        todo = [] if run.status == killed else left[1:]
 
 
 # --------------------------------------------------------------------------- report
@@ -736,54 +694,50 @@ def cell(rec, fn) -> str:
     return fn(rec)
 
 
-def grpo_table(recs: dict, models, systems) -> str:
-    rows = ["| model | L | G | system | ref ms | ref extra GiB | loss ms | loss extra GiB | "
-            "peak total GiB | time vs TRL 1.16 | loss |",
-            "|---|---|---|---|---|---|---|---|---|---|---|"]
-    pts = sorted({(r["model"], r["L"], r["G"]) for r in recs.values()
-                  if r.get("part") == "grpo" and "L" in r}, key=lambda p: (p[0], p[2], p[1]))
-    for model, L, G in pts:
+def _sweep_rows(recs: dict, part: str, dims: tuple[str, str], systems, blanks: int, cells):
+    """Table rows of a length x batch sweep: per point and system, `cells(r)` or the status."""
+    a, b = dims
+    pts = sorted({(r["model"], r[a], r[b]) for r in recs.values()
+                  if r.get("part") == part and a in r}, key=lambda p: (p[0], p[2], p[1]))
+    rows = []
+    for model, x, y in pts:
         for s in systems:
-            r = recs.get(f"grpo|{model}|{s}|L={L}|G={G}")
-            if r is None:
-                continue
-            if r.get("status") != "ok":
-                rows.append(f"| {model} | {L} | {G} | {SYSTEM_LABEL[s]} | {cell(r, str)} |"
-                            + " |" * 6)
-                continue
-            tot = max(r["ref"]["total_bytes"] or 0, r["loss"]["total_bytes"] or 0) or None
-            base = recs.get(f"grpo|{model}|trl116|L={L}|G={G}")
-            ratio = ""  # (ref + loss) time over TRL 1.16's at the same point
-            if base is not None and base.get("status") == "ok":
-                t = r["ref"]["ms"] + r["loss"]["ms"]
-                ratio = f"{t / (base['ref']['ms'] + base['loss']['ms']):.2f}x"
-            rows.append(
-                f"| {model} | {L} | {G} | {SYSTEM_LABEL[s]} | {r['ref']['ms']:.0f} | "
-                f"{gib(r['ref']['extra_bytes'])} | {r['loss']['ms']:.0f} | "
+            r = recs.get(f"{part}|{model}|{s}|{a}={x}|{b}={y}")
+            if r is not None:
+                ok = r.get("status") == "ok"
+                rows.append(f"| {model} | {x} | {y} | {SYSTEM_LABEL[s]} | "
+                            + (cells(r, model) if ok else f"{cell(r, str)} |" + " |" * blanks))
+    return rows
+
+
+def grpo_table(recs: dict, models, systems) -> str:
+    def cells(r, model):
+        tot = max(r["ref"]["total_bytes"] or 0, r["loss"]["total_bytes"] or 0) or None
+        base = recs.get(f"grpo|{model}|trl116|L={r['L']}|G={r['G']}")
+        ratio = ""  # (ref + loss) time over TRL 1.16's at the same point
+        if base is not None and base.get("status") == "ok":
+            t = r["ref"]["ms"] + r["loss"]["ms"]
+            ratio = f"{t / (base['ref']['ms'] + base['loss']['ms']):.2f}x"
+        return (f"{r['ref']['ms']:.0f} | {gib(r['ref']['extra_bytes'])} | {r['loss']['ms']:.0f} | "
                 f"{gib(r['loss']['extra_bytes'])} | {gib(tot)} | {ratio} | "
                 f"{r['loss_value']:+.5f} |")
-    return "\n".join(rows)
+
+    return "\n".join(["| model | L | G | system | ref ms | ref extra GiB | loss ms | "
+                      "loss extra GiB | peak total GiB | time vs TRL 1.16 | loss |",
+                      "|---|---|---|---|---|---|---|---|---|---|---|",
+                      *_sweep_rows(recs, "grpo", ("L", "G"), systems, 6, cells)])
 
 
 def sft_table(recs: dict, models, systems) -> str:
-    rows = ["| model | T | B | system | ms | tokens/s | extra GiB | peak total GiB | loss |",
-            "|---|---|---|---|---|---|---|---|---|"]
-    pts = sorted({(r["model"], r["T"], r["B"]) for r in recs.values()
-                  if r.get("part") == "sft" and "T" in r}, key=lambda p: (p[0], p[2], p[1]))
-    for model, T, B in pts:
-        for s in systems:
-            r = recs.get(f"sft|{model}|{s}|T={T}|B={B}")
-            if r is None:
-                continue
-            if r.get("status") != "ok":
-                rows.append(f"| {model} | {T} | {B} | {SYSTEM_LABEL[s]} | {cell(r, str)} |"
-                            + " |" * 4)
-                continue
-            st = r["step"]
-            rows.append(f"| {model} | {T} | {B} | {SYSTEM_LABEL[s]} | {st['ms']:.0f} | "
-                        f"{r['tokens_per_s']:.0f} | {gib(st['extra_bytes'])} | "
-                        f"{gib(st['total_bytes'])} | {r['loss_value']:.4f} |")
-    return "\n".join(rows)
+    def cells(r, model):
+        st = r["step"]
+        return (f"{st['ms']:.0f} | {r['tokens_per_s']:.0f} | {gib(st['extra_bytes'])} | "
+                f"{gib(st['total_bytes'])} | {r['loss_value']:.4f} |")
+
+    return "\n".join(["| model | T | B | system | ms | tokens/s | extra GiB | peak total GiB "
+                      "| loss |",
+                      "|---|---|---|---|---|---|---|---|---|",
+                      *_sweep_rows(recs, "sft", ("T", "B"), systems, 4, cells)])
 
 
 def _fit_cells(summary: list[dict]) -> list[str]:
@@ -894,12 +848,8 @@ def _mean(run: dict, key: str) -> float:
 def plot(recs: dict, a, tag: str, out_dir: Path) -> list[str]:
     """Liger-paper style: memory and speed against length and against batch, one line per
     system; one PNG per (part, model). OOM / missing points are left out of the line."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = bc.pyplot()
+    if plt is None:
         return []
     files = []
     specs = {
@@ -937,16 +887,13 @@ def plot(recs: dict, a, tag: str, out_dir: Path) -> list[str]:
                     if ax.has_data():
                         ax.legend(fontsize=8)
             fig.suptitle(f"{part.upper()} training phase, {model}-shaped QLoRA, {tag}")
-            fig.tight_layout()
-            path = out_dir / f"e2e_{tag}_{part}_{model}.png"
-            fig.savefig(path, dpi=100)
-            plt.close(fig)
-            files.append(str(path))
+            files.append(str(out_dir / f"e2e_{tag}_{part}_{model}.png"))
+            bc.save_figure(fig, Path(files[-1]))
     return files
 
 
 def report(a, tag: str, jsonl: Path, out_dir: Path) -> str:
-    recs = latest(read_jsonl(jsonl))
+    recs = latest(bc.read_jsonl([jsonl]))
     env = {f"{r['system']}": r["env"] for r in recs.values() if r.get("part") == "env"}
     any_env = next(iter(env.values()), {})
     md = [f"# End-to-end benchmark ({tag})\n",
@@ -1019,13 +966,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="small grid for a first GPU run (~6 min on an H200, 1b)")
     p.add_argument("--tiny", action="store_true",
                    help="tiny offline Llama, no 4-bit: a CPU smoke run of every code path")
-    p.add_argument("--device", default=None, help="cuda (default when available) or cpu")
-    p.add_argument("--out-dir", default=str(HERE / "results"))
+    W.add_run_args(p, device=None)
     p.add_argument("--report-only", metavar="TAG", default=None,
                    help="run nothing: rewrite e2e_TAG.{md,json,png} from e2e_TAG.jsonl in "
                    "--out-dir")
-    p.add_argument("--model-cache", default="/tmp/grpo_lce_e2e_models",
-                   help="where the random 1b / 8b models are built once (2.5 / 16 GB)")
     p.add_argument("--trl113-path", default="/tmp/site113",
                    help="directory holding TRL 1.13 (pip install --target), put first on the "
                         "trl113 worker's PYTHONPATH")
@@ -1035,14 +979,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="kill a worker this long after the budget (its finished points stay)")
     p.add_argument("--resume", action="store_true",
                    help="keep the existing .jsonl and skip the points it already has")
-    # worker mode (launched by the driver)
-    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--part", help=argparse.SUPPRESS)
-    p.add_argument("--model", help=argparse.SUPPRESS)
-    p.add_argument("--system", help=argparse.SUPPRESS)
-    p.add_argument("--tasks", help=argparse.SUPPRESS)
-    p.add_argument("--jsonl", help=argparse.SUPPRESS)
-    p.add_argument("--deadline", type=float, default=float("inf"), help=argparse.SUPPRESS)
+    W.add_worker_args(p, "--part", "--tasks")
     return p
 
 

@@ -68,18 +68,15 @@ runs with several lengths, a .png of step time and generation peak against L.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import random
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 from bench import common as bc
 from bench import e2e_common as E
+from bench import workers as W
 
 SYSTEMS = ("trl", "trl_static", "ours", "ours_loop", "ours_eager")
 LABEL = {"trl": "TRL 1.16", "trl_static": "TRL 1.16, static cache",
@@ -87,7 +84,9 @@ LABEL = {"trl": "TRL 1.16", "trl_static": "TRL 1.16, static cache",
          "ours_eager": "grpo_lce, fast_generation=False"}
 COMPILED = ("ours", "ours_loop")  # systems with a one-time compile / capture
 PARTS = ("generation", "score_ref", "ref", "loss", "optimizer", "step")
-ROOT = Path(__file__).resolve().parent.parent
+# the driver's options its workers get
+WORKER_OPTIONS = ("lengths", "completions", "generations", "prompts", "warmup", "warmup_eager",
+                  "steps", "device", "model_cache")
 
 
 # =========================================================================== worker
@@ -268,6 +267,12 @@ def fresh_compile_state(model) -> None:
     torch.compiler.reset()
 
 
+def point(a, L: int) -> dict:
+    """The fields naming one point of a worker's run (`current_points` keys on them)."""
+    return {"kind": "point", "L": L, "G": a.generations, "prompts": a.prompts,
+            "batch": a.prompts * a.generations, "completions": a.completions}
+
+
 def worker(a) -> int:
     import torch
     from transformers import AutoTokenizer
@@ -275,19 +280,10 @@ def worker(a) -> int:
 
     hf_logging.set_verbosity_warning()
     cuda = a.device == "cuda"
-    sink = open(a.jsonl, "a")
+    write = W.Sink(a.jsonl, system=a.system, model=a.model).write
     compiled = a.system in COMPILED
     warmup = a.warmup if compiled else a.warmup_eager
-
-    def write(rec):
-        sink.write(json.dumps({"system": a.system, "model": a.model, "time": time.time(),
-                               **rec}, default=str) + "\n")
-        sink.flush()
-
-    env = bc.env_info(torch.device(a.device))
-    for pkg in ("transformers", "trl", "peft", "accelerate", "bitsandbytes"):
-        env[pkg] = bc.package_version(pkg)
-    write({"kind": "env", "env": env})
+    write({"kind": "env", "env": W.worker_env(a.device)})
     path = E.model_dir(a.model, a.model_cache)
     tok = AutoTokenizer.from_pretrained(path)
     model = E.load_model(path, device=a.device, quantize=cuda and a.model != "tiny")
@@ -344,11 +340,9 @@ def worker(a) -> int:
         run_point(8, 1, {})  # CUDA, cuBLAS and allocator start-up, off the clock
     for L in a.lengths:
         if time.time() > a.deadline:
-            write({"kind": "point", "L": L, "status": "skipped: time budget"})
+            write({**point(a, L), "status": "skipped: time budget"})
             continue
-        rec = {"kind": "point", "L": L, "G": a.generations, "prompts": a.prompts,
-               "batch": a.prompts * a.generations, "completions": a.completions,
-               "warmup": warmup, "model_bytes": base}
+        rec = {**point(a, L), "warmup": warmup, "model_bytes": base}
         run_point(L, warmup + a.steps, rec)
         write(rec)
         print(f"[{a.system} L={L}] {fmt(rec)}", flush=True)
@@ -497,11 +491,9 @@ def plot(pts: list[dict], path: Path) -> bool:
     models = sorted({r["model"] for r in pts})
     if not pts or max(len({r["L"] for r in pts if r["model"] == m}) for m in models) < 2:
         return False
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = bc.pyplot()
+    if plt is None:
+        return False
     fig, axes = plt.subplots(len(models), 2, figsize=(10, 3.6 * len(models)), squeeze=False)
     for row, m in enumerate(models):
         for col, (label, part, key, scale) in enumerate(
@@ -520,9 +512,7 @@ def plot(pts: list[dict], path: Path) -> bool:
             ax.set_title(f"{m}-shaped NF4 + LoRA")
             ax.grid(alpha=0.3)
             ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    bc.save_figure(fig, path)
     return True
 
 
@@ -546,18 +536,12 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=1, help="timed steps per point")
     p.add_argument("--budget-min", type=float, default=9.0,
                    help="start no new point after this many minutes")
-    p.add_argument("--tiny", action="store_true")
-    p.add_argument("--device", default="cuda")
-    p.add_argument("--model-cache", default="/tmp/grpo_lce_e2e_models")
-    p.add_argument("--out-dir", default=str(bc.RESULTS_DIR))
+    p.add_argument("--tiny", action="store_true", help="tiny model and lengths (CPU smoke run)")
+    W.add_run_args(p)
     p.add_argument("--tag", default="")
     p.add_argument("--report", metavar="JSONL", default=None,
                    help="write the .md, .json and .png of an existing records file; run nothing")
-    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--system", help=argparse.SUPPRESS)
-    p.add_argument("--model", help=argparse.SUPPRESS)
-    p.add_argument("--jsonl", help=argparse.SUPPRESS)
-    p.add_argument("--deadline", type=float, default=float("inf"), help=argparse.SUPPRESS)
+    W.add_worker_args(p)
     a = p.parse_args(argv)
     a.lengths = [int(x) for x in str(a.lengths).split(",")]
     if a.worker:
@@ -577,8 +561,6 @@ def main(argv=None) -> int:
     stem.parent.mkdir(parents=True, exist_ok=True)
     jsonl = stem.with_suffix(".jsonl")
     deadline = time.time() + 60 * a.budget_min
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    env.setdefault("HF_HUB_OFFLINE", "1")
     for model in a.models.split(","):
         for system in a.systems.split(","):
             if system not in SYSTEMS:
@@ -586,15 +568,14 @@ def main(argv=None) -> int:
             if time.time() > deadline:
                 print(f"budget reached: {model} {system} not started", flush=True)
                 continue
-            cmd = [sys.executable, "-m", "bench.grpo_step", "--worker", "--system", system,
-                   "--model", model, "--jsonl", str(jsonl), "--deadline", str(deadline),
-                   "--lengths", ",".join(map(str, a.lengths)), "--completions", a.completions,
-                   "--generations", str(a.generations), "--prompts", str(a.prompts),
-                   "--warmup", str(a.warmup),
-                   "--warmup-eager", str(a.warmup_eager),
-                   "--steps", str(a.steps), "--device", a.device, "--model-cache", a.model_cache]
             print(f"[{model} {system}]", flush=True)
-            subprocess.run(cmd, env=env, cwd=ROOT)
+            run = W.run_worker(W.worker_argv("bench.grpo_step", a, WORKER_OPTIONS, system=system,
+                                             model=model, jsonl=jsonl, deadline=deadline), jsonl)
+            # a crash: the point it was on gets the reason, later ones were not run
+            left = W.unrecorded(run, [point(a, L) for L in a.lengths],
+                                key=lambda r: (r.get("kind"), r.get("L")))
+            if run.status and left:
+                W.Sink(jsonl, system=system, model=model).write({**left[0], "status": run.status})
     write_report(jsonl, a)
     return 0
 
@@ -612,11 +593,7 @@ def write_report(jsonl: Path, a) -> None:
           f"compile step; the others: none, after a 1-step run at L = 8); the newest record of "
           f"each point in {jsonl.name} (raw, all runs).\n\n"
           + table(pts))
-    stem.with_suffix(".md").write_text(md)
-    bc.write_json(stem.with_suffix(".json"), recs)
-    if plot(pts, stem.with_suffix(".png")):
-        print(f"wrote {stem.with_suffix('.png')}")
-    print(md)
+    bc.write_report(stem, md, recs, lambda path: plot(pts, path))
 
 
 if __name__ == "__main__":

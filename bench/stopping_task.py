@@ -24,13 +24,12 @@ import time
 
 import torch
 
+from bench.e2e_common import MODELS
+
 PAD, BOS, EOS = 0, 1, 2
-_LLAMA3_1B = {"vocab_size": 128256, "hidden_size": 2048, "intermediate_size": 8192,
-              "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 64,
-              "tie_word_embeddings": True}
 SHAPES = {
-    "4l": {**_LLAMA3_1B, "num_hidden_layers": 4},
-    "1b": {**_LLAMA3_1B, "num_hidden_layers": 16},
+    "4l": {**MODELS["1b"], "num_hidden_layers": 4},
+    "1b": MODELS["1b"],
     "tiny": {"vocab_size": 1024, "hidden_size": 64, "intermediate_size": 256,
              "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
              "head_dim": 16, "tie_word_embeddings": True},

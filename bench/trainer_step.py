@@ -100,13 +100,9 @@ Writes <out-dir>/trainer_step_<GPU>[_tiny].jsonl (raw records, appended), .json,
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import random
 import statistics
 import string
-import subprocess
-import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -114,12 +110,12 @@ from pathlib import Path
 
 from bench import common as bc
 from bench import e2e_common as E
+from bench import workers as W
 
 SYSTEMS = ("trl", "ours", "liger")
 TRAINERS = ("dpo", "distill")
 LABEL = {"trl": "TRL 1.16", "ours": "grpo_lce", "liger": "Liger 0.8.5 loss, TRL subclass"}
 CLASS = {"dpo": "DPOTrainer", "distill": "DistillationTrainer"}
-ROOT = Path(__file__).resolve().parent.parent
 ALPHABET = string.ascii_letters + string.digits + " "  # one token each (trainers.tiny)
 DPO_BETA = 0.1
 
@@ -485,17 +481,10 @@ def worker(a) -> int:
 
     hf_logging.set_verbosity_warning()
     cuda = a.device == "cuda"
-    env = bc.env_info(torch.device(a.device))
-    for pkg in ("transformers", "trl", "peft", "accelerate", "bitsandbytes", "liger-kernel",
-                "datasets"):
-        env[pkg] = bc.package_version(pkg)
-
-    def write(rec):  # one line as soon as it is known: a later crash keeps it
-        with open(a.jsonl, "a") as sink:
-            sink.write(json.dumps({"system": a.system, "model": a.model, "trainer": a.trainer,
-                                   "time": time.time(), "commit": env["commit"], **rec},
-                                  default=str) + "\n")
-
+    env = W.worker_env(a.device)
+    # one line as soon as it is known: a later crash keeps it
+    write = W.Sink(a.jsonl, system=a.system, model=a.model, trainer=a.trainer,
+                   commit=env["commit"]).write
     write({"kind": "env", "env": env})
     if a.part == "op":
         from bench.trainer_step_op import run_op_bench
@@ -568,16 +557,15 @@ def worker(a) -> int:
 # =========================================================================== report
 
 
-def median_part(rec: dict, part: str, key: str = "s"):
+def median_part(rec: dict, part: str, key: str = "s", over=statistics.median):
+    """`over` (median) of `part`'s `key` over the timed steps, None where none has it."""
     vals = [s[part][key] for s in rec.get("steps", [])[rec.get("warmup", 0):]
             if part in s and s[part].get(key) is not None]
-    return statistics.median(vals) if vals else None
+    return over(vals) if vals else None
 
 
 def max_part(rec: dict, part: str, key: str = "peak_bytes"):
-    vals = [s[part][key] for s in rec.get("steps", [])[rec.get("warmup", 0):]
-            if part in s and s[part].get(key) is not None]
-    return max(vals) if vals else None
+    return median_part(rec, part, key, max)
 
 
 def fmt(rec: dict) -> str:
@@ -697,14 +685,8 @@ def _error_note(acc: dict) -> str:
 def plot(pts: list[dict], path: Path) -> bool:
     pts = [r for r in pts if r.get("status") == "ok"]
     groups = sorted({(r["trainer"], r["model"]) for r in pts})
-    if not groups:
-        return False
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = bc.pyplot() if groups else None
+    if plt is None:
         return False
     fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
     width = 0.8 / len(SYSTEMS)
@@ -724,9 +706,7 @@ def plot(pts: list[dict], path: Path) -> bool:
         ax.set_title(title)
         ax.grid(alpha=0.3, axis="y")
         ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    bc.save_figure(fig, path)
     return True
 
 
@@ -756,12 +736,7 @@ def write_report(jsonls: list[Path]) -> None:
     ops = [r for r in recs if r.get("kind") == "op"]
     if ops:
         md += ["## The distillation op alone (loss forward + backward, dh_s)\n", op_table(ops)]
-    text = "\n".join(md)
-    stem.with_suffix(".md").write_text(text)
-    bc.write_json(stem.with_suffix(".json"), recs)
-    if plot(pts, stem.with_suffix(".png")):
-        print(f"wrote {stem.with_suffix('.png')}")
-    print(text)
+    bc.write_report(stem, "\n".join(md), recs, lambda path: plot(pts, path))
 
 
 # =========================================================================== driver
@@ -806,19 +781,11 @@ def main(argv=None) -> int:
                    help="kill a worker still running this many minutes after the start (the "
                         "report is still written: a device call ends at 10 minutes)")
     p.add_argument("--tiny", action="store_true", help="tiny model and shapes (CPU smoke run)")
-    p.add_argument("--device", default="cuda")
-    p.add_argument("--model-cache", default="/tmp/grpo_lce_e2e_models")
-    p.add_argument("--out-dir", default=str(bc.RESULTS_DIR))
+    W.add_run_args(p)
     p.add_argument("--tag", default="")
     p.add_argument("--report", metavar="JSONL[,JSONL]", default=None,
                    help="write the .md, .json and .png of existing records files; run nothing")
-    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--part", help=argparse.SUPPRESS)
-    p.add_argument("--trainer", help=argparse.SUPPRESS)
-    p.add_argument("--system", help=argparse.SUPPRESS)
-    p.add_argument("--model", help=argparse.SUPPRESS)
-    p.add_argument("--jsonl", help=argparse.SUPPRESS)
-    p.add_argument("--deadline", type=float, default=float("inf"), help=argparse.SUPPRESS)
+    W.add_worker_args(p, "--part", "--trainer")
     a = p.parse_args(argv)
     a.op_shapes = a.op_shapes.split(",")
     a.ours_ops = (dict(kv.split("=", 1) for kv in a.ours_ops.split(",")) if a.ours_ops
@@ -858,30 +825,23 @@ def drive(a, jsonl: Path) -> None:
 
     start = time.time()
     deadline, limit = start + 60 * a.budget_min, start + 60 * a.limit_min
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    env.setdefault("HF_HUB_OFFLINE", "1")
-    base_cmd = [sys.executable, "-m", "bench.trainer_step", "--worker", "--jsonl", str(jsonl),
-                "--deadline", str(deadline), "--device", a.device, "--model-cache",
-                a.model_cache, "--warmup", str(a.warmup), "--steps", str(a.steps),
-                "--beta", str(a.beta), "--temperature", str(a.temperature),
-                "--liger-compile", a.liger_compile]
-    if a.tiny:
-        base_cmd.append("--tiny")
-    if a.ours_ops != op.OURS_OPS:
-        base_cmd += ["--ours-ops", ",".join(f"{k}={v}" for k, v in a.ours_ops.items())]
+    ours_ops = (",".join(f"{k}={v}" for k, v in a.ours_ops.items())
+                if a.ours_ops != op.OURS_OPS else None)
+    options = ("device", "model_cache", "warmup", "steps", "beta", "temperature",
+               "liger_compile", "tiny")
 
-    def note(rec):
-        with open(jsonl, "a") as f:
-            f.write(json.dumps({**rec, "time": time.time(), "commit": bc.git_commit()}) + "\n")
-
-    def run(cmd, label, rec):
+    def run(label, rec, **flags):
+        """One worker; a point it left unrecorded (crash, kill) is a row with the reason."""
         t0 = time.time()
-        try:
-            subprocess.run(cmd, env=env, cwd=ROOT, check=False, timeout=max(1, limit - t0))
-        except subprocess.TimeoutExpired:
-            note({**rec, "status": f"killed at --limit-min {a.limit_min}"})
+        argv = W.worker_argv("bench.trainer_step", a, options, jsonl=jsonl, deadline=deadline,
+                             ours_ops=ours_ops, **flags)
+        done = W.run_worker(argv, jsonl, kill_at=limit, killed=f"killed at --limit-min "
+                                                                 f"{a.limit_min}")
+        if done.status and (rec["kind"] == "op" or W.unrecorded(done, [rec], point_key)):
+            note({**rec, "status": done.status})
         print(f"[{label}] worker done in {time.time() - t0:.0f} s", flush=True)
 
+    note = W.Sink(jsonl, commit=bc.git_commit()).write
     if "steps" in a.parts.split(","):
         for trainer in a.trainers.split(","):
             for model in a.models.split(","):
@@ -897,19 +857,20 @@ def drive(a, jsonl: Path) -> None:
                     if status:
                         note({**rec, "status": status})
                         continue
-                    run([*base_cmd, "--part", "steps", "--trainer", trainer, "--system", system,
-                         "--model", model], label, rec)
+                    run(label, rec, part="steps", trainer=trainer, system=system, model=model)
     if "op" in a.parts.split(","):
         if time.time() > deadline:
             print("budget reached: op part not started", flush=True)
             return
         print(f"[op {','.join(a.op_shapes)}]", flush=True)
-        run([*base_cmd, "--part", "op", "--system", "op", "--model", "op", "--trainer", "op",
-             "--op-shapes", ",".join(a.op_shapes), "--op-variants", ",".join(a.op_variants),
-             "--op-reps", str(a.op_reps), "--logit-std", str(a.logit_std), "--ref-rows",
-             str(a.ref_rows)], "op", {"kind": "op", "shape": ",".join(a.op_shapes),
-                                      "variant": "(the rest)"})
+        run("op", {"kind": "op", "shape": ",".join(a.op_shapes), "variant": "(the rest)"},
+            part="op", system="op", model="op", trainer="op", op_shapes=a.op_shapes,
+            op_variants=a.op_variants, op_reps=a.op_reps, logit_std=a.logit_std,
+            ref_rows=a.ref_rows)
 
+
+def point_key(r: dict):
+    return r.get("kind"), r.get("trainer"), r.get("model"), r.get("system")
 
 if __name__ == "__main__":
     raise SystemExit(main())
