@@ -98,7 +98,7 @@ from bench import workers as W
 
 GRPO_SYSTEMS = ("ours", "ours_padded", "ours_packed", "trl116", "trl113")
 # ours: the default packing="auto", which under sdpa on CUDA packs through torch's varlen
-# FlashAttention (trainers.varlen); ours_padded: packing=False; ours_packed: packing=True under
+# FlashAttention (trainers.attention); ours_padded: packing=False; ours_packed: packing=True under
 # flex_attention. Every model is loaded with sdpa except ours_packed's.
 ATTN = {"ours_packed": "flex_attention"}
 GRPO_PACKING = {"ours": "auto", "ours_padded": False, "ours_packed": True}
