@@ -203,6 +203,22 @@ def test_bad_options_are_refused(tok, tmp_path, bad, match):
         _trainer("rloo", tok, tmp_path, **bad)
 
 
+def test_options_set_later_are_checked(tok, tmp_path):
+    """`trainer.sampler = ...` and `trainer.fast_generation = ...` after construction: a bad
+    value is refused at the assignment, naming it; fast_generation=False set later turns our
+    samplers off whatever `sampler` says (TRL's generate serves: `_lce_sample` gives None)."""
+    tr = _trainer("grpo", tok, tmp_path)
+    with pytest.raises(ValueError, match="sampler must be one of .* got 'bogus'"):
+        tr.sampler = "bogus"
+    with pytest.raises(ValueError, match="fast_generation must be True or False, got 1"):
+        tr.fast_generation = 1
+    assert (tr.sampler, tr.fast_generation) == ("auto", True)  # unchanged by the refusals
+    tr.sampler = "compiled"
+    assert tr.sampler == "compiled"
+    tr.fast_generation = False
+    assert tr._lce_sample([[5, 6, 7]], None, None) is None
+
+
 # --------------------------------------------------------------------------- GPU
 
 

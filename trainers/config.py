@@ -40,14 +40,27 @@ def check_max_packed_tokens(value, name: str = "max_packed_tokens") -> None:
         raise ValueError(f"{name} must be a positive int or None, got {value!r}")
 
 
+def checked_sampler(value, name: str = "sampler") -> str:
+    """`value` if it is one of SAMPLER_CHOICES, else a ValueError naming it."""
+    if value not in SAMPLER_CHOICES:
+        raise ValueError(f"{name} must be one of {SAMPLER_CHOICES}, got {value!r}")
+    return value
+
+
+def checked_bool(value, name: str) -> bool:
+    """`value` if it is True or False, else a ValueError naming it."""
+    if not isinstance(value, bool):
+        # a ValueError as for every bad option value (TRL's and argparse's)
+        raise ValueError(f"{name} must be True or False, got {value!r}")  # noqa: TRY004
+    return value
+
+
 def check_sampler_options(fast_generation, sampler) -> None:
     """`fast_generation` a bool, `sampler` one of SAMPLER_CHOICES, and not contradicting each
     other: fast_generation=False samples with TRL's generate, which only "auto" and "trl"
     allow."""
-    if not isinstance(fast_generation, bool):
-        raise ValueError(f"fast_generation must be True or False, got {fast_generation!r}")
-    if sampler not in SAMPLER_CHOICES:
-        raise ValueError(f"sampler must be one of {SAMPLER_CHOICES}, got {sampler!r}")
+    checked_bool(fast_generation, "fast_generation")
+    checked_sampler(sampler)
     if not fast_generation and sampler not in ("auto", "trl"):
         raise ValueError(f"fast_generation=False samples with TRL's generate, but "
                          f"sampler={sampler!r} asks for a fast sampler; set one of them")
@@ -93,9 +106,8 @@ class GRPOConfig(trl.GRPOConfig):
         self.packing = normalize_packing(self.packing)
         check_max_packed_tokens(self.max_packed_tokens)
         check_sampler_options(self.fast_generation, self.sampler)
-        if not isinstance(self.sampler_importance_sampling_correction, bool):
-            raise ValueError("sampler_importance_sampling_correction must be True or False, got "
-                             f"{self.sampler_importance_sampling_correction!r}")
+        checked_bool(self.sampler_importance_sampling_correction,
+                     "sampler_importance_sampling_correction")
 
 
 def nf4_config():

@@ -40,19 +40,25 @@ from trl.extras.profiling import profiling_context
 from trl.models import unwrap_model_for_generation
 from trl.trainer.utils import pad
 
-from ..config import SAMPLER_CHOICES, check_sampler_options
+from ..base import _Checked
+from ..config import check_sampler_options, checked_bool, checked_sampler
 from .serve import Sample, Samplers
 
 
 class OnPolicySamplingMixin:
     """Mixed in before the other mixins of an on-policy trainer (module docstring)."""
 
+    # each checked on every set (the pair at construction only: fast_generation=False set later
+    # turns the fast samplers off whatever `sampler` says)
+    sampler = _Checked(checked_sampler)
+    fast_generation = _Checked(checked_bool)
+
     def __init__(self, *args, fast_generation: bool | None = None, sampler: str | None = None,
                  **kwargs):
-        if fast_generation is not None and not isinstance(fast_generation, bool):
-            raise ValueError(f"fast_generation must be True or False, got {fast_generation!r}")
-        if sampler is not None and sampler not in SAMPLER_CHOICES:
-            raise ValueError(f"sampler must be one of {SAMPLER_CHOICES}, got {sampler!r}")
+        if fast_generation is not None:
+            checked_bool(fast_generation, "fast_generation")
+        if sampler is not None:
+            checked_sampler(sampler)
         super().__init__(*args, **kwargs)
         self.fast_generation = (fast_generation if fast_generation is not None
                                 else getattr(self.args, "fast_generation", True))
