@@ -21,6 +21,7 @@ from grpo_lce.divergence import linear_divergence
 from grpo_lce.logprobs import linear_logprobs
 from grpo_lce.sample import linear_sample
 from grpo_lce._chunks import DEFAULT_CHUNK_BUDGET_BYTES, default_chunk_size
+from grpo_lce._checks import FLOAT_DTYPES
 
 __version__ = "0.1.0"
 
@@ -32,5 +33,6 @@ __all__ = [
     "linear_sample",
     "default_chunk_size",
     "DEFAULT_CHUNK_BUDGET_BYTES",
+    "FLOAT_DTYPES",
     "__version__",
 ]

@@ -10,7 +10,7 @@ import math
 
 import torch
 
-_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what the head ops compute in
 
 
 def check_head(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
@@ -20,7 +20,7 @@ def check_head(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
             continue
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dtype not in _FLOAT_DTYPES:
+        if t.dtype not in FLOAT_DTYPES:
             raise TypeError(
                 f"{name} must be float32, bfloat16 or float16, got {t.dtype}"
                 + (" (a quantized lm_head is not supported: dequantize it first)"

@@ -329,6 +329,21 @@ def test_softcapped_logits_fall_back_to_trl_head(tok, tmp_path):
     assert "final_logit_softcapping" in next(iter(ours._lce_fallbacks_logged))
 
 
+def test_float64_model_falls_back_to_trl_head(tok, tmp_path):
+    # grpo_lce computes in fp32 / bf16 / fp16: a float64 model's calls go to TRL's head, with
+    # one logged line naming the dtype, instead of an error from inside the op
+    model = _model(tok).double()
+    stock, ours = _pair(tok, tmp_path, model)
+    ids, mask = _ids_and_mask(tok)
+    with torch.no_grad():
+        lp_s, _, _ = stock._get_per_token_logps_and_entropies(stock.model, ids, mask, C)
+        lp_o, _, _ = ours._get_per_token_logps_and_entropies(ours.model, ids, mask, C)
+        ours._get_per_token_logps_and_entropies(ours.model, ids, mask, C)
+    assert torch.equal(lp_o, lp_s)
+    assert len(ours._lce_fallbacks_logged) == 1
+    assert "torch.float64" in next(iter(ours._lce_fallbacks_logged))
+
+
 def _construct(tok, tmp_path, model, peft_config=None):
     return GRPOTrainer(model=model, reward_funcs=_reward_len, args=_config(tmp_path),
                        train_dataset=_dataset(), processing_class=tok, peft_config=peft_config)

@@ -42,7 +42,7 @@ from collections.abc import Iterator
 
 import torch
 
-from grpo_lce import linear_cross_entropy, linear_logprobs
+from grpo_lce import FLOAT_DTYPES, linear_cross_entropy, linear_logprobs
 
 from .models import (
     AuxiliaryTrainingWrapper,
@@ -150,8 +150,14 @@ def check_parallelism(trainer) -> None:
 
 
 def fused_head_unsupported_reason(model: torch.nn.Module) -> str | None:
-    """Why `grpo_lce`'s plain (h Wᵀ + b) / τ would not match this model's logits, or None."""
-    config = unwrap_causal_lm(model).config
+    """Why `grpo_lce`'s plain (h Wᵀ + b) / τ would not match this model's logits (or cannot
+    compute them: a head in a dtype the ops do not take, e.g. float64), or None."""
+    lm = unwrap_causal_lm(model)
+    head = lm.get_output_embeddings()
+    dtype = getattr(getattr(head, "weight", None), "dtype", None)
+    if dtype is not None and dtype not in FLOAT_DTYPES:
+        return f"the LM head is {dtype}; grpo_lce computes in float32, bfloat16 or float16"
+    config = lm.config
     text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
     for attr in _LOGIT_TRANSFORMS:
         value = getattr(text_config, attr, None)
