@@ -181,14 +181,19 @@ def batches(name: str, tok, tr, world: int) -> dict:
 
 
 def _grads(model) -> dict[str, torch.Tensor]:
-    """Gradients by parameter name, without DDP's `module.` prefix."""
-    return {n.removeprefix("module."): p.grad.detach().to("cpu", copy=True)
-            for n, p in model.named_parameters() if p.grad is not None}
+    """Gradients by parameter name, without DDP's `module.` prefix; FSDP2's sharded (DTensor)
+    gradients gathered whole (`full_tensor`, a collective: every rank walks the same names)."""
+    out = {}
+    for n, p in model.named_parameters():
+        if p.grad is not None:
+            g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+            out[n.removeprefix("module.")] = g.detach().to("cpu", copy=True)
+    return out
 
 
 def step(tr, model, inputs: dict) -> dict:
-    """One `compute_loss` + backward of `tr` through `model` (the trainer's model, or its DDP
-    wrapper): loss, gradients, the logged entropy, the number of grpo_lce calls and the
+    """One `compute_loss` + backward of `tr` through `model` (the trainer's model, its DDP
+    wrapper, or the model itself after `fully_shard`): loss, gradients, the logged entropy, the number of grpo_lce calls and the
     trainer's fallback reasons."""
     from grpo_lce._dispatch import recording
 

@@ -26,6 +26,13 @@ Scenarios:
          (one group per decoder layer, a [norm, embed, lm_head] tail group that is not
          resharded after forward, then the root): full fine-tuning with a tied, trainable head
          (the head is a DTensor gathered by trainers.sharded), and LoRA.
+  fsdp2_trainers
+         trainers.SFTTrainer, DPOTrainer, KTOTrainer, RLOOTrainer and DistillationTrainer
+         (LoRA: frozen head) with the policy under `fully_shard` laid out as in `fsdp2`, one
+         step each on the rank's rows, gradients gathered whole (`_fsdp2_trainers`); results
+         "fsdp2_sft", "fsdp2_dpo", ..., and "fsdp2_distillation_sharded_teacher" (the teacher
+         sharded too). Compared with the single-process "sft", "dpo", ... results. Needs the
+         trainers' batches, as the four DDP scenarios below; not in the default list.
   zero3  trainers.GRPOTrainer (dapo, LoRA: frozen head) on a DeepSpeed ZeRO-3 engine built by
          `deepspeed.initialize` (every parameter partitioned, the head weight of numel 0 between
          forwards and gathered by trainers.sharded; gradients reduce-scattered by ZeRO-3 and read
@@ -252,6 +259,59 @@ def _fsdp2(rank, world, tok, batches, out_dir, device):
     return res
 
 
+def _head_type(model) -> str:
+    """The type name of the LM head weight of `model` (what `trainers.sharded` is handed)."""
+    from trainers.models import unwrap_causal_lm
+
+    return type(unwrap_causal_lm(model).get_output_embeddings().weight).__name__
+
+
+def _fsdp2_trainers(rank, world, tok, batches, out_dir, device):
+    """Scenario fsdp2_trainers: SFT, DPO, KTO, RLOO and distillation (LoRA: frozen head) with
+    the policy `fully_shard`-ed as accelerate 1.15 lays it out, one step each on this rank's
+    rows; gradients gathered whole. What is sharded is what accelerate + TRL 1.16 shard: the
+    policy, and with it DPO's reference (the disabled adapter) and KTO's ("ref", a second
+    adapter of the same PeftModel). Distillation's teacher is prepared by TRL with
+    `accelerator.prepare_model(teacher, evaluation_mode=True)`, which under FSDP2 shards
+    nothing (evaluation mode skips the wrapping): "fsdp2_distillation" keeps it whole;
+    "fsdp2_distillation_sharded_teacher" also shards it (a user-sharded teacher), so that its
+    head is a DTensor gathered by trainers.sharded under no_grad."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from grpo_lce._dispatch import recording
+
+    res = {}
+    sft = sft_trainer(tok, tiny_model(tok, peft=True), out_dir, world, device=device)
+    dev = sft.accelerator.device
+    mesh = init_device_mesh(dev.type, (world,))
+    fully_shard_like_accelerate(sft.model, mesh=mesh)
+    head = _head_type(sft.model)
+    inputs = to_device(rank_slice(batches["sft"], rank, world), dev)
+    sft.model.zero_grad(set_to_none=True)
+    with recording() as rec:
+        loss = sft.compute_loss(sft.model, dict(inputs),
+                                num_items_in_batch=batches["sft_num_items"].to(dev))
+        loss.backward()
+    res["fsdp2_sft"] = {"loss": loss.detach().cpu(), "synced": grads_of(sft.model),
+                        "calls": len(rec.paths), "fallbacks": sorted(sft._lce_fallbacks_logged),
+                        "head": head}
+    runs = [(name, name, False) for name in _ddp_trainers.NAMES]
+    runs.append(("distillation_sharded_teacher", "distillation", True))
+    for key, name, shard_teacher in runs:
+        tr = _ddp_trainers.build(name, tok, out_dir, world, device=device)
+        fully_shard_like_accelerate(tr.model, mesh=mesh)
+        head = _head_type(tr.model)
+        if shard_teacher:
+            fully_shard_like_accelerate(tr.teacher_model, mesh=mesh)
+            head = f"{head}+teacher {_head_type(tr.teacher_model)}"
+        inputs = to_device(batches[name]["ranks"][rank], dev)
+        out = _ddp_trainers.step(tr, tr.model, inputs)
+        out["synced"] = out.pop("grads")
+        out["head"] = head
+        res[f"fsdp2_{key}"] = out
+    return res
+
+
 def _zero3(rank, world, tok, batches, out_dir, device):
     import deepspeed
     from deepspeed.utils import safe_get_full_grad
@@ -317,6 +377,8 @@ def _run(rank, world, port, out_dir, scenarios, device):
         res.update(_ddp(rank, world, tok, batches, out_dir, device))
     if "fsdp2" in scenarios:
         res.update(_fsdp2(rank, world, tok, batches, out_dir, device))
+    if "fsdp2_trainers" in scenarios:
+        res.update(_fsdp2_trainers(rank, world, tok, batches, out_dir, device))
     for name in _ddp_trainers.NAMES:
         if name in scenarios:
             res[name] = _ddp_trainers.rank_results(name, rank, world, tok, batches[name],
@@ -390,7 +452,8 @@ def main(argv=None):
     ap.add_argument("--port", type=int, help="free TCP port for the rendezvous")
     ap.add_argument("--nprocs", type=int, default=2, help="number of processes")
     ap.add_argument("--scenarios", default="ddp,fsdp2",
-                    help="comma-separated: ddp, fsdp2, zero3, dpo, kto, rloo, distillation")
+                    help="comma-separated: ddp, fsdp2, fsdp2_trainers, zero3, dpo, kto, rloo, "
+                         "distillation")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                     help="cpu: gloo; cuda: nccl, rank r on cuda:r")
     ap.add_argument("--reference", action="store_true",

@@ -6,13 +6,15 @@ KTOTrainer (with its KL pass), RLOOTrainer and DistillationTrainer (LoRA student
 teacher) under DDP (tests/_ddp_trainers.py has those four's models and batches); and
 trainers.GRPOTrainer under FSDP2 (`fully_shard`, laid out as accelerate does it) with a
 trainable tied head (the LM head is a DTensor that `trainers.sharded` gathers, its gradient
-reduce-scattered back) and with LoRA; under DeepSpeed ZeRO-3 with LoRA (frozen head,
-partitioned and gathered; if deepspeed is installed); plus the refusals in
-`check_parallelism`. One subprocess (tests/_ddp_worker.py) spawns both ranks and runs every
-scenario, so the ~10 s of imports and rendezvous are paid once. (The first ZeRO-3 run on a
-machine also JIT-builds DeepSpeed's CPU shared-memory comm op, ~25 s, cached in
-~/.cache/torch_extensions.) The same on two GPUs over NCCL: tests/test_multigpu.py (GRPO,
-SFT, FSDP2 and ZeRO-3; not the four trainers above).
+reduce-scattered back) and with LoRA; SFTTrainer, DPOTrainer, KTOTrainer, RLOOTrainer and
+DistillationTrainer (LoRA, frozen head) under FSDP2 too (the policy sharded, so are DPO's
+disabled-adapter and KTO's "ref"-adapter references, which are the same model; distillation's
+teacher whole, as TRL + accelerate leave it under FSDP2, and also sharded); under DeepSpeed
+ZeRO-3 with LoRA (frozen head, partitioned and gathered; if deepspeed is installed); plus the
+refusals in `check_parallelism`. One subprocess (tests/_ddp_worker.py) spawns both ranks and
+runs every scenario, so the ~10 s of imports and rendezvous are paid once. (The first ZeRO-3
+run on a machine also JIT-builds DeepSpeed's CPU shared-memory comm op, ~25 s, cached in
+~/.cache/torch_extensions.) The same on two GPUs over NCCL: tests/test_multigpu.py.
 
     python -m pytest tests/test_ddp.py -q
 
@@ -55,6 +57,10 @@ machine; metrics rel 1e-5 / abs 2e-6.
 That DDP really all-reduced: the synced gradients are bitwise equal on both ranks, while each
 rank's local gradient (under `no_sync()`) is nonzero and off the reference by more than
 1e-2 × max|grad|, and the mean of the local ones equals the reference.
+FSDP2 (the same loss arguments: its reduce-scatter averages over ranks as DDP's all-reduce
+does): the gradients gathered whole (`full_tensor`) are bitwise equal on both ranks and match
+the reference, which the rank-local gradients of the DDP scenario (same model, same rows) do
+not; the LM head weight was a DTensor when the step began.
 """
 
 from __future__ import annotations
@@ -79,8 +85,11 @@ from _trainer_pairs import trl_head_in_fp64
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORLD = 2
 SCENARIOS = "ddp,fsdp2" + (",zero3" if importlib.util.find_spec("deepspeed") else "")
-# CPU only: tests/test_multigpu.py runs SCENARIOS, whose batches its `--reference` writes
-TRAINER_SCENARIOS = ",".join(T.NAMES)
+# the four trainers under DDP, and SFT and those four under FSDP2 (tests/_ddp_worker.py)
+TRAINER_SCENARIOS = ",".join((*T.NAMES, "fsdp2_trainers"))
+# FSDP2 case -> its single-process reference (the same builder, batch and step)
+FSDP2_TRAINER_CASES = {"sft": "sft", **{n: n for n in T.NAMES},
+                       "distillation_sharded_teacher": "distillation"}
 
 
 def _free_port() -> int:
@@ -255,6 +264,43 @@ def test_fsdp2_matches_single_process(runs, case):
         assert "model.embed_tokens.weight" in r["grads"]
 
 
+@pytest.mark.parametrize("case", list(FSDP2_TRAINER_CASES))
+def test_trainer_fsdp2_matches_single_process(runs, case):
+    """SFT, DPO, KTO, RLOO and distillation (LoRA, frozen head) with the policy under FSDP2
+    (`fully_shard` as accelerate lays it out; DPO's and KTO's references are adapters of the
+    same sharded model; distillation's teacher whole, as TRL + accelerate leave it, or sharded
+    too): the loss and the whole gathered gradients are the single process's, and grpo_lce ran
+    on every rank as often as in the single process, with no fallback. Why each loss agrees:
+    the module docstring (FSDP2 averages the gradients over ranks as DDP does)."""
+    ref, ranks = runs
+    key, r = f"fsdp2_{case}", ref[FSDP2_TRAINER_CASES[case]]
+    loss = torch.stack([rk[key]["loss"] for rk in ranks]).mean()
+    _assert_loss(loss, r, f"{key} loss")
+    for rank, rk in enumerate(ranks):
+        # the policy's head (and a sharded teacher's) was a DTensor, gathered by trainers.sharded
+        want = "DTensor+teacher DTensor" if case.endswith("sharded_teacher") else "DTensor"
+        assert rk[key]["head"] == want, (rank, rk[key]["head"])
+        _assert_grads(rk[key]["synced"], r, f"{key} rank {rank}")
+        assert rk[key]["synced"].keys() == r["grads"].keys()
+        assert all("lora_" in n for n in rk[key]["synced"])
+        assert rk[key]["fallbacks"] == [] == r.get("fallbacks", []), (rank, rk[key]["fallbacks"])
+        # SFT: one head call per step (its reference asserted >= 1 call, no count kept)
+        assert rk[key]["calls"] == r.get("calls", 1) > 0, (rank, rk[key]["calls"])
+    for n, g0 in ranks[0][key]["synced"].items():  # the same reduced shards, gathered
+        assert torch.equal(g0, ranks[1][key]["synced"][n]), f"{key} {n}: ranks differ"
+    # a rank's own rows alone give other gradients (the DDP scenario's rank-local ones, same
+    # model and rows): matching the reference above needed FSDP2's reduce-scatter
+    base = FSDP2_TRAINER_CASES[case]
+    worst = max(((rk[base]["local"][n] - g).abs().max() / g.abs().max()).item()
+                for rk in ranks for n, g in r["grads"].items())
+    assert worst > 1e-2, f"{key}: a rank's local grads equal the reference ({worst:.2e})"
+    if "metrics" in r:  # TRL gathers every metric over processes: the global batch's values
+        for rank, rk in enumerate(ranks):
+            assert rk[key]["metrics"].keys() == r["metrics"].keys()
+            for k, v in r["metrics"].items():  # one step each: num_tokens' totals agree too
+                assert rk[key]["metrics"][k] == pytest.approx(v, rel=1e-5, abs=2e-6), (rank, k)
+
+
 def test_zero3_matches_single_process(runs):
     # LoRA under ZeRO-3: the frozen head is gathered and copied by trainers.sharded, the LoRA
     # gradients are reduce-scattered (averaged) by ZeRO-3 itself. Same model, loss (dapo) and
@@ -304,6 +350,14 @@ def test_check_parallelism_refusals():
         check_parallelism(_fake_trainer(full, fsdp_version=2, offload=CPUOffloadPolicy()))
     with pytest.raises(ValueError, match="ZeRO-3 only with a frozen LM head"):
         check_parallelism(_fake_trainer(copy.deepcopy(full), zero_stage=3))
+    # every trainer runs these checks at construction (`FusedHeadMixin.__init__`), so FSDP2
+    # with CPU offload stays refused for SFT, DPO, KTO, RLOO and distillation as for GRPO
+    import trainers
+    from trainers.base import FusedHeadMixin
+
+    for name in ("GRPOTrainer", "SFTTrainer", "DPOTrainer", "KTOTrainer", "RLOOTrainer",
+                 "DistillationTrainer"):
+        assert issubclass(getattr(trainers, name), FusedHeadMixin), name
 
 
 def _shape(tree):

@@ -3,9 +3,10 @@
 The same scenarios and the same checks as the CPU test, run where the collectives are NCCL's
 and the head runs the Triton kernels: trainers.GRPOTrainer (loss_type dapo and grpo, LoRA),
 trainers.SFTTrainer, DPOTrainer, KTOTrainer, RLOOTrainer and DistillationTrainer (LoRA;
-tests/_ddp_trainers.py) under DDP, and trainers.GRPOTrainer (dapo) under FSDP2
-(`fully_shard` on a CUDA mesh) with a trainable tied head (a DTensor gathered by
-trainers.sharded, its gradient reduce-scattered) and with LoRA, and, if deepspeed is installed,
+tests/_ddp_trainers.py) under DDP, trainers.GRPOTrainer (dapo) under FSDP2 (`fully_shard` on
+a CUDA mesh) with a trainable tied head (a DTensor gathered by trainers.sharded, its gradient
+reduce-scattered) and with LoRA, SFT, DPO, KTO, RLOO and distillation (LoRA) under FSDP2 (the
+policy sharded; distillation's teacher whole, and sharded too), and, if deepspeed is installed,
 under DeepSpeed ZeRO-3 with LoRA (frozen head, partitioned and gathered). Tiny fp32 models: this
 checks the synchronisation, not scale. Needs 2 visible GPUs, else skipped.
 
@@ -110,6 +111,11 @@ def test_trainer_ddp_matches_single_process_gpu(runs, case):
 @pytest.mark.parametrize("case", ["fsdp2_full", "fsdp2_lora"])
 def test_fsdp2_matches_single_process_gpu(runs, case):
     cpu.test_fsdp2_matches_single_process(runs, case)
+
+
+@pytest.mark.parametrize("case", list(cpu.FSDP2_TRAINER_CASES))
+def test_trainer_fsdp2_matches_single_process_gpu(runs, case):
+    cpu.test_trainer_fsdp2_matches_single_process(runs, case)
 
 
 def test_zero3_matches_single_process_gpu(runs):
