@@ -14,6 +14,7 @@ compaction against a recomputation through transformers' processors.
 from __future__ import annotations
 
 import logging
+import math
 import types
 import weakref
 
@@ -235,3 +236,72 @@ def test_sampled_logprobs_under_compaction(tok, fake_graphs):
     err, ref_err = (ours - r64).abs(), (r32 - r64).abs().max().item()
     i = int(err.argmax())
     assert err.max().item() <= 8 * ref_err + 2e-5, (i, ours[i].item(), r64[i].item(), ref_err)
+
+
+def test_compaction_with_triton_decode_attention(tok, fake_graphs):
+    """attention="triton" (the Triton interpreter on CPU) reads each row's valid keys from the
+    bucket's leading-row views of the cache; Mistral's sliding window included."""
+    model = build(tok, "mistral", lora=True)
+    ids, mask = batch(tok, TEXTS)
+    gc = config(tok, [mid_eos(model, tok, ids, mask)], new=12)
+    compact = DecodeLoop(devices=("cpu",), check_every=K, attention="triton",
+                         compact_finished=True)
+    out = compact.generate(model, ids, mask, gc)
+    assert compact.disabled_reason is None and out is not None
+    assert out.token_ids == hf_completions(model, ids, mask, gc)
+    assert compact.stats.compactions >= 1
+
+
+# -- GPU: bucket graphs captured for real ------------------------------------------------------
+
+def _spread_eos(rows, never):
+    """The id with the most rows first emitting it at step >= 1, among ids some row never
+    emits (so rows stop at different lengths and some run to the end)."""
+    best, score = never, -1
+    for t in {t for row in rows for t in row}:
+        firsts = [row.index(t) if t in row else None for row in rows]
+        hits = sum(f is not None and f >= 1 for f in firsts)
+        if None in firsts and hits > score:
+            best, score = t, hits
+    return best
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_compaction_greedy_and_replay():
+    """bf16 Llama, CUDA graphs for the full batch and each bucket: greedy completions with
+    compaction against eager `generate` (divergences only at bf16 near-ties, `_near_tie`), and
+    against the uncompacted loop; a second call replays every bucket graph (no capture); one
+    host check per k tokens."""
+    from test_sampling_loop import _gpu_llama, _gpu_prompts, _greedy_gap, _near_tie
+    from transformers import GenerationConfig
+
+    model = _gpu_llama()
+    ids, mask = _gpu_prompts(512, batch=16)
+    N, k = 64, 8
+    never = 512 + 7
+
+    def gc_for(eos):
+        return GenerationConfig(max_new_tokens=N, do_sample=False, pad_token_id=0,
+                                eos_token_id=[eos])
+
+    gc = gc_for(_spread_eos(hf_completions(model, ids, mask, gc_for(never)), never))
+    ref = hf_completions(model, ids, mask, gc)
+    plain = DecodeLoop(check_every=k)
+    compact = DecodeLoop(check_every=k, compact_finished=True)
+    base = plain.generate(model, ids, mask, gc)
+    out = compact.generate(model, ids, mask, gc)
+    assert compact.disabled_reason is None and out is not None
+    st = compact.stats
+    print(f"\nlengths {sorted(map(len, ref))}; {st}")
+    assert st.compactions >= 1 and st.captures == 1 + len(st.buckets)
+    captures = st.captures
+    layers = model.config.num_hidden_layers
+    gaps = _greedy_gap(model, ids, mask, out.token_ids, ref)
+    assert all(_near_tie(*g[2:], layers) for g in gaps), gaps
+    same = sum(a == b for a, b in zip(out.token_ids, base.token_ids))
+    print(f"rows identical to the uncompacted loop: {same} of {len(ref)}")
+    assert same >= len(ref) * 3 // 4
+    again = compact.generate(model, ids, mask, gc)
+    assert compact.stats.captures == captures and again.token_ids == out.token_ids
+    assert compact.stats.host_checks <= 2 * (math.ceil((N - 1) / k) + 1)

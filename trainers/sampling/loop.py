@@ -418,7 +418,9 @@ class DecodeLoop:
                        f"of {ladder} rows, one graph each, captured on first use")
         # live rows first, each group in working order; idx (b,) < W
         idx = torch.cat([(~done).nonzero()[:, 0], done.nonzero()[:, 0]])[:b].to(st.cur.device)
-        cols = min(written_slots, cache.capacity)  # every row has written slots < P + written
+        # `written` tokens recorded: a row's cache holds its prompt and written - 1 decoded
+        # tokens (the last is `cur`, not yet written), slots < P_b + written - 1 <= written_slots
+        cols = min(written_slots, cache.capacity)
         for kv in (cache.k, cache.v):
             for i in range(kv.shape[0]):  # layer by layer: a (b, H_kv, cols, D) temporary
                 kv[i, :b, :, :cols] = kv[i, idx, :, :cols]
@@ -575,7 +577,7 @@ class DecodeLoop:
                 if live == 0:
                     break
                 if 2 * bucket(live) <= W:
-                    moved = self._compact(step_fn, st, cache, done, bucket(live), P + written,
+                    moved = self._compact(step_fn, st, cache, done, bucket(live), P + written - 1,
                                           spec, eos, pad, gkey)
                     if moved is not None:
                         work, work_cache, graph = moved
