@@ -1,6 +1,6 @@
 """The decode loop: prefill, then decode steps captured k at a time as one CUDA graph.
 
-Device-side state of one call, in static buffers per (batch, cache capacity, vocabulary):
+Device-side state of one call, in static buffers per (cache, vocabulary):
 
     cur (B,) the last sampled token     slot (B,) where it is written (= its position)
     done (B,) bool                      step (1,) the output column the next token goes to
@@ -235,7 +235,9 @@ class DecodeLoop:
         self.disabled_reason: str | None = None
         self.stats = LoopStats()
         self._caches: dict[tuple, KVCache] = {}  # (batch, new tokens) -> cache
-        self._states: dict[tuple, _State] = {}  # (batch, capacity, vocab) -> state
+        # (batch, new tokens, capacity, vocab) -> state: one cache per state, since its graphs
+        # read that cache (two caches of one batch and capacity differ in N)
+        self._states: dict[tuple, _State] = {}
         self._checked: set[int] = set()  # id(model) whose first call passed the check
         self._logged: set[str] = set()
         self._plans: dict[tuple, object] = {}  # (id(model), fingerprint) -> KernelPlan
@@ -320,7 +322,7 @@ class DecodeLoop:
         return cache
 
     def _state_for(self, cache, batch, vocab, device) -> _State:
-        key = (batch, cache.capacity, vocab)
+        key = (batch, cache.new_tokens, cache.capacity, vocab)
         state = self._states.get(key)
         if state is None:
             width = cache.new_tokens + self.check_every
