@@ -34,11 +34,11 @@ capture past MAX_CAPTURES is not made (the batch stays as it is, one logged line
 Invariants: working row j holds original row `orig[j]` (cur, slot, done, seen and its cache row
 move together); `out` and `logp` never move: a bucket writes row j's token into row orig[j], so
 a finished row's output stays as written. Each row's step is a function of its own row only, so
-greedy tokens and log-probs equal the uncompacted loop's up to the rounding a different batch
-shape gives the GEMMs (none on CPU in the tests; on GPU near-ties may break otherwise, as in
-eager). Sampling draws one (W, V) noise tensor per step, so after a compaction the seeded draws
-land on other rows than without it: each row is still drawn from its own processed distribution,
-but the draws differ from the uncompacted loop's.
+greedy completions equal the uncompacted loop's up to the rounding of other GEMM batch shapes:
+log-probs within fp32 (bf16) rounding, tokens identical except at near-ties that this rounding
+decides (as eager's own batch-size variation). Sampling draws one (W, V) noise tensor per step,
+so after a compaction the seeded draws land on other rows than without it: each row is still
+drawn from its own processed distribution, but the draws differ from the uncompacted loop's.
 
 Kernels (`kernels="auto"`, on CUDA; off by default, `kernels="torch"`, since the captured step
 is slower with them until the decode linear is tuned: bench/README.md): decode steps run the
