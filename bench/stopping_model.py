@@ -14,6 +14,9 @@ top_p 1, top_k 0) and max_new_tokens = --new (512).
 (a) Ragged-batch timing, batch 8 and 64, per sampler:
 
     loop      trainers.sampling.loop.DecodeLoop (our decode loop)
+    loop_compact  the same with finished rows compacted out of the batch (compact_finished;
+              --compact adds it after loop): its stats give the compactions, the working
+              batches used and the row decode steps saved
     compiled  trainers.generation.FastSampler (static cache, compiled decode step)
     eager     model.generate, dynamic cache (what TRL 1.16 runs)
 
@@ -25,10 +28,10 @@ top_p 1, top_k 0) and max_new_tokens = --new (512).
     caches, graphs and compiled code). For the loop also its own stats per call (prefill_s,
     decode_s, steps, host_checks) and capture_s.
 
-(b) Mismatch against the trainer's exact log-probs, for the loop and for eager `generate`:
-    --mismatch-calls calls of batch 64; each sampled token's log-prob as the sampler reports it
-    (the loop: `Completions.logprobs`; eager: log_softmax of the scores it sampled from,
-    `EagerLogprobs`) against the trainer's on the same sequences (TRL's layout, the
+(b) Mismatch against the trainer's exact log-probs, for the loop (and loop_compact) and for
+    eager `generate`: --mismatch-calls calls of batch 64; each sampled token's log-prob as the
+    sampler reports it (the loop: `Completions.logprobs`; eager: log_softmax of the scores it
+    sampled from, `EagerLogprobs`) against the trainer's on the same sequences (TRL's layout, the
     backbone under bf16 autocast, then grpo_lce.linear_logprobs at temperature 1 in fp32, as
     `trainers.GRPOTrainer` computes `old_per_token_logps`). Δ = sampler − trainer over the
     answer tokens: mean |Δ|, max |Δ|, and the KL per token from the samples, KL(sampler ‖
@@ -36,6 +39,7 @@ top_p 1, top_k 0) and max_new_tokens = --new (512).
     (trainer's) shows how peaked the distributions are.
 
     python -m bench.stopping_model --quick            # ~4 min on an H100
+    python -m bench.stopping_model --quick --samplers loop --compact --tag _compact
     python -m bench.stopping_model                    # ~6 min: more SFT steps and repeats
     python -m bench.stopping_model --base bf16 --tag _bf16
     python -m bench.stopping_model --tiny --device cpu   # smoke run (eager only)
@@ -72,7 +76,8 @@ from bench.stopping_task import (
     trimmed,
 )
 
-SAMPLERS = ("loop", "compiled", "eager")
+SAMPLERS = ("loop", "loop_compact", "compiled", "eager")
+DEFAULT_SAMPLERS = ("loop", "compiled", "eager")
 
 
 # =========================================================================== samplers
@@ -125,11 +130,11 @@ class Sampler:
 
     def __init__(self, name: str, device: str):
         self.name, self.obj, self.off = name, None, None
-        if name == "loop":
+        if name in ("loop", "loop_compact"):
             try:
                 from trainers.sampling.loop import DecodeLoop
 
-                self.obj = DecodeLoop(devices=(device,))
+                self.obj = DecodeLoop(devices=(device,), compact_finished=name == "loop_compact")
             except Exception as exc:  # noqa: BLE001 - recorded as n/a
                 self.off = bc.short_error(exc)
         elif name == "compiled":
@@ -144,7 +149,7 @@ class Sampler:
     def sample(self, model, ids, mask, cfg, want_logprobs=False):
         if self.off is not None:
             return None, None
-        if self.name == "loop":
+        if self.name in ("loop", "loop_compact"):
             reason = self.obj.disabled_reason or self.obj.unsupported_reason(model, cfg)
             out = None if reason else self.obj.generate(model, ids, mask, cfg)
             if out is None:
@@ -237,9 +242,24 @@ def timing(model, task, names, batches, reps, cfg, device, base_bytes) -> list[d
             rows.append(row)
             print(f"  [{name} B={B}] first {first['wall_s']:.1f} s, {row['wall_s']:.2f} s/call, "
                   f"{row['ms_per_step']:.2f} ms/step ({row['ms_in_graphs']:.2f} in graphs), "
-                  f"mean len {row['mean_len']:.0f}, max {row['max_len']}", flush=True)
+                  f"mean len {row['mean_len']:.0f}, max {row['max_len']}"
+                  + compaction_line(row), flush=True)
             release(sampler, model)
     return rows
+
+
+def compaction_line(row: dict) -> str:
+    """The loop's compaction per call (medians of the repeated calls), or ""."""
+    calls = row.get("calls") or []
+    if row.get("sampler") != "loop_compact" or not calls:
+        return ""
+    d = [c["stats_delta"] for c in calls]
+    med = {k: statistics.median(x.get(k, 0) for x in d)
+           for k in ("compactions", "compacted_rows", "row_steps_saved", "steps")}
+    return (f"; per call {med['compactions']:.0f} compactions, {med['compacted_rows']:.0f} rows "
+            f"dropped, {med['row_steps_saved']:.0f} of {row['batch'] * med['steps']:.0f} row "
+            f"steps saved; working batches {row['stats'].get('buckets')}, "
+            f"{row['stats'].get('captures')} graphs")
 
 
 def release(sampler: Sampler, model) -> None:
@@ -338,6 +358,10 @@ def markdown(rec: dict) -> str:
             f"| {r['ms_outside']:.2f} | {r['mean_len']:.0f} | {r['max_len']:.0f} "
             f"| {r['eos_share']:.2f} | {r['tokens_per_s']:.0f} "
             f"| {'' if peak is None else f'{peak / 2**30:.2f}'} |")
+    compaction = [f"- batch {r['batch']}{compaction_line(r)}" for r in rec["timing"]
+                  if r["status"] == "ok" and compaction_line(r)]
+    if compaction:
+        out += ["", "loop_compact (finished rows compacted out of the batch):", *compaction]
     out += ["", "## Sampler-trainer mismatch (Δ = sampler log p − trainer log p, per token)", "",
             ("| sampler | tokens | mean len | EOS share | mean abs Δ | max abs Δ | KL k1 | KL k3 "
             "| mean −log p |"), "|---|---|---|---|---|---|---|---|---|"]
@@ -365,7 +389,10 @@ def main(argv=None) -> int:
     p.add_argument("--sft-batch", type=int, default=32)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--batches", default="8,64")
-    p.add_argument("--samplers", default=",".join(SAMPLERS))
+    p.add_argument("--samplers", default=",".join(DEFAULT_SAMPLERS),
+                   help=f"comma list of {','.join(SAMPLERS)}")
+    p.add_argument("--compact", action="store_true",
+                   help="also time loop_compact (the loop compacting finished rows) after loop")
     p.add_argument("--reps", type=int, default=3, help="timed calls after the first")
     p.add_argument("--mismatch-calls", type=int, default=2, help="calls of batch 64")
     p.add_argument("--quick", action="store_true", help="250 SFT steps, 2 timed calls, 1 "
@@ -383,6 +410,8 @@ def main(argv=None) -> int:
         a.batches, a.reps, a.mismatch_calls = "2,4", 1, 1
         a.tag = a.tag or "_tiny"
     names = a.samplers.split(",")
+    if a.compact and "loop_compact" not in names:
+        names.insert(names.index("loop") + 1 if "loop" in names else 0, "loop_compact")
     for n in names:
         if n not in SAMPLERS:
             p.error(f"--samplers: unknown sampler {n!r} (choose from {SAMPLERS})")
@@ -408,7 +437,8 @@ def main(argv=None) -> int:
     timing_rows = timing(model, task, names, batches, a.reps, copy.deepcopy(cfg), device,
                          base_bytes)
     print("(b) mismatch against the trainer's log-probs", flush=True)
-    mismatch_rows = mismatch(model, task, [n for n in ("loop", "eager") if n in names],
+    mismatch_rows = mismatch(model, task, [n for n in ("loop", "loop_compact", "eager")
+                                           if n in names],
                              max(batches), a.mismatch_calls, copy.deepcopy(cfg), device)
 
     rec = {"env": env, "config": {**vars(a), "chains": len(task.chains)}, "sft": curve,

@@ -244,6 +244,31 @@ def test_cache_grows_for_a_longer_prompt(tok, caplog):
     assert sum("grown" in r.getMessage() for r in caplog.records) == 1
 
 
+def test_caches_of_one_capacity_keep_their_own_graphs(tok, monkeypatch):
+    """Two caches of one batch and one capacity M = C + N + S (a 4-token call after a prompt
+    of room C = 32, a 20-token call after one of C = 16): each call replays a graph captured on
+    its own cache, so the log-probs equal the eager path's (a graph of the other cache reads
+    its prompt)."""
+    from trainers.sampling import loop as loop_module
+
+    monkeypatch.setattr(loop_module, "CAPTURE_DEVICES", ("cuda", "cpu"))
+    monkeypatch.setattr(loop_module, "_graph_of",
+                        lambda run, pool: types.SimpleNamespace(replay=run))
+    model = build(tok, "llama")
+    long = batch(tok, ["a longer prompt, yes", "c", "de"])
+    short = batch(tok, ["ab", "c", "de"])
+    assert 16 < long[0].shape[1] <= 32 and short[0].shape[1] <= 16
+    loop, eager = cpu_loop(), cpu_loop(capture=False)
+    for (ids, mask), n in ((long, 4), (short, 20), (long, 4), (short, 20)):
+        gc = config(tok, [len(tok) + 7], new=n)
+        ours, ref = loop.generate(model, ids, mask, gc), eager.generate(model, ids, mask, gc)
+        assert ours.token_ids == ref.token_ids and ours.logprobs == ref.logprobs
+    caps = {c.capacity for c in loop._caches.values()}
+    assert len(loop._caches) == 2 and len(caps) == 1, caps
+    # allocating the second cache drops the batch's states, so the third call captures anew
+    assert loop.stats.captures == 3
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen3", "mistral"])
 def test_first_step_logits_match_eager_forward(tok, family):
     """Prefill logits at each row's last prompt token and the first decode step's logits

@@ -2,6 +2,9 @@
 
     k, v: (L, B, H_kv, M, D) in the model dtype, zero-filled once (garbage slots stay finite, so a
     masked key contributes 0 · V = 0, never NaN), reused by every call with the same (B, M)
+    `leading(b)`: the same cache restricted to rows [0, b), views of k and v made once and kept
+    (a CUDA graph captured on them reads this storage; the loop's compaction moves the live rows
+    there); layer i of a view, k[i], is contiguous like the full cache's
 
 M = C + N + S for N new tokens, S = slack (the steps of the last captured group of decode steps
 that run past N write into it) and a prompt room C: first the longest prompt this run has been
@@ -36,6 +39,7 @@ class KVCache:
     room: int  # C: prompt tokens it holds
     new_tokens: int  # N
     growths: int
+    views: dict = dataclasses.field(default_factory=dict, repr=False)  # b -> KVCache of rows [0, b)
 
     @classmethod
     def allocate(cls, config, *, batch, room, new_tokens, slack, growths, dtype, device):
@@ -45,6 +49,13 @@ class KVCache:
         shape = (config.num_hidden_layers, batch, heads, room + new_tokens + slack, head_dim)
         k = torch.zeros(shape, dtype=dtype, device=device)  # L·B·H_kv·M·D elements each
         return cls(k, torch.zeros_like(k), room, new_tokens, growths)
+
+    def leading(self, b: int) -> KVCache:
+        view = self.views.get(b)
+        if view is None:
+            view = self.views[b] = KVCache(self.k[:, :b], self.v[:, :b], self.room,
+                                           self.new_tokens, self.growths)
+        return view
 
     @property
     def capacity(self) -> int:

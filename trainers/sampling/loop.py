@@ -1,6 +1,6 @@
 """The decode loop: prefill, then decode steps captured k at a time as one CUDA graph.
 
-Device-side state of one call, in static buffers per (batch, cache capacity, vocabulary):
+Device-side state of one call, in static buffers per (cache, vocabulary):
 
     cur (B,) the last sampled token     slot (B,) where it is written (= its position)
     done (B,) bool                      step (1,) the output column the next token goes to
@@ -23,6 +23,22 @@ stale Python choices.
 Optimizer steps update parameters in place, so replays read the current weights.
 A graph keeps addresses, not Python references: every tensor a captured step reads is owned by
 the state or the cache (a per-call tensor would be freed and reused under the graph).
+
+Compaction (`compact_finished=True`; off by default until measured on GPU): at a host check the
+host reads the working batch's `done` (the same one sync) and, when the live rows fit a bucket
+b <= W / 2 of the working batch W (buckets: powers of two, b = the smallest >= the live count),
+moves them in place to rows [0, b) of the same state and cache tensors (live rows first, then
+finished ones to fill b; cache slots up to the furthest written one) and goes on with b's graph,
+captured on first use and replayed by later calls; there are at most log2(B) buckets, and a
+capture past MAX_CAPTURES is not made (the batch stays as it is, one logged line).
+Invariants: working row j holds original row `orig[j]` (cur, slot, done, seen and its cache row
+move together); `out` and `logp` never move: a bucket writes row j's token into row orig[j], so
+a finished row's output stays as written. Each row's step is a function of its own row only, so
+greedy completions equal the uncompacted loop's up to the rounding of other GEMM batch shapes:
+log-probs within fp32 (bf16) rounding, tokens identical except at near-ties that this rounding
+decides (as eager's own batch-size variation). Sampling draws one (W, V) noise tensor per step,
+so after a compaction the seeded draws land on other rows than without it: each row is still
+drawn from its own processed distribution, but the draws differ from the uncompacted loop's.
 
 Kernels (`kernels="auto"`, on CUDA; off by default, `kernels="torch"`, since the captured step
 is slower with them until the decode linear is tuned: bench/README.md): decode steps run the
@@ -81,6 +97,10 @@ class LoopStats:
     first_token_s: float | None = None  # first call's start to its first sampled token
     growths: int = 0  # caches grown for a longer prompt
     graph_s: float = 0.0  # inside graph replays, by CUDA events (only with time_graphs)
+    compactions: int = 0  # working batches shrunk (compact_finished)
+    compacted_rows: int = 0  # rows dropped from the working batch, summed over compactions
+    row_steps_saved: int = 0  # row decode steps not computed: (B - working batch) per step
+    buckets: list = dataclasses.field(default_factory=list)  # working batch sizes used, sorted
 
 
 @dataclasses.dataclass
@@ -98,13 +118,35 @@ class _State:
     out: torch.Tensor
     logp: torch.Tensor
     seen: torch.Tensor
+    # the full batch: (B,) int64, the original row of each row (compaction permutes the rows);
+    # a bucket: None
+    orig: torch.Tensor | None = None
+    # a bucket: (b,) view of the full state's orig, where `out` / `logp` rows are written;
+    # the full batch: None (row b writes row b)
+    rows: torch.Tensor | None = None
     graphs: dict = dataclasses.field(default_factory=dict)  # (spec, fingerprint) -> CUDAGraph
     # EOS ids -> (E,) int64: a graph reads the tensor it was captured with at every replay, so
     # the tensor lives as long as the state that holds the graph
     eos: dict = dataclasses.field(default_factory=dict)
+    buckets: dict = dataclasses.field(default_factory=dict)  # b -> _State of views of rows [0, b)
 
     def tensors(self):
         return (self.cur, self.slot, self.done, self.step, self.out, self.logp, self.seen)
+
+    def leading(self, b: int) -> _State:
+        """A state for working rows [0, b): views of cur, slot, done and seen, the shared step,
+        out and logp, written through rows = orig[:b]; made once and kept (graphs read it)."""
+        view = self.buckets.get(b)
+        if view is None:
+            view = self.buckets[b] = _State(
+                cur=self.cur[:b], slot=self.slot[:b], done=self.done[:b], step=self.step,
+                out=self.out, logp=self.logp, seen=self.seen[:b], rows=self.orig[:b])
+        return view
+
+
+def bucket(live: int) -> int:
+    """The working batch for `live` rows: the smallest power of two >= live."""
+    return 1 << max(live - 1, 0).bit_length()
 
 
 def _eos_ids(config) -> list[int]:
@@ -175,7 +217,7 @@ class DecodeLoop:
 
     def __init__(self, *, devices=("cuda",), check_every: int = 16, capture: bool = True,
                  max_prompt_length: int | None = None, attention: str = "sdpa",
-                 kernels: str = "torch"):
+                 kernels: str = "torch", compact_finished: bool = False):
         if kernels not in KERNELS:
             raise ValueError(f"kernels={kernels!r}; choose one of {KERNELS}")
         if check_every < 1:
@@ -187,12 +229,15 @@ class DecodeLoop:
         self.devices = tuple(devices)
         self.check_every = int(check_every)
         self.capture = bool(capture)
+        self.compact_finished = bool(compact_finished)  # module docstring: Compaction
         self.max_prompt_length = max_prompt_length  # first prompt room of a cache, when known
         self.time_graphs = False  # CUDA events around replays (stats.graph_s); costs a sync
         self.disabled_reason: str | None = None
         self.stats = LoopStats()
         self._caches: dict[tuple, KVCache] = {}  # (batch, new tokens) -> cache
-        self._states: dict[tuple, _State] = {}  # (batch, capacity, vocab) -> state
+        # (batch, new tokens, capacity, vocab) -> state: one cache per state, since its graphs
+        # read that cache (two caches of one batch and capacity differ in N)
+        self._states: dict[tuple, _State] = {}
         self._checked: set[int] = set()  # id(model) whose first call passed the check
         self._logged: set[str] = set()
         self._plans: dict[tuple, object] = {}  # (id(model), fingerprint) -> KernelPlan
@@ -277,7 +322,7 @@ class DecodeLoop:
         return cache
 
     def _state_for(self, cache, batch, vocab, device) -> _State:
-        key = (batch, cache.capacity, vocab)
+        key = (batch, cache.new_tokens, cache.capacity, vocab)
         state = self._states.get(key)
         if state is None:
             width = cache.new_tokens + self.check_every
@@ -288,7 +333,8 @@ class DecodeLoop:
                 step=torch.zeros(1, dtype=torch.long, device=device),
                 out=torch.zeros(batch, width, dtype=torch.long, device=device),
                 logp=torch.zeros(batch, width, dtype=torch.float32, device=device),
-                seen=torch.zeros(batch, vocab + 1, dtype=torch.bool, device=device))
+                seen=torch.zeros(batch, vocab + 1, dtype=torch.bool, device=device),
+                orig=torch.arange(batch, device=device))
         return state
 
     # -- the steps --------------------------------------------------------------------------
@@ -297,9 +343,14 @@ class DecodeLoop:
         """Write token y (B,) and log p_y at column `step`, then advance the row state."""
         y = torch.where(st.done, pad, y)
         lp = torch.where(st.done, torch.zeros_like(lp), lp)
-        col = st.step.view(1, 1).expand(y.shape[0], 1)
-        st.out.scatter_(1, col, y[:, None])
-        st.logp.scatter_(1, col, lp[:, None])
+        if st.rows is None:
+            col = st.step.view(1, 1).expand(y.shape[0], 1)
+            st.out.scatter_(1, col, y[:, None])
+            st.logp.scatter_(1, col, lp[:, None])
+        else:  # a bucket: working row j writes original row rows_j (flat index into (B, width))
+            flat = st.rows * st.out.shape[1] + st.step
+            st.out.view(-1).scatter_(0, flat, y)
+            st.logp.view(-1).scatter_(0, flat, lp)
         st.slot.add_((~st.done).long())
         st.done.logical_or_((y[:, None] == eos[None]).any(1))  # (B, E) compare, E EOS ids
         st.cur.copy_(y)
@@ -338,6 +389,52 @@ class DecodeLoop:
         self.stats.captures += 1
         self.stats.capture_s += time.perf_counter() - t0
         return graph
+
+    def _graph_for(self, step_fn, cache, st, spec, eos, pad, gkey):
+        """st's graph for gkey, captured on first use; None where that would pass MAX_CAPTURES."""
+        graph = st.graphs.get(gkey)
+        if graph is None:
+            if self.stats.captures >= MAX_CAPTURES:
+                return None
+            if st.graphs:
+                self._log_once("model state or sampling options changed: new graphs "
+                               "are captured for them")
+            if len(st.graphs) >= GRAPHS_PER_STATE:
+                st.graphs.pop(next(iter(st.graphs)))
+            graph = st.graphs[gkey] = self._capture(step_fn, cache, st, spec, eos, pad)
+        return graph
+
+    def _compact(self, step_fn, st, cache, done, b, written_slots, spec, eos, pad, gkey):
+        """Moves the working batch's live rows (done: its (W,) host copy) and finished ones to
+        fill b to rows [0, b) of the full state `st` and `cache`; returns (state, cache, graph)
+        of the b-row working batch (graph None off the capture path), or None, the batch
+        unchanged, where b's graph would be a capture past MAX_CAPTURES."""
+        B, W = st.cur.shape[0], done.shape[0]
+        work, work_cache = st.leading(b), cache.leading(b)
+        if gkey is not None and gkey not in work.graphs and self.stats.captures >= MAX_CAPTURES:
+            self._log_once(f"{MAX_CAPTURES} graphs captured, none for smaller working batches: "
+                           "finished rows stay in the batch")
+            return None
+        ladder = [1 << i for i in reversed(range((B // 2).bit_length()))]  # powers of 2 <= B/2
+        self._log_once(f"compacting finished rows: batch {B} shrinks through working batches "
+                       f"of {ladder} rows, one graph each, captured on first use")
+        # live rows first, each group in working order; idx (b,) < W
+        idx = torch.cat([(~done).nonzero()[:, 0], done.nonzero()[:, 0]])[:b].to(st.cur.device)
+        # `written` tokens recorded: a row's cache holds its prompt and written - 1 decoded
+        # tokens (the last is `cur`, not yet written), slots < P_b + written - 1 <= written_slots
+        cols = min(written_slots, cache.capacity)
+        for kv in (cache.k, cache.v):
+            for i in range(kv.shape[0]):  # layer by layer: a (b, H_kv, cols, D) temporary
+                kv[i, :b, :, :cols] = kv[i, idx, :, :cols]
+        for t in (st.cur, st.slot, st.done, st.seen, st.orig):  # the right side is a copy
+            t[:b] = t[idx]
+        self.stats.compactions += 1
+        self.stats.compacted_rows += W - b
+        self.stats.buckets = sorted(set(self.stats.buckets) | {b})
+        graph = None
+        if gkey is not None:
+            graph = self._graph_for(step_fn, work_cache, work, spec, eos, pad, gkey)
+        return work, work_cache, graph
 
     # -- the call ---------------------------------------------------------------------------
 
@@ -462,26 +559,32 @@ class DecodeLoop:
             self.stats.first_token_s = time.perf_counter() - t_call
         self.stats.prefill_s += time.perf_counter() - t0
 
-        graph = None
+        graph = gkey = None
         if self.capture and dev.type in CAPTURE_DEVICES:
             gkey = (spec, tuple(eos_list), pad, fingerprint, step_fn.plan)
-            graph = st.graphs.get(gkey)
+            graph = self._graph_for(step_fn, cache, st, spec, eos, pad, gkey)
             if graph is None:
-                if self.stats.captures >= MAX_CAPTURES:
-                    self.disable(f"{self.stats.captures} CUDA graphs captured: the model state "
-                                 "or the sampling options change from call to call")
-                    return None
-                if st.graphs:
-                    self._log_once("model state or sampling options changed: new graphs "
-                                   "are captured for them")
-                if len(st.graphs) >= GRAPHS_PER_STATE:
-                    st.graphs.pop(next(iter(st.graphs)))
-                graph = st.graphs[gkey] = self._capture(step_fn, cache, st, spec, eos, pad)
+                self.disable(f"{self.stats.captures} CUDA graphs captured: the model state "
+                             "or the sampling options change from call to call")
+                return None
         t0 = time.perf_counter()
+        st.orig.copy_(torch.arange(B, device=dev))
+        work, work_cache, W = st, cache, B  # the working batch: rows [0, W) of st and cache
         written = 1
         while written < N:
             self.stats.host_checks += 1
-            if bool(st.done.all()):  # the one device-to-host read per k tokens
+            if self.compact_finished:
+                done = work.done.cpu()  # the one device-to-host read per k tokens
+                live = W - int(done.sum())
+                if live == 0:
+                    break
+                if 2 * bucket(live) <= W:
+                    moved = self._compact(step_fn, st, cache, done, bucket(live), P + written - 1,
+                                          spec, eos, pad, gkey)
+                    if moved is not None:
+                        work, work_cache, graph = moved
+                        W = work.cur.shape[0]
+            elif bool(st.done.all()):  # the one device-to-host read per k tokens
                 break
             if graph is not None:
                 if self.time_graphs and dev.type == "cuda":
@@ -494,9 +597,10 @@ class DecodeLoop:
                 else:
                     graph.replay()
             else:
-                self._decode_steps(step_fn, cache, st, spec, eos, pad, self.check_every)
+                self._decode_steps(step_fn, work_cache, work, spec, eos, pad, self.check_every)
             written += self.check_every
             self.stats.steps += self.check_every
+            self.stats.row_steps_saved += (B - W) * self.check_every
         out = st.out[:, :N].cpu()
         logp = st.logp[:, :N].cpu()
         self.stats.decode_s += time.perf_counter() - t0
