@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import logging
 import math
-import types
-import weakref
 
 import pytest
 import torch
@@ -25,6 +23,7 @@ from test_sampling_loop import (
     batch,
     build,
     config,
+    fake_graphs,
     hf_completions,
     mid_eos,
     recompute_logprobs,
@@ -45,27 +44,10 @@ def tok():
     return tiny.build_tokenizer()
 
 
-@pytest.fixture
-def fake_graphs(monkeypatch):
-    """The capture path on CPU: a "graph" is the captured call holding its tensors weakly (a
-    replay that would read one freed since capture fails); returns the list of captures."""
-    made = []
-
-    def fake_graph(run, pool):
-        func = run.func
-        args = [weakref.ref(a) if isinstance(a, torch.Tensor) else a for a in run.args]
-        made.append(run.args[2].cur.shape[0])  # the working batch it was captured for
-
-        def replay():
-            live = [a() if isinstance(a, weakref.ref) else a for a in args]
-            assert all(a is not None for a in live), "a graph reads a tensor freed since capture"
-            func(*live)
-
-        return types.SimpleNamespace(replay=replay)
-
-    monkeypatch.setattr(loop_module, "CAPTURE_DEVICES", ("cuda", "cpu"))
-    monkeypatch.setattr(loop_module, "_graph_of", fake_graph)
-    return made
+@pytest.fixture(name="fake_graphs")
+def fake_graphs_fixture(monkeypatch):
+    """tests/test_sampling_loop.py's fake graphs: the list of the working batch of each capture."""
+    return fake_graphs(monkeypatch)
 
 
 def loops(**kw):

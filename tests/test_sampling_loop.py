@@ -166,22 +166,19 @@ def test_greedy_with_triton_decode_attention(tok, family, monkeypatch):
     assert (6 in calls) == (family != "llama")  # the sliding layers passed their window
 
 
-def test_replay_path_with_a_fake_graph(tok, monkeypatch):
-    """The capture path on CPU: a warm-up step that must leave no trace, then k-step "graphs"
-    (here the captured function, holding its tensors weakly as a graph holds only their
-    addresses) replayed per host check, a shorter prompt reusing the
-    graph, and a new graph when the model state changes; completions equal HF's throughout."""
+def fake_graphs(monkeypatch):
+    """The capture path on CPU: a "graph" is the captured call, holding its tensors weakly as a
+    CUDA graph holds only their addresses (a replay that would read one freed since capture,
+    its memory reused by then, fails); returns the list of the working batch each capture was
+    made for."""
     from trainers.sampling import loop as loop_module
 
     made = []
 
     def fake_graph(run, pool):
-        # A CUDA graph keeps addresses, not references: the captured call's tensors are held
-        # weakly, and a replay that would read one freed since capture (its memory reused by
-        # then) fails
         func = run.func
         args = [weakref.ref(a) if isinstance(a, torch.Tensor) else a for a in run.args]
-        made.append(None)
+        made.append(run.args[2].cur.shape[0])
 
         def replay():
             live = [a() if isinstance(a, weakref.ref) else a for a in args]
@@ -192,6 +189,15 @@ def test_replay_path_with_a_fake_graph(tok, monkeypatch):
 
     monkeypatch.setattr(loop_module, "CAPTURE_DEVICES", ("cuda", "cpu"))
     monkeypatch.setattr(loop_module, "_graph_of", fake_graph)
+    return made
+
+
+def test_replay_path_with_a_fake_graph(tok, monkeypatch):
+    """The capture path on CPU: a warm-up step that must leave no trace, then k-step "graphs"
+    (here the captured function, holding its tensors weakly as a graph holds only their
+    addresses) replayed per host check, a shorter prompt reusing the
+    graph, and a new graph when the model state changes; completions equal HF's throughout."""
+    made = fake_graphs(monkeypatch)
     model = build(tok, "qwen2", lora=True)
     ids, mask = batch(tok)
     eos = mid_eos(model, tok, ids, mask)

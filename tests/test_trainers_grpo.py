@@ -318,6 +318,12 @@ def test_softcapped_logits_fall_back_to_trl_head(tok, tmp_path):
     # does not, so ours must hand the call to TRL's head (and say so once).
     model = _model(tok)
     model.get_base_model().config.final_logit_softcapping = 5.0
+    _assert_trl_head_serves(tok, tmp_path, model, "final_logit_softcapping")
+
+
+def _assert_trl_head_serves(tok, tmp_path, model, reason: str):
+    """Two log-prob passes of ours equal stock's to the bit (TRL's head served them), with one
+    logged fallback line that names `reason`."""
     stock, ours = _pair(tok, tmp_path, model)
     ids, mask = _ids_and_mask(tok)
     with torch.no_grad():
@@ -326,22 +332,13 @@ def test_softcapped_logits_fall_back_to_trl_head(tok, tmp_path):
         ours._get_per_token_logps_and_entropies(ours.model, ids, mask, C)
     assert torch.equal(lp_o, lp_s)
     assert len(ours._lce_fallbacks_logged) == 1
-    assert "final_logit_softcapping" in next(iter(ours._lce_fallbacks_logged))
+    assert reason in next(iter(ours._lce_fallbacks_logged))
 
 
 def test_float64_model_falls_back_to_trl_head(tok, tmp_path):
     # grpo_lce computes in fp32 / bf16 / fp16: a float64 model's calls go to TRL's head, with
     # one logged line naming the dtype, instead of an error from inside the op
-    model = _model(tok).double()
-    stock, ours = _pair(tok, tmp_path, model)
-    ids, mask = _ids_and_mask(tok)
-    with torch.no_grad():
-        lp_s, _, _ = stock._get_per_token_logps_and_entropies(stock.model, ids, mask, C)
-        lp_o, _, _ = ours._get_per_token_logps_and_entropies(ours.model, ids, mask, C)
-        ours._get_per_token_logps_and_entropies(ours.model, ids, mask, C)
-    assert torch.equal(lp_o, lp_s)
-    assert len(ours._lce_fallbacks_logged) == 1
-    assert "torch.float64" in next(iter(ours._lce_fallbacks_logged))
+    _assert_trl_head_serves(tok, tmp_path, _model(tok).double(), "torch.float64")
 
 
 def _construct(tok, tmp_path, model, peft_config=None):
