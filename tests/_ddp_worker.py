@@ -42,6 +42,11 @@ Scenarios:
          accelerate's DDP wrapper, as the `ddp` scenario (tests/_ddp_trainers.py: builders,
          batches, step). Their batches are written by tests/test_ddp.py (CPU) or by
          `--reference` (tests/test_multigpu.py); not in the default list.
+  ddp_nf4
+         GRPO (dapo), SFT, DPO, KTO, RLOO and distillation on bitsandbytes NF4 bases with LoRA
+         under accelerate's DDP wrapper, as `ddp` (tests/_ddp_nf4.py: the bases, quantized
+         once and loaded from DIR/nf4 by both sides, and the fp64 twin). Needs the batches and
+         checkpoints the test or `--reference` writes; not in the default list.
 """
 
 from __future__ import annotations
@@ -383,6 +388,10 @@ def _run(rank, world, port, out_dir, scenarios, device):
         if name in scenarios:
             res[name] = _ddp_trainers.rank_results(name, rank, world, tok, batches[name],
                                                    out_dir, device)
+    if "ddp_nf4" in scenarios:
+        import _ddp_nf4
+
+        res.update(_ddp_nf4.rank_results(rank, world, tok, batches, out_dir, device))
     if "zero3" in scenarios:  # last: DeepSpeed leaves its own state in the process
         res.update(_zero3(rank, world, tok, batches, out_dir, device))
     torch.save(res, os.path.join(out_dir, f"rank{rank}.pt"))
@@ -442,6 +451,12 @@ def reference(out_dir, device, world: int):
         ref[name]["fp64"] = r64["loss"], r64["grads"]
         if name == "distillation":
             ref[name]["token_mean_loss"]["fp64"] = r64["token_mean_loss"]["loss"]
+    import _ddp_nf4  # NF4 bases: quantized once here, the ranks load the saved checkpoints
+
+    nf4_trainers, nf4_batches = _ddp_nf4.prepare(tok, out_dir, world, batches["sft"],
+                                                 device=device)
+    batches.update(nf4_batches)
+    ref.update(_ddp_nf4.reference_results(nf4_trainers, batches, out_dir))
     torch.save(batches, os.path.join(out_dir, "inputs.pt"))
     torch.save(ref, os.path.join(out_dir, "ref.pt"))
 
@@ -453,7 +468,7 @@ def main(argv=None):
     ap.add_argument("--nprocs", type=int, default=2, help="number of processes")
     ap.add_argument("--scenarios", default="ddp,fsdp2",
                     help="comma-separated: ddp, fsdp2, fsdp2_trainers, zero3, dpo, kto, rloo, "
-                         "distillation")
+                         "distillation, ddp_nf4")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                     help="cpu: gloo; cuda: nccl, rank r on cuda:r")
     ap.add_argument("--reference", action="store_true",

@@ -10,8 +10,10 @@ reduce-scattered back) and with LoRA; SFTTrainer, DPOTrainer, KTOTrainer, RLOOTr
 DistillationTrainer (LoRA, frozen head) under FSDP2 too (the policy sharded, so are DPO's
 disabled-adapter and KTO's "ref"-adapter references, which are the same model; distillation's
 teacher whole, as TRL + accelerate leave it under FSDP2, and also sharded); under DeepSpeed
-ZeRO-3 with LoRA (frozen head, partitioned and gathered; if deepspeed is installed); plus the
-refusals in `check_parallelism`. One subprocess (tests/_ddp_worker.py) spawns both ranks and
+ZeRO-3 with LoRA (frozen head, partitioned and gathered; if deepspeed is installed); GRPO (dapo),
+SFT, DPO, KTO, RLOO and distillation on bitsandbytes NF4 bases with LoRA under DDP
+(tests/_ddp_nf4.py: the bases quantized once, the fp64 truth the dequantized twin's step); plus
+the refusals in `check_parallelism`. One subprocess (tests/_ddp_worker.py) spawns both ranks and
 runs every scenario, so the ~10 s of imports and rendezvous are paid once. (The first ZeRO-3
 run on a machine also JIT-builds DeepSpeed's CPU shared-memory comm op, ~25 s, cached in
 ~/.cache/torch_extensions.) The same on two GPUs over NCCL: tests/test_multigpu.py.
@@ -77,6 +79,7 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
+import _ddp_nf4 as N
 import _ddp_trainers as T  # noqa: E402
 import _ddp_worker as W  # noqa: E402
 from _tolerance import assert_grads_vs_fp64, assert_loss_vs_fp64
@@ -90,6 +93,7 @@ TRAINER_SCENARIOS = ",".join((*T.NAMES, "fsdp2_trainers"))
 # FSDP2 case -> its single-process reference (the same builder, batch and step)
 FSDP2_TRAINER_CASES = {"sft": "sft", **{n: n for n in T.NAMES},
                        "distillation_sharded_teacher": "distillation"}
+NF4_SCENARIO = "ddp_nf4"  # the six trainers on NF4 bases under DDP (tests/_ddp_nf4.py)
 
 
 def _free_port() -> int:
@@ -125,6 +129,8 @@ def runs(tmp_path_factory):
     trainers = {name: T.build(name, tok, str(out / "ref"), 1) for name in T.NAMES}
     for name, t in trainers.items():
         batches[name] = T.batches(name, tok, t, WORLD)
+    nf4_trainers, nf4_batches = N.prepare(tok, str(out), WORLD, batches["sft"])
+    batches.update(nf4_batches)
     torch.save(batches, out / "inputs.pt")
 
     # start the ranks first: they run while the reference is computed here
@@ -134,7 +140,7 @@ def runs(tmp_path_factory):
         env.pop(k, None)
     cmd = [sys.executable, os.path.join(REPO, "tests", "_ddp_worker.py"), "--out", str(out),
            "--port", str(_free_port()), "--nprocs", str(WORLD),
-           "--scenarios", f"{SCENARIOS},{TRAINER_SCENARIOS}"]
+           "--scenarios", f"{SCENARIOS},{TRAINER_SCENARIOS},{NF4_SCENARIO}"]
     t0 = time.time()
     proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
@@ -169,6 +175,8 @@ def runs(tmp_path_factory):
         ref[name]["fp64"] = r64["loss"], r64["grads"]
         if name == "distillation":
             ref[name]["token_mean_loss"]["fp64"] = r64["token_mean_loss"]["loss"]
+    # NF4: the fp64 truth is each model's dequantized twin (tests/_ddp_nf4.py)
+    ref.update(N.reference_results(nf4_trainers, batches, str(out)))
 
     try:
         log, _ = proc.communicate(timeout=240)
@@ -247,6 +255,38 @@ def test_trainer_ddp_matches_single_process(runs, case):
                             what="distillation token-mean loss")
         plain = torch.stack([p["loss"] for p in parts]).mean()
         assert (plain - weighted).abs() > 1e-3 * weighted.abs(), "the two means coincide"
+
+
+@pytest.mark.parametrize("case", N.CASES)
+def test_nf4_ddp_matches_single_process(runs, case):
+    """GRPO (dapo), SFT, DPO, KTO, RLOO and distillation with a bitsandbytes NF4 base + LoRA
+    (frozen fp32 head) under DDP: the checks of `test_ddp_matches_single_process` against the
+    single process on the global batch, whose fp64 truth is the dequantized twin's step
+    (tests/_ddp_nf4.py: why that is the 4-bit model's exact math, and that the single process
+    lies within tolerance of it); each rank ran grpo_lce as often as the single process, with
+    no fallback, and logged the global batch's metrics (within K_REORDERED of the single
+    process's distance to the twin's fp64 metrics, as the losses). The loss arguments are the
+    fp32 scenarios' (module docstring): quantization changes the weights, not the reductions.
+    TRL casts the adapters of a quantized model to bf16, so the gradients compared are bf16
+    and the tolerance's scale (the single process's distance to fp64) is bf16's."""
+    ref, ranks = runs
+    key = f"nf4_{case}"
+    _assert_ddp_step(ref, ranks, key)
+    r = ref[key]
+    assert all(g.dtype == torch.bfloat16 for g in r["grads"].values())  # TRL's QLoRA cast
+    for rank, rk in enumerate(ranks):
+        assert rk[key]["fallbacks"] == [] == r["fallbacks"], (rank, rk[key]["fallbacks"])
+        assert rk[key]["calls"] == r["calls"] > 0, (rank, rk[key]["calls"])
+        assert rk[key]["metrics"].keys() == r["metrics"].keys()
+        for k in N.GLOBAL_METRICS.get(case, r["metrics"].keys()):
+            v = r["metrics"][k]
+            if k == "num_tokens":  # a running total, and the ranks took two steps
+                assert rk[key]["metrics"][k] == 2 * v, (rank, k)
+                continue
+            # bf16 adapters: rounding-level differences of bf16's size, so against the fp64
+            # twin's value as the losses are (a metric is a mean of <= 64 terms' values)
+            assert_loss_vs_fp64(rk[key]["metrics"][k], v, r["fp64_metrics"][k], n_terms=64,
+                                what=f"{key} rank {rank} metric {k}")
 
 
 @pytest.mark.parametrize("case", ["fsdp2_full", "fsdp2_lora"])

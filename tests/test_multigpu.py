@@ -7,7 +7,10 @@ tests/_ddp_trainers.py) under DDP, trainers.GRPOTrainer (dapo) under FSDP2 (`ful
 a CUDA mesh) with a trainable tied head (a DTensor gathered by trainers.sharded, its gradient
 reduce-scattered) and with LoRA, SFT, DPO, KTO, RLOO and distillation (LoRA) under FSDP2 (the
 policy sharded; distillation's teacher whole, and sharded too), and, if deepspeed is installed,
-under DeepSpeed ZeRO-3 with LoRA (frozen head, partitioned and gathered). Tiny fp32 models: this
+under DeepSpeed ZeRO-3 with LoRA (frozen head, partitioned and gathered); and GRPO (dapo), SFT,
+DPO, KTO, RLOO and distillation on bitsandbytes NF4 bases (compute dtype fp32) with LoRA under
+DDP (tests/_ddp_nf4.py: quantized once on the reference's GPU and loaded by both sides; the fp64
+truth is the dequantized twin's step, which the reference writes). Tiny fp32 models: this
 checks the synchronisation, not scale. Needs 2 visible GPUs, else skipped.
 
     python -m pytest tests/test_multigpu.py -m gpu -q -rA
@@ -81,7 +84,8 @@ def runs(tmp_path_factory):
                      "--out", str(out)], {**env, "CUDA_VISIBLE_DEVICES": first_gpu})
     t_ddp = _worker(["--device", "cuda", "--nprocs", str(cpu.WORLD), "--out", str(out),
                      "--port", str(cpu._free_port()),
-                     "--scenarios", f"{cpu.SCENARIOS},{cpu.TRAINER_SCENARIOS}"], env)
+                     "--scenarios",
+                     f"{cpu.SCENARIOS},{cpu.TRAINER_SCENARIOS},{cpu.NF4_SCENARIO}"], env)
     print(f"reference on 1 GPU: {t_ref:.1f} s; {cpu.WORLD} ranks on {cpu.WORLD} GPUs: "
           f"{t_ddp:.1f} s")
     ref = torch.load(out / "ref.pt", weights_only=False)
@@ -106,6 +110,11 @@ def test_ddp_matches_single_process_gpu(runs, case):
 @pytest.mark.parametrize("case", cpu.T.NAMES)
 def test_trainer_ddp_matches_single_process_gpu(runs, case):
     cpu.test_trainer_ddp_matches_single_process(runs, case)
+
+
+@pytest.mark.parametrize("case", cpu.N.CASES)
+def test_nf4_ddp_matches_single_process_gpu(runs, case):
+    cpu.test_nf4_ddp_matches_single_process(runs, case)
 
 
 @pytest.mark.parametrize("case", ["fsdp2_full", "fsdp2_lora"])
