@@ -37,6 +37,13 @@ Scenarios:
          `deepspeed.initialize` (every parameter partitioned, the head weight of numel 0 between
          forwards and gathered by trainers.sharded; gradients reduce-scattered by ZeRO-3 and read
          back whole with `safe_get_full_grad`). Needs deepspeed; not in the default list.
+  zero3_trainers
+         trainers.SFTTrainer, DPOTrainer, KTOTrainer, RLOOTrainer and DistillationTrainer
+         (LoRA: frozen head) with the policy on a ZeRO-3 engine built as in `zero3`, one step
+         each on the rank's rows (`_zero3_trainers`); distillation's teacher on its own ZeRO-3
+         engine from TRL's `prepare_deepspeed`, as TRL does under DeepSpeed. Results
+         "zero3_sft", "zero3_dpo", ..., compared with the single-process "sft", "dpo", ...
+         results. Needs deepspeed and the trainers' batches; not in the default list.
   dpo, kto, rloo, distillation
          trainers.DPOTrainer, KTOTrainer, RLOOTrainer and DistillationTrainer (LoRA) under
          accelerate's DDP wrapper, as the `ddp` scenario (tests/_ddp_trainers.py: builders,
@@ -54,6 +61,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import types
 import warnings
 
 import torch
@@ -317,8 +325,135 @@ def _fsdp2_trainers(rank, world, tok, batches, out_dir, device):
     return res
 
 
-def _zero3(rank, world, tok, batches, out_dir, device):
+def zero3_config(world: int) -> dict:
+    """The DeepSpeed config of the ZeRO-3 scenarios: every parameter partitioned, fp32."""
+    return {
+        "train_micro_batch_size_per_gpu": B // world, "gradient_accumulation_steps": 1,
+        "zero_optimization": {"stage": 3}, "zero_allow_untested_optimizer": True,
+    }
+
+
+def zero3_engine(model, world: int):
+    """`model` on a DeepSpeed ZeRO-3 engine (its parameters partitioned in place). No step is
+    taken (lr 0): ZeRO-3 only needs an optimizer to partition the gradients into.
+    deepspeed.init_distributed reuses the process group accelerate already set up."""
     import deepspeed
+
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(trainable, lr=0.0),
+                                      config=zero3_config(world))
+    return engine
+
+
+def _zero3_head(model) -> str:
+    """What the LM head weight of `model` is between forwards: "partitioned frozen" (or
+    "... trainable") for a released ZeRO-3 partitioned parameter (numel 0), which
+    trainers.sharded must gather; else its type and size."""
+    from trainers.models import unwrap_causal_lm
+    from trainers.sharded import is_zero3_param
+
+    w = unwrap_causal_lm(model).get_output_embeddings().weight
+    if is_zero3_param(w) and w.numel() == 0:
+        return f"partitioned {'trainable' if w.requires_grad else 'frozen'}"
+    return f"{type(w).__name__} of numel {w.numel()}"
+
+
+def zero3_step(tr, engine, inputs: dict, num_items=None) -> dict:
+    """`_ddp_trainers.step` on a ZeRO-3 engine: `engine.backward` (which finishes ZeRO-3's
+    reduce-scatter of the last gradient bucket), then each trainable parameter's averaged
+    gradient read back whole (`safe_get_full_grad`, a collective: every rank walks the same
+    names)."""
+    from deepspeed.utils import safe_get_full_grad
+
+    from grpo_lce._dispatch import recording
+
+    tr._metrics["train"].clear()
+    kwargs = {} if num_items is None else {"num_items_in_batch": num_items}
+    with recording() as rec:
+        loss = tr.compute_loss(engine, dict(inputs), **kwargs)
+        engine.backward(loss)
+    grads = {}
+    for n, p in engine.module.named_parameters():
+        if p.requires_grad:
+            g = safe_get_full_grad(p)
+            if g is not None:
+                grads[n] = g.detach().to("cpu", copy=True)
+    metrics = {k: v[-1] for k, v in tr._metrics["train"].items()}
+    return {"loss": loss.detach().cpu(), "synced": grads, "metrics": metrics,
+            "calls": len(rec.paths), "fallbacks": sorted(tr._lce_fallbacks_logged)}
+
+
+def _zero3_trainers(rank, world, tok, batches, out_dir, device):
+    """Scenario zero3_trainers: SFT, DPO, KTO, RLOO and distillation (LoRA: frozen head) with
+    the policy on a ZeRO-3 engine (`zero3_engine`), one step each on this rank's rows. DPO's
+    reference (the disabled adapter) and KTO's ("ref", a second adapter of the same PeftModel)
+    are the policy's own partitioned weights. Distillation's teacher is prepared as TRL 1.16's
+    DistillationTrainer prepares it when DeepSpeed is on: `trl.models.utils.prepare_deepspeed`
+    (its own ZeRO-3 engine, no optimizer, eval mode; every teacher weight partitioned too), so
+    the teacher's head is gathered by trainers.sharded under no_grad."""
+    from trl.models.utils import prepare_deepspeed
+
+    res = {}
+    cases = [("sft", None)] + [(name, name) for name in _ddp_trainers.NAMES]
+    for key, name in cases:
+        if name is None:
+            tr = sft_trainer(tok, tiny_model(tok, peft=True), out_dir, world, device=device)
+        else:
+            tr = _ddp_trainers.build(name, tok, out_dir, world, device=device)
+        dev = tr.accelerator.device
+        engine = zero3_engine(tr.model, world)
+        head = _zero3_head(engine.module)
+        if name == "distillation":
+            # what prepare_deepspeed reads of the accelerator: the ZeRO-3 config TRL would run
+            plugin = types.SimpleNamespace(deepspeed_config=zero3_config(world))
+            accel = types.SimpleNamespace(state=types.SimpleNamespace(deepspeed_plugin=plugin))
+            tr.teacher_model = prepare_deepspeed(tr.teacher_model, accel)
+            head = f"{head}+teacher {_zero3_head(tr.teacher_model.module)}"
+        if name is None:
+            inputs = to_device(rank_slice(batches["sft"], rank, world), dev)
+            out = zero3_step(tr, engine, inputs, batches["sft_num_items"].to(dev))
+            del out["metrics"]  # the single-process SFT reference keeps none
+        else:
+            out = zero3_step(tr, engine, to_device(batches[name]["ranks"][rank], dev))
+        out["head"] = head
+        res[f"zero3_{key}"] = out
+    res["zero3_refusals"] = _zero3_refusals(tok, out_dir, world, device)
+    return res
+
+
+def _zero3_refusals(tok, out_dir, world, device) -> dict:
+    """GRPOTrainer and SFTTrainer built with a ZeRO-3 `deepspeed=` config (so accelerate's
+    DeepSpeed plugin is on, stage 3): on a LoRA model (frozen head) the construction succeeds;
+    on the full model (trainable head) it must be refused. {case: "built, stage 3" or the
+    error's type and message}."""
+    import trl
+    from datasets import Dataset
+
+    from trainers import SFTTrainer
+
+    config = {**zero3_config(world), "train_micro_batch_size_per_gpu": "auto"}
+    sft_args = {"output_dir": out_dir, "report_to": "none", "bf16": False,
+                "use_cpu": device == "cpu", "save_strategy": "no",
+                "per_device_train_batch_size": B // world, "deepspeed": config}
+    out = {}
+    for name, peft in (("grpo", True), ("sft", True), ("grpo", False), ("sft", False)):
+        model = tiny_model(tok, peft=peft)
+        key = f"{name}_{'lora' if peft else 'full'}"
+        try:
+            if name == "grpo":
+                tr = grpo_trainer(tok, model, out_dir, world, device=device, deepspeed=config)
+            else:
+                tr = SFTTrainer(model=model, processing_class=tok, args=trl.SFTConfig(**sft_args),
+                                train_dataset=Dataset.from_dict({"text": ["abc", "hi"] * 4}))
+        except (ValueError, RuntimeError) as e:
+            out[key] = f"{type(e).__name__}: {e}"
+            continue
+        stage = tr.accelerator.state.deepspeed_plugin.zero_stage if tr.is_deepspeed_enabled else None
+        out[key] = f"built, stage {stage}"
+    return out
+
+
+def _zero3(rank, world, tok, batches, out_dir, device):
     from deepspeed.utils import safe_get_full_grad
 
     from trainers.models import unwrap_causal_lm
@@ -326,15 +461,7 @@ def _zero3(rank, world, tok, batches, out_dir, device):
 
     tr = grpo_trainer(tok, tiny_model(tok, peft=True), out_dir, world, device=device,
                       loss_type="dapo")
-    trainable = [p for p in tr.model.parameters() if p.requires_grad]
-    config = {
-        "train_micro_batch_size_per_gpu": B // world, "gradient_accumulation_steps": 1,
-        "zero_optimization": {"stage": 3}, "zero_allow_untested_optimizer": True,
-    }
-    # No step is taken (lr 0): ZeRO-3 only needs an optimizer to partition the gradients into.
-    # deepspeed.init_distributed reuses the process group accelerate already set up.
-    engine, *_ = deepspeed.initialize(model=tr.model, optimizer=torch.optim.SGD(trainable, lr=0.0),
-                                      config=config)
+    engine = zero3_engine(tr.model, world)
     head_w = unwrap_causal_lm(engine.module).get_output_embeddings().weight
     assert is_zero3_param(head_w) and head_w.numel() == 0 and not head_w.requires_grad, head_w
     inputs = to_device(rank_slice(batches["grpo"], rank, world), tr.accelerator.device)
@@ -394,6 +521,8 @@ def _run(rank, world, port, out_dir, scenarios, device):
         res.update(_ddp_nf4.rank_results(rank, world, tok, batches, out_dir, device))
     if "zero3" in scenarios:  # last: DeepSpeed leaves its own state in the process
         res.update(_zero3(rank, world, tok, batches, out_dir, device))
+    if "zero3_trainers" in scenarios:  # last too, for the same reason
+        res.update(_zero3_trainers(rank, world, tok, batches, out_dir, device))
     torch.save(res, os.path.join(out_dir, f"rank{rank}.pt"))
     import torch.distributed as dist
 
@@ -467,8 +596,8 @@ def main(argv=None):
     ap.add_argument("--port", type=int, help="free TCP port for the rendezvous")
     ap.add_argument("--nprocs", type=int, default=2, help="number of processes")
     ap.add_argument("--scenarios", default="ddp,fsdp2",
-                    help="comma-separated: ddp, fsdp2, fsdp2_trainers, zero3, dpo, kto, rloo, "
-                         "distillation, ddp_nf4")
+                    help="comma-separated: ddp, fsdp2, fsdp2_trainers, zero3, zero3_trainers, "
+                         "dpo, kto, rloo, distillation, ddp_nf4")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                     help="cpu: gloo; cuda: nccl, rank r on cuda:r")
     ap.add_argument("--reference", action="store_true",

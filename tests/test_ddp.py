@@ -9,12 +9,15 @@ trainable tied head (the LM head is a DTensor that `trainers.sharded` gathers, i
 reduce-scattered back) and with LoRA; SFTTrainer, DPOTrainer, KTOTrainer, RLOOTrainer and
 DistillationTrainer (LoRA, frozen head) under FSDP2 too (the policy sharded, so are DPO's
 disabled-adapter and KTO's "ref"-adapter references, which are the same model; distillation's
-teacher whole, as TRL + accelerate leave it under FSDP2, and also sharded); under DeepSpeed
-ZeRO-3 with LoRA (frozen head, partitioned and gathered; if deepspeed is installed); GRPO (dapo),
-SFT, DPO, KTO, RLOO and distillation on bitsandbytes NF4 bases with LoRA under DDP
+teacher whole, as TRL + accelerate leave it under FSDP2, and also sharded); GRPOTrainer, and
+SFT, DPO, KTO, RLOO and distillation, under DeepSpeed ZeRO-3 with LoRA (frozen head,
+partitioned and gathered; the references again adapters of the policy; distillation's teacher
+on its own ZeRO-3 engine, as TRL's `prepare_deepspeed` builds it; if deepspeed is installed);
+GRPO (dapo), SFT, DPO, KTO, RLOO and distillation on bitsandbytes NF4 bases with LoRA under DDP
 (tests/_ddp_nf4.py: the bases quantized once, the fp64 truth the dequantized twin's step); plus
-the refusals in `check_parallelism`. One subprocess (tests/_ddp_worker.py) spawns both ranks and
-runs every scenario, so the ~10 s of imports and rendezvous are paid once. (The first ZeRO-3
+the refusals in `check_parallelism` (ZeRO-3 with a trainable head among them). One subprocess
+(tests/_ddp_worker.py) spawns both ranks and runs every scenario, so the ~10 s of imports and
+rendezvous are paid once. (The first ZeRO-3
 run on a machine also JIT-builds DeepSpeed's CPU shared-memory comm op, ~25 s, cached in
 ~/.cache/torch_extensions.) The same on two GPUs over NCCL: tests/test_multigpu.py.
 
@@ -94,6 +97,10 @@ TRAINER_SCENARIOS = ",".join((*T.NAMES, "fsdp2_trainers"))
 FSDP2_TRAINER_CASES = {"sft": "sft", **{n: n for n in T.NAMES},
                        "distillation_sharded_teacher": "distillation"}
 NF4_SCENARIO = "ddp_nf4"  # the six trainers on NF4 bases under DDP (tests/_ddp_nf4.py)
+# SFT and the four on a DeepSpeed ZeRO-3 engine (tests/_ddp_worker.py runs them last)
+ZERO3_TRAINER_CASES = ("sft", *T.NAMES)
+if importlib.util.find_spec("deepspeed"):
+    TRAINER_SCENARIOS += ",zero3_trainers"
 
 
 def _free_port() -> int:
@@ -352,6 +359,63 @@ def test_zero3_matches_single_process(runs):
     _assert_loss(loss, r, "zero3 loss")
     for rank, rk in enumerate(ranks):
         _assert_grads(rk["zero3_lora"]["synced"], r, f"zero3 rank {rank}")
+
+
+@pytest.mark.parametrize("case", ZERO3_TRAINER_CASES)
+def test_trainer_zero3_matches_single_process(runs, case):
+    """SFT, DPO, KTO, RLOO and distillation (LoRA, frozen head) with the policy on a DeepSpeed
+    ZeRO-3 engine: every weight partitioned, the head released to numel 0 between forwards and
+    gathered by trainers.sharded; DPO's and KTO's references are adapters of the same engine's
+    model; distillation's teacher on its own ZeRO-3 engine from TRL's `prepare_deepspeed`, as
+    TRL 1.16's DistillationTrainer prepares it under DeepSpeed. The checks of the FSDP2 case:
+    loss and whole gradients are the single process's (ZeRO-3 reduce-scatters the gradients
+    averaged over ranks, as DDP does: the module docstring's loss arguments hold), grpo_lce ran
+    as often as in one process with no fallback, and the gathered metrics are the global
+    batch's."""
+    pytest.importorskip("deepspeed")
+    ref, ranks = runs
+    key, r = f"zero3_{case}", ref[case]
+    loss = torch.stack([rk[key]["loss"] for rk in ranks]).mean()
+    _assert_loss(loss, r, f"{key} loss")
+    # the teacher's weights keep requires_grad (neither TRL nor the builder freezes them); its
+    # head is read under no_grad, where trainers.sharded gathers a trainable ZeRO-3 head too
+    want = ("partitioned frozen+teacher partitioned trainable" if case == "distillation"
+            else "partitioned frozen")
+    for rank, rk in enumerate(ranks):
+        assert rk[key]["head"] == want, (rank, rk[key]["head"])
+        _assert_grads(rk[key]["synced"], r, f"{key} rank {rank}")
+        assert rk[key]["synced"].keys() == r["grads"].keys()
+        assert all("lora_" in n for n in rk[key]["synced"])
+        assert rk[key]["fallbacks"] == [] == r.get("fallbacks", []), (rank, rk[key]["fallbacks"])
+        # SFT: one head call per step (its reference asserted >= 1 call, no count kept)
+        assert rk[key]["calls"] == r.get("calls", 1) > 0, (rank, rk[key]["calls"])
+    for n, g0 in ranks[0][key]["synced"].items():  # the same reduced partitions, gathered
+        assert torch.equal(g0, ranks[1][key]["synced"][n]), f"{key} {n}: ranks differ"
+    # a rank's own rows alone give other gradients (the DDP scenario's rank-local ones, same
+    # model and rows): matching the reference above needed ZeRO-3's reduce-scatter
+    worst = max(((rk[case]["local"][n] - g).abs().max() / g.abs().max()).item()
+                for rk in ranks for n, g in r["grads"].items())
+    assert worst > 1e-2, f"{key}: a rank's local grads equal the reference ({worst:.2e})"
+    if "metrics" in r:  # TRL gathers every metric over processes: the global batch's values
+        for rank, rk in enumerate(ranks):
+            assert rk[key]["metrics"].keys() == r["metrics"].keys()
+            for k, v in r["metrics"].items():  # one step each: num_tokens' totals agree too
+                assert rk[key]["metrics"][k] == pytest.approx(v, rel=1e-5, abs=2e-6), (rank, k)
+
+
+def test_zero3_trainable_head_refused_at_construction(runs):
+    """GRPOTrainer and SFTTrainer built on the ranks with a real ZeRO-3 `deepspeed=` config
+    (accelerate's DeepSpeed plugin on): a LoRA model (frozen head) is accepted, the full model
+    (trainable head, which trainers.sharded cannot serve) is refused by `check_parallelism`."""
+    pytest.importorskip("deepspeed")
+    _, ranks = runs
+    for rank, rk in enumerate(ranks):
+        got = rk["zero3_refusals"]
+        for name, cls in (("grpo", "GRPOTrainer"), ("sft", "SFTTrainer")):
+            assert got[f"{name}_lora"] == "built, stage 3", (rank, name, got[f"{name}_lora"])
+            assert got[f"{name}_full"].startswith(
+                f"ValueError: trainers.{cls} supports DeepSpeed ZeRO-3 only with a frozen LM "
+                "head"), (rank, name, got[f"{name}_full"])
 
 
 # ---------------------------------------------------------------- check_parallelism refusals

@@ -7,11 +7,13 @@ tests/_ddp_trainers.py) under DDP, trainers.GRPOTrainer (dapo) under FSDP2 (`ful
 a CUDA mesh) with a trainable tied head (a DTensor gathered by trainers.sharded, its gradient
 reduce-scattered) and with LoRA, SFT, DPO, KTO, RLOO and distillation (LoRA) under FSDP2 (the
 policy sharded; distillation's teacher whole, and sharded too), and, if deepspeed is installed,
-under DeepSpeed ZeRO-3 with LoRA (frozen head, partitioned and gathered); and GRPO (dapo), SFT,
-DPO, KTO, RLOO and distillation on bitsandbytes NF4 bases (compute dtype fp32) with LoRA under
-DDP (tests/_ddp_nf4.py: quantized once on the reference's GPU and loaded by both sides; the fp64
-truth is the dequantized twin's step, which the reference writes). Tiny fp32 models: this
-checks the synchronisation, not scale. Needs 2 visible GPUs, else skipped.
+GRPO, SFT, DPO, KTO, RLOO and distillation under DeepSpeed ZeRO-3 with LoRA (frozen head,
+partitioned and gathered; the teacher on its own ZeRO-3 engine; a trainable head refused at
+construction); and GRPO (dapo), SFT, DPO, KTO, RLOO and distillation on bitsandbytes NF4 bases
+(compute dtype fp32) with LoRA under DDP (tests/_ddp_nf4.py: quantized once on the reference's
+GPU and loaded by both sides; the fp64 truth is the dequantized twin's step, which the reference
+writes). Tiny fp32 models: this checks the synchronisation, not scale. Needs 2 visible GPUs,
+else skipped.
 
     python -m pytest tests/test_multigpu.py -m gpu -q -rA
 
@@ -129,3 +131,12 @@ def test_trainer_fsdp2_matches_single_process_gpu(runs, case):
 
 def test_zero3_matches_single_process_gpu(runs):
     cpu.test_zero3_matches_single_process(runs)  # skips without deepspeed
+
+
+@pytest.mark.parametrize("case", cpu.ZERO3_TRAINER_CASES)
+def test_trainer_zero3_matches_single_process_gpu(runs, case):
+    cpu.test_trainer_zero3_matches_single_process(runs, case)  # skips without deepspeed
+
+
+def test_zero3_trainable_head_refused_at_construction_gpu(runs):
+    cpu.test_zero3_trainable_head_refused_at_construction(runs)  # skips without deepspeed
