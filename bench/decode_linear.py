@@ -25,6 +25,18 @@ Tile sweep (graph-replay ms of the kernel over BLOCK_N × SPLIT_K × num_warps �
 `python3 -m bench.decode_linear --sweep --rows 8`.
 CPU smoke run (Triton's interpreter, tiny shapes): `python -m bench.decode_linear --smoke`.
 Writes bench/results/bench_decode_linear_<GPU>.json and prints the table.
+
+`--rope` times the decode step's other fused piece instead, per layer: RoPE of q and k with the
+write of k and v into the KV cache (`kernels.rope.rope_cache_write`, one launch) against the torch
+ops it replaces in `ModelStep` (`_rope` of q and of k, two index_put writes; Qwen3's q_norm and
+k_norm before them on the qwen3-8b shape), at the Llama-3.2-1B (32 q / 8 kv heads of 64),
+Llama-3.1-8B and Qwen3-8B (32 / 8 heads of 128) shapes, a cache of ROPE_CACHE slots, M = --rows.
+Both are checked first (bit for bit without norms, the rope module's bound with them), then timed
+eagerly and as a graph of one call per layer of the model, each on its own layer's cache (the per-step
+cost); the floor is the bytes read and written ÷ the copy bandwidth. Writes
+bench/results/bench_decode_rope_<GPU>.json:
+
+    python3 -m bench.decode_linear --rope --rows 1,8,64,256
 """
 
 from __future__ import annotations
@@ -49,6 +61,11 @@ SMOKE_SHAPES = {"tiny": {"q/o": (128, 256), "down": (64, 512)}}
 # how many projections of a decoder layer have each shape (q and o; k and v; gate and up; down)
 PER_LAYER = {"q/o": 2, "k/v": 2, "gate/up": 2, "down": 1}
 GRAPH_CALLS = 20
+# (q heads, kv heads, head dim, layers, Qwen3 q/k norms)
+ROPE_SHAPES = {"1b": (32, 8, 64, 16, False), "8b": (32, 8, 128, 32, False),
+               "qwen3-8b": (32, 8, 128, 36, True)}
+SMOKE_ROPE_SHAPES = {"tiny": (4, 2, 16, 2, False), "tiny-norm": (4, 2, 16, 2, True)}
+ROPE_CACHE = 1024
 
 
 def hbm_bandwidth(device) -> float:
@@ -224,6 +241,110 @@ def sweep(shapes, rows, rank, device, bw):
     return out
 
 
+def rope_parts(m, hq, hkv, d, layers, norm, device):
+    """One decode step's inputs at one layer shape: the projections' (M, 1, H·D) outputs viewed
+    (M, H, D), cos / sin (M, D) of Llama-3.1's rotary embedding at random positions, `layers`
+    caches (M, Hkv, ROPE_CACHE, D) and slots; Qwen3 norm (weight, eps) pairs if `norm`."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    dt = torch.bfloat16
+    cfg = LlamaConfig(hidden_size=hq * d, num_attention_heads=hq, num_key_value_heads=hkv,
+                      head_dim=d, max_position_embeddings=131072,
+                      rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0,
+                                       "factor": 8.0, "low_freq_factor": 1.0,
+                                       "high_freq_factor": 4.0,
+                                       "original_max_position_embeddings": 8192})
+    pos = torch.randint(0, ROPE_CACHE, (m, 1), device=device)
+    cos, sin = LlamaRotaryEmbedding(cfg).to(device)(torch.zeros(1, dtype=dt, device=device), pos)
+    qkv = [torch.randn(m, 1, h * d, device=device).to(dt).view(m, h, d) for h in (hq, hkv, hkv)]
+    caches = [[torch.zeros(m, hkv, ROPE_CACHE, d, dtype=dt, device=device) for _ in range(2)]
+              for _ in range(layers)]
+    norms = [(1 + 0.3 * torch.randn(d, device=device)).to(dt) for _ in range(2)] if norm else None
+    return qkv, cos[:, 0], sin[:, 0], caches, pos[:, 0], norms
+
+
+def rope_torch_ops(q, k, v, cos, sin, ck, cv, slots, norms):
+    """What ModelStep runs without the kernel: (q/k norm,) `_rope` of q and of k on the
+    (B, H, 1, D) views, then the cache's two index_put writes."""
+    from trainers.sampling.kernels.rope import _norm_torch
+    from trainers.sampling.model_step import _rope
+
+    if norms is not None:
+        q, k = _norm_torch(q, (norms[0], 1e-6)), _norm_torch(k, (norms[1], 1e-6))
+    c, s = cos[:, None], sin[:, None]  # (B, 1, D): _rope's (B, S, D)
+    q4, k4 = _rope(q[:, :, None], c, s), _rope(k[:, :, None], c, s)
+    rows = torch.arange(q.shape[0], device=q.device)
+    ck[rows, :, slots] = k4[:, :, 0]
+    cv[rows, :, slots] = v
+    return q4
+
+
+def rope_main(args, shapes, rows, device, bw, env):
+    from trainers.sampling.kernels.rope import rope_cache_write
+
+    hdr = (f"{'shape':9} {'M':>4} {'floor':>7} | {'fused':>14} {'graph':>7} {'x floor':>7} | "
+           f"{'torch ops':>14} {'graph':>7} | {'speedup':>7} {'per step':>9}")
+    print(hdr + "\n" + "-" * len(hdr))
+    results = []
+    for name, (hq, hkv, d, layers, norm) in shapes.items():
+        for m in rows:
+            (q, k, v), cos, sin, caches, slots, norms = rope_parts(m, hq, hkv, d, layers, norm,
+                                                                   device)
+            nk = (None, None) if norms is None else ((norms[0], 1e-6), (norms[1], 1e-6))
+            ours = [functools.partial(rope_cache_write, q, k, v, cos, sin, ck, cv, slots,
+                                      q_norm=nk[0], k_norm=nk[1]) for ck, cv in caches]
+            ref = [functools.partial(rope_torch_ops, q, k, v, cos, sin, ck, cv, slots, norms)
+                   for ck, cv in caches]
+            with torch.no_grad():
+                written = (torch.arange(m, device=device), slice(None), slots)
+                q_ours = ours[0]()
+                k_ours = caches[0][0][written].clone()
+                q_ref = ref[0]()[:, :, 0]
+                k_ref = caches[0][0][written]
+                exact = torch.equal(q_ours, q_ref) and torch.equal(k_ours, k_ref)
+                if norms is None and not exact:
+                    raise SystemExit(f"{name} M={m}: the fused RoPE differs from the torch ops")
+                if norms is not None:
+                    # the rope module's bound, about 2⁻⁵ · T_i in bf16, T_i = |y_i cos_i| +
+                    # |y_j sin_i| <= |y_i| + |y_j| <= 2 max |rope(y)| over the head (the rotation
+                    # keeps y_i² + y_j²; |cos|, |sin| <= 1 for llama3)
+                    tol = 2.0**-4 * (q_ref.float().abs() + q_ref.float().abs().amax(-1, True))
+                    if not ((q_ours.float() - q_ref.float()).abs() <= tol).all():
+                        raise SystemExit(f"{name} M={m}: the fused norm + RoPE is off")
+                t_ours, t_ref = bc.time_ms(ours[0], device), bc.time_ms(ref[0], device)
+                g_ours, why_o = graph_ms(ours, device)
+                g_ref, why_r = graph_ms(ref, device)
+            el = 2  # bf16 bytes
+            # read q, k, v, cos, sin; write q and the k, v slots (v read once, written once)
+            fb = m * el * ((hq + 2 * hkv) * d + 2 * d + (hq + 2 * hkv) * d)
+            floor_ms = fb / bw * 1e3
+            best_o, best_r = (g_ours or t_ours)["ms"], (g_ref or t_ref)["ms"]
+            rec = {"shape": name, "Hq": hq, "Hkv": hkv, "D": d, "layers": layers, "norm": norm,
+                   "M": m, "floor_bytes": fb, "floor_ms": floor_ms, "fused": t_ours,
+                   "fused_graph": g_ours, "fused_graph_na": why_o, "torch_ops": t_ref,
+                   "torch_ops_graph": g_ref, "torch_ops_graph_na": why_r,
+                   "fused_over_floor": best_o / floor_ms, "speedup": best_r / best_o,
+                   "per_step_saved_ms": layers * (best_r - best_o)}
+            results.append(rec)
+
+            def fmt(t):
+                return f"{t['ms']:.4f}±{t['spread_pct']:.0f}%" if t else "n/a"
+
+            print(f"{name:9} {m:4} {floor_ms:7.4f} | {fmt(t_ours):>14} "
+                  f"{g_ours['ms'] if g_ours else float('nan'):7.4f} "
+                  f"{rec['fused_over_floor']:7.2f} | {fmt(t_ref):>14} "
+                  f"{g_ref['ms'] if g_ref else float('nan'):7.4f} | {rec['speedup']:7.2f} "
+                  f"{rec['per_step_saved_ms']:8.4f}ms")
+            del caches
+            bc.free_memory()
+    path = Path(args.out_dir) / f"bench_decode_rope_{bc.gpu_short_name(device)}.json"
+    bc.write_json(path, {"env": env, "bandwidth_Bps": bw, "cache_slots": ROPE_CACHE,
+                         "results": results})
+    print(f"graph ms are per call (one call per layer); 'per step' = layers x (torch - fused); "
+          f"wrote {path}")
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--models", default="1b,8b", help="comma list of 1b, 8b")
@@ -233,6 +354,8 @@ def main():
     p.add_argument("--out-dir", default=str(bc.RESULTS_DIR), help="where the JSON goes")
     p.add_argument("--sweep", action="store_true",
                    help="time our kernel over a grid of tile configs instead (use with --rows 8)")
+    p.add_argument("--rope", action="store_true",
+                   help="time the fused RoPE + KV-cache write against the torch ops instead")
     args = p.parse_args()
     if not torch.cuda.is_available():
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before our kernels import triton
@@ -247,6 +370,11 @@ def main():
     for pkg in ("bitsandbytes", "peft", "transformers"):
         env[pkg] = bc.package_version(pkg)
     print(f"{env['gpu'] or 'cpu'}  copy bandwidth {bw / 1e9:.0f} GB/s  commit {env['commit']}")
+    if args.rope:
+        rope_shapes = SMOKE_ROPE_SHAPES if args.smoke else \
+            {k: v for k, v in ROPE_SHAPES.items() if k.split("-")[-1] in args.models.split(",")}
+        rope_main(args, rope_shapes, rows, device, bw, env)
+        return
     if args.sweep:
         res = sweep(shapes, rows, args.rank, device, bw)
         path = Path(args.out_dir) / f"bench_decode_linear_sweep_{bc.gpu_short_name(device)}.json"

@@ -15,6 +15,7 @@ from triton.compiler import ASTSource
 
 from trainers.sampling.kernels import linear4bit as L
 from trainers.sampling.kernels import rmsnorm as R
+from trainers.sampling.kernels import rope as P
 
 TARGET = GPUTarget("cuda", 90, 32)
 
@@ -51,6 +52,17 @@ def main():
                        {"x_ptr": "*bf16", "r_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16",
                         "rout_ptr": "*bf16", "eps": "fp32"},
                        {"HAS_RESIDUAL": has_res, "BLOCK_H": 4096, "INTERP": False}, num_warps=8)
+    for norm, dt, wdt in ((False, "bf16", "bf16"), (True, "bf16", "bf16"), (True, "bf16", "fp32"),
+                          (False, "fp32", "fp32"), (True, "fp16", "fp16")):
+        out = "fp32" if "fp32" in (dt, wdt) else dt
+        compile_kernel(P._rope_cache_kernel,
+                       {"q_ptr": f"*{dt}", "k_ptr": f"*{dt}", "v_ptr": f"*{dt}",
+                        "cos_ptr": f"*{dt}", "sin_ptr": f"*{dt}", "qw_ptr": f"*{wdt}",
+                        "kw_ptr": f"*{wdt}", "ck_ptr": f"*{dt}", "cv_ptr": f"*{dt}",
+                        "slot_ptr": "*i64", "qo_ptr": f"*{out}", "eps_q": "fp32",
+                        "eps_k": "fp32"},
+                       {"NORM": norm, "BLOCK_G": 8, "BLOCK_HALF": 64, "INTERP": False},
+                       num_warps=1, enable_fp_fusion=False)
     print("all compiled")
     return 0
 

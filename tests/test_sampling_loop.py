@@ -69,15 +69,15 @@ FAMILIES = {
 }
 
 
-def build(tok, family, *, lora=False, seed=0):
+def build(tok, family, *, lora=False, seed=0, **config_kw):
     """A tiny random fp32 model of `family` with a softened untied head (entropies of a few
     nats, so greedy paths vary and sampling has choices; a tied head at this scale mostly
     repeats the last token); biases and q/k norms randomised so they matter; with `lora`, an
-    adapter with non-zero B."""
+    adapter with non-zero B. `config_kw` adds to the family's config arguments."""
     config_cls, model_cls, extra = FAMILIES[family]
     config = tiny._tiny_config(config_cls, tok, hidden_size=64, num_layers=2, num_heads=4,
                                num_kv_heads=2, intermediate_size=128, tie_word_embeddings=False,
-                               **extra)
+                               **{**extra, **config_kw})
     model = tiny._tiny_model(model_cls, config, tok, seed)
     with torch.random.fork_rng(devices=[]), torch.no_grad():
         torch.manual_seed(seed + 3)
@@ -575,7 +575,7 @@ def kernels_on_cpu(monkeypatch):
     from trainers.sampling import kernel_plan, model_step
 
     monkeypatch.setattr(kernel_plan, "KERNEL_DEVICES", ("cuda", "cpu"))
-    calls = {"decode_linear": 0, "add_rmsnorm": 0}
+    calls = {"decode_linear": 0, "add_rmsnorm": 0, "rope_cache_write": 0}
     for name in calls:
         real = getattr(model_step, name)
 
@@ -710,6 +710,58 @@ def test_failing_kernels_turn_off_with_one_line(tok, kernels_on_cpu, caplog, mon
     assert len(lines) == 1 and "forced kernel failure" in lines[0], lines
 
 
+LLAMA32_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0,
+                "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192}  # Llama-3.2's config.json
+
+
+@pytest.mark.parametrize("family", ["llama", "llama3", "qwen2", "qwen3", "mistral"])
+def test_greedy_with_kernels_equals_hf_generate(tok, family, kernels_on_cpu, caplog):
+    """kernels="auto" on the fp32 tiny models + LoRA (dense projections through decode_linear,
+    add_rmsnorm, and each decode step's RoPE + cache write through rope_cache_write, Qwen3's q/k
+    norms fused): greedy completions token-identical to HF `generate`; Llama with Llama-3.2's
+    rope scaling, Qwen2 / Mistral with sliding windows. q and k weights scaled up (scores x 36),
+    so attention is peaked and a wrong rotation changes the tokens."""
+    kw = {"rope_parameters": LLAMA32_ROPE} if family == "llama3" else {}
+    model = build(tok, "llama" if family == "llama3" else family, **kw)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.mul_(6)
+            layer.self_attn.k_proj.weight.mul_(6)
+    model = with_lora(model, seed=0)
+    if family == "llama3":
+        assert model.get_base_model().model.rotary_emb.rope_type == "llama3"
+    ids, mask = batch(tok)
+    gc = config(tok, [len(tok) + 7], new=8)
+    loop = cpu_loop(kernels="auto")
+    with caplog.at_level(logging.WARNING):
+        out = loop.generate(model, ids, mask, gc)
+    assert loop.disabled_reason is None and loop.kernels == "auto" and out is not None
+    assert out.token_ids == hf_completions(model, ids, mask, gc)
+    lines = [r.getMessage() for r in caplog.records if "projections through" in r.getMessage()]
+    assert len(lines) == 1 and "RoPE + cache write by rope_cache_write" in lines[0], lines
+    assert ("q/k norm + RoPE" in lines[0]) == (family == "qwen3")
+    assert kernels_on_cpu["rope_cache_write"] >= 2 * 7  # 2 layers, every decode step
+
+
+def test_rope_plan_leaves_partial_rotary_to_torch(tok):
+    """A rotary dim below the head dim (transformers' Llama attention cannot run it, but a config
+    can ask for it) keeps RoPE on the torch ops, with the reason in the plan's line; the other
+    kernels stay on."""
+    from trainers.sampling import kernel_plan
+
+    partial = build(tok, "llama", rope_parameters={"rope_type": "linear", "factor": 1.0,
+                                                   "rope_theta": 1e4, "partial_rotary_factor": 0.5})
+    full = build(tok, "llama")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(kernel_plan, "KERNEL_DEVICES", ("cuda", "cpu"))
+        plan = kernel_plan.make_plan(partial, "auto", "cpu")
+        assert not plan.rope and plan.norms and plan.active
+        assert "RoPE by torch ops (rotary dim 8 != head dim 16 (partial rotary))" in plan.line
+        assert kernel_plan.make_plan(full, "auto", "cpu").rope
+    assert not kernel_plan.make_plan(full, "torch", "cpu").rope
+
+
 def test_kernels_option_is_checked():
     with pytest.raises(ValueError, match="kernels='triton'"):
         DecodeLoop(kernels="triton")
@@ -838,8 +890,8 @@ def test_gpu_greedy_and_replay_after_optimizer_step(quant, attention, kernels, t
     print(f"\n{quant} {attention} kernels={kernels}: {plan.line}")
     if kernels == "auto":
         packed = 28 if quant == "nf4" else 0  # 4 layers x 7 projections
-        assert plan.norms and f"28 of 28 projections through decode_linear ({packed} by" \
-            in plan.line, plan.line
+        assert plan.norms and plan.rope and f"28 of 28 projections through decode_linear " \
+            f"({packed} by" in plan.line, plan.line
     ref = hf_completions(model, ids, mask, gc)
     gaps = _greedy_gap(model, ids, mask, out.token_ids, ref)
     print(f"\n{quant} {attention}: rows diverging from eager (row, step, eager logit gap, "

@@ -6,9 +6,13 @@
     norms        each residual add + RMSNorm pair (the decoder layer's two, and the last layer's
                  add with the final norm): `add_rmsnorm`, when every such norm is LlamaRMSNorm's
                  forward; transformers' modules otherwise
+    rope         each decode step's RoPE of q and k (after Qwen3's q_norm / k_norm, fused) with
+                 the write of k and v into the cache: `rope_cache_write`, one launch per layer,
+                 when the rotary dim is the head dim and any q/k norm is LlamaRMSNorm's forward
 
-Only decode steps use the projections' kernel (M = batch rows, the kernel's small-M regime);
-the prefill's B·S rows go through the modules (bitsandbytes dequantizes once per GEMM there).
+Only decode steps use the projections' and the RoPE kernels (M = batch rows, the projection
+kernel's small-M regime); the prefill's B·S rows go through the modules (bitsandbytes dequantizes
+once per GEMM there).
 kernels="torch" uses none of them; "auto" uses them on KERNEL_DEVICES.
 A plan is made once per model state (the loop keys it by the same fingerprint as its graphs: a
 disabled adapter or train mode changes what `decode_linear` supports) and says in one line which
@@ -19,9 +23,12 @@ from __future__ import annotations
 
 import dataclasses
 
+import torch
+
 from .kernels import linear4bit
 from .kernels._interp import interpreting
 from .kernels.rmsnorm import rmsnorm_params
+from .kernels.rope import norm_params
 
 KERNELS = ("auto", "torch")
 KERNEL_DEVICES = ("cuda",)  # where "auto" uses the kernels (CPU tests add "cpu": the interpreter)
@@ -34,11 +41,12 @@ class KernelPlan:
     fused: frozenset = frozenset()  # id() of the projection modules decode_linear serves
     split_mlp: frozenset = frozenset()  # id() of the LlamaMLP-style MLPs run projection by projection
     norms: bool = False  # residual add + RMSNorm by add_rmsnorm
+    rope: bool = False  # decode steps: (q/k norm +) RoPE + cache write by rope_cache_write
     line: str = "kernels off (kernels='torch')"
 
     @property
     def active(self) -> bool:
-        return bool(self.fused) or self.norms
+        return bool(self.fused) or self.norms or self.rope
 
 
 TORCH = KernelPlan()
@@ -55,6 +63,30 @@ def _norm_reason(base) -> str | None:
             rmsnorm_params(norm)
         except (ValueError, AttributeError) as exc:
             return str(exc)
+    return None
+
+
+def _rope_reason(base) -> str | None:
+    """Why rope_cache_write cannot serve `base`'s decode steps, or None. transformers' Llama,
+    Qwen2, Qwen3 and Mistral attention rotate the whole head (`apply_rotary_pos_emb` over D), so
+    a rotary dim below the head dim (a partial_rotary_factor < 1) is left to the modules' ops,
+    as are q/k norms of another form and norm weights in a third dtype."""
+    rotary = 2 * base.model.rotary_emb.inv_freq.numel()
+    dtype = base.model.embed_tokens.weight.dtype  # the hidden stream's dtype
+    for i, layer in enumerate(base.model.layers):
+        attn = layer.self_attn
+        if rotary != attn.head_dim:
+            return f"rotary dim {rotary} != head dim {attn.head_dim} (partial rotary)"
+        try:
+            norms = norm_params(attn)
+        except (ValueError, AttributeError) as exc:
+            return f"layer {i} q/k norm: {exc}"
+        for name, (w, _) in zip(("q_norm", "k_norm"), norms or ()):
+            if w.dtype not in (dtype, torch.float32) or w.shape != (attn.head_dim,):
+                return (f"layer {i} {name} weight is {tuple(w.shape)} {w.dtype} "
+                        f"(hidden states {dtype})")
+        if norms and norms[0][0].dtype != norms[1][0].dtype:
+            return f"layer {i} q_norm and k_norm weights differ in dtype"
     return None
 
 
@@ -97,6 +129,11 @@ def make_plan(base, kernels: str, device_type: str) -> KernelPlan:
         line += f", the rest as module calls (first: {first_reason})"
     line += ("; residual add + RMSNorm by add_rmsnorm" if norm_reason is None
              else f"; RMSNorm by the modules ({norm_reason})")
+    rope_reason = _rope_reason(base)
+    has_norms = hasattr(base.model.layers[0].self_attn, "q_norm") if base.model.layers else False
+    line += ("; " + ("q/k norm + " if has_norms else "") + "RoPE + cache write by rope_cache_write"
+             if rope_reason is None else f"; RoPE by torch ops ({rope_reason})")
     if not fused:
         split_mlp = set()  # nothing to gain from running the MLP piecewise
-    return KernelPlan(frozenset(fused), frozenset(split_mlp), norm_reason is None, line)
+    return KernelPlan(frozenset(fused), frozenset(split_mlp), norm_reason is None,
+                      rope_reason is None, line)

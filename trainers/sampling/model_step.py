@@ -29,8 +29,11 @@ With a `kernel_plan.KernelPlan`, decode steps run the planned projections throug
 `decode_linear` (an MLP of LlamaMLP's form as down(act(gate(x)) · up(x)), projection by
 projection), and both forwards fuse each residual add with the RMSNorm that follows it
 (`add_rmsnorm`): the residual stream then carries the last block's output `delta` not yet added
-to `h`, and the next norm (a layer's input norm, or the final norm) adds it. Both compute the
-modules' own functions within bf16 rounding (the kernels' docstrings state the bounds).
+to `h`, and the next norm (a layer's input norm, or the final norm) adds it. With the plan's
+`rope`, a decode step's q/k norms (Qwen3), RoPE and cache write of each layer run as one
+`rope_cache_write` on the projections' outputs (the prefill keeps the torch ops). All compute the
+modules' own functions within bf16 rounding (the kernels' docstrings state the bounds; RoPE
+without q/k norms is bit for bit).
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ from .decode_attention import decode_attention
 from .kernel_plan import TORCH, KernelPlan
 from .kernels.linear4bit import decode_linear
 from .kernels.rmsnorm import add_rmsnorm
+from .kernels.rope import norm_params, rope_cache_write
 
 ATTENTION = ("sdpa", "triton")  # decode attention: masked SDPA over M, or decode_attention
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
@@ -168,18 +172,36 @@ class ModelStep:
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H, S, D)
         return _rope(q, cos, sin), _rope(k, cos, sin), v
 
-    def _layers(self, h, positions, attend, write, keys, fused=False):
+    def _qkv_write(self, attn, x, cos, sin, cache_k, cache_v, slots):
+        """One decode token per row: the projections, then `rope_cache_write` writes rotated k
+        and v to slot slots_b of cache_k / cache_v (B, H_kv, M, D) and returns rotated q
+        (B, H, 1, D). The projections' (B, 1, H·D) outputs are read through (B, H, D) views."""
+        B, _, _ = x.shape
+        D = attn.head_dim
+        q = self._proj(attn.q_proj, x, True).view(B, -1, D)
+        k = self._proj(attn.k_proj, x, True).view(B, -1, D)
+        v = self._proj(attn.v_proj, x, True).view(B, -1, D)
+        norms = norm_params(attn)  # Qwen3's q_norm / k_norm, or None
+        q = rope_cache_write(q, k, v, cos[:, 0], sin[:, 0], cache_k, cache_v, slots,
+                             q_norm=norms and norms[0], k_norm=norms and norms[1])
+        return q[:, :, None]
+
+    def _layers(self, h, positions, attend, write, keys, fused=False, qkv_write=None):
         """Runs every layer: `write(i, k, v)` stores this step's keys and values in layer i's
         cache; `keys(i)` returns the (K, V) the queries attend to; `attend(q, K, V, window,
         scale)` the attention output (B, H, S, D). `fused`: the plan's projections run through
-        decode_linear. Returns (h, delta): the residual stream is h + delta."""
+        decode_linear. `qkv_write(i, attn, x, cos, sin)`, if given, replaces the projections,
+        RoPE and `write` (it returns q). Returns (h, delta): the residual stream is h + delta."""
         cos, sin = self.inner.rotary_emb(h, positions)  # (B, S, D) in the model dtype
         delta = None  # the last block's output, not yet added to h
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
             x, h = self._add_norm(delta, h, layer.input_layernorm)
-            q, k, v = self._qkv(attn, x, cos, sin, fused)
-            write(i, k, v)
+            if qkv_write is not None:
+                q = qkv_write(i, attn, x, cos, sin)
+            else:
+                q, k, v = self._qkv(attn, x, cos, sin, fused)
+                write(i, k, v)
             K, V = keys(i)
             o = attend(q, K, V, self.windows[i], attn.scaling)
             B, H, S, D = o.shape
@@ -258,6 +280,10 @@ class ModelStep:
                 return o.reshape(B, Hkv * G, 1, -1)
             return _attention(q, K, V, masks[window], scale)
 
+        def qkv_write(i, attn, x, cos, sin):
+            return self._qkv_write(attn, x, cos, sin, cache.k[i], cache.v[i], slots)
+
         h = self.inner.embed_tokens(tokens[:, None])  # (B, 1, hidden)
-        h, delta = self._layers(h, slots[:, None], attend, write, keys, fused=True)
+        h, delta = self._layers(h, slots[:, None], attend, write, keys, fused=True,
+                                qkv_write=qkv_write if self.plan.rope else None)
         return self._logits(h[:, 0], None if delta is None else delta[:, 0])
