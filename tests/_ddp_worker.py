@@ -3,6 +3,7 @@
     python tests/_ddp_worker.py --out DIR --port PORT [--nprocs 2] [--scenarios ddp,fsdp2]
                                 [--device cpu|cuda]
     python tests/_ddp_worker.py --out DIR --reference [--device cpu|cuda]
+    python tests/_ddp_worker.py --out DIR --fastgen-reference [--device cpu|cuda]
 
 Reads DIR/inputs.pt (the global batches, written by the test), spawns P processes with
 `torch.multiprocessing.spawn`, and each rank r writes DIR/rank{r}.pt: per scenario its loss,
@@ -49,6 +50,13 @@ Scenarios:
          accelerate's DDP wrapper, as the `ddp` scenario (tests/_ddp_trainers.py: builders,
          batches, step). Their batches are written by tests/test_ddp.py (CPU) or by
          `--reference` (tests/test_multigpu.py); not in the default list.
+  grpo_fastgen
+         trainers.GRPOTrainer (LoRA, sampler "loop") under DDP sampling its own generation
+         batch through our decode loop inside TRL's `_generate_and_score_completions`, each
+         rank its own prompts and its own loop (captures on CUDA); the recorded inputs, the
+         timings, then loss and gradients per loss type as in `ddp` (tests/_ddp_fastgen.py).
+         Its reference needs the ranks' samples: `--fastgen-reference`, run after the ranks.
+         Not in the default list.
   ddp_nf4
          GRPO (dapo), SFT, DPO, KTO, RLOO and distillation on bitsandbytes NF4 bases with LoRA
          under accelerate's DDP wrapper, as `ddp` (tests/_ddp_nf4.py: the bases, quantized
@@ -503,10 +511,15 @@ def _run(rank, world, port, out_dir, scenarios, device):
     from trainers.tiny import build_tokenizer
 
     tok = build_tokenizer()
-    batches = torch.load(os.path.join(out_dir, "inputs.pt"), weights_only=False)
+    path = os.path.join(out_dir, "inputs.pt")  # grpo_fastgen alone needs no batches
+    batches = torch.load(path, weights_only=False) if os.path.exists(path) else {}
     res = {}
     if "ddp" in scenarios:
         res.update(_ddp(rank, world, tok, batches, out_dir, device))
+    if "grpo_fastgen" in scenarios:
+        import _ddp_fastgen
+
+        res.update(_ddp_fastgen.rank_results(rank, world, tok, out_dir, device))
     if "fsdp2" in scenarios:
         res.update(_fsdp2(rank, world, tok, batches, out_dir, device))
     if "fsdp2_trainers" in scenarios:
@@ -590,19 +603,41 @@ def reference(out_dir, device, world: int):
     torch.save(ref, os.path.join(out_dir, "ref.pt"))
 
 
+def fastgen_reference(out_dir, device, world: int):
+    """Single process, after the ranks: the grpo_fastgen reference on the global batch the
+    ranks sampled (read from DIR/rank{r}.pt), written to DIR/ref_fastgen.pt
+    (tests/_ddp_fastgen.py)."""
+    import _ddp_fastgen
+
+    warnings.filterwarnings("ignore")
+    _exact_fp32(device)
+    from trainers.tiny import build_tokenizer
+
+    ranks = [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False)
+             for r in range(world)]
+    ref = _ddp_fastgen.reference_results(build_tokenizer(), ranks, out_dir, device)
+    torch.save(ref, os.path.join(out_dir, "ref_fastgen.pt"))
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True, help="directory with inputs.pt; rank files go here")
     ap.add_argument("--port", type=int, help="free TCP port for the rendezvous")
     ap.add_argument("--nprocs", type=int, default=2, help="number of processes")
     ap.add_argument("--scenarios", default="ddp,fsdp2",
-                    help="comma-separated: ddp, fsdp2, fsdp2_trainers, zero3, zero3_trainers, "
-                         "dpo, kto, rloo, distillation, ddp_nf4")
+                    help="comma-separated: ddp, grpo_fastgen, fsdp2, fsdp2_trainers, zero3, "
+                         "zero3_trainers, dpo, kto, rloo, distillation, ddp_nf4")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                     help="cpu: gloo; cuda: nccl, rank r on cuda:r")
     ap.add_argument("--reference", action="store_true",
                     help="write inputs.pt and the single-process ref.pt instead")
+    ap.add_argument("--fastgen-reference", action="store_true",
+                    help="after the ranks ran grpo_fastgen: write its single-process "
+                         "ref_fastgen.pt from their rank files")
     args = ap.parse_args(argv)
+    if args.fastgen_reference:
+        fastgen_reference(args.out, args.device, args.nprocs)
+        return
     if args.reference:
         reference(args.out, args.device, args.nprocs)
         return

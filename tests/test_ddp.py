@@ -15,7 +15,12 @@ partitioned and gathered; the references again adapters of the policy; distillat
 on its own ZeRO-3 engine, as TRL's `prepare_deepspeed` builds it; if deepspeed is installed);
 GRPO (dapo), SFT, DPO, KTO, RLOO and distillation on bitsandbytes NF4 bases with LoRA under DDP
 (tests/_ddp_nf4.py: the bases quantized once, the fp64 truth the dequantized twin's step); plus
-the refusals in `check_parallelism` (ZeRO-3 with a trainable head among them). One subprocess
+the refusals in `check_parallelism` (ZeRO-3 with a trainable head among them); and GRPO with
+fast generation under DDP (tests/_ddp_fastgen.py): each rank samples its share of the
+generation batch through its own decode loop inside TRL's `_generate_and_score_completions`,
+and the DDP step on those samples is checked against one process on the global batch the
+ranks' samples form (computed after the ranks, which must sample first), plus a bound on how
+long a rank's first generation takes beyond its own graph captures (WAIT_BOUND_S). One subprocess
 (tests/_ddp_worker.py) spawns both ranks and runs every scenario, so the ~10 s of imports and
 rendezvous are paid once. (The first ZeRO-3
 run on a machine also JIT-builds DeepSpeed's CPU shared-memory comm op, ~25 s, cached in
@@ -82,6 +87,7 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
+import _ddp_fastgen as F
 import _ddp_nf4 as N
 import _ddp_trainers as T  # noqa: E402
 import _ddp_worker as W  # noqa: E402
@@ -97,6 +103,15 @@ TRAINER_SCENARIOS = ",".join((*T.NAMES, "fsdp2_trainers"))
 FSDP2_TRAINER_CASES = {"sft": "sft", **{n: n for n in T.NAMES},
                        "distillation_sharded_teacher": "distillation"}
 NF4_SCENARIO = "ddp_nf4"  # the six trainers on NF4 bases under DDP (tests/_ddp_nf4.py)
+FASTGEN_SCENARIO = F.CASE  # GRPO sampling through the decode loop on each rank
+# A rank's first generation less its own graph captures: its own eager work (prefill, <= 9
+# decode steps and the loop's first-call check of a 2-layer H = 64 model on 2 rows, TRL's
+# tokenizing and its length gathers: well under a second on an idle CPU or GPU) plus any
+# wait on the other rank. The ranks start it together (a barrier) and do not synchronise
+# inside it except TRL's gathers, so nothing waits on the other's capture; 30 s leaves room
+# for a loaded shared CPU and a cold Triton cache, while a rank held by its peer's capture or
+# a stuck collective goes past it (gloo's and NCCL's own timeouts are minutes).
+WAIT_BOUND_S = 30.0
 # SFT and the four on a DeepSpeed ZeRO-3 engine (tests/_ddp_worker.py runs them last)
 ZERO3_TRAINER_CASES = ("sft", *T.NAMES)
 if importlib.util.find_spec("deepspeed"):
@@ -147,7 +162,8 @@ def runs(tmp_path_factory):
         env.pop(k, None)
     cmd = [sys.executable, os.path.join(REPO, "tests", "_ddp_worker.py"), "--out", str(out),
            "--port", str(_free_port()), "--nprocs", str(WORLD),
-           "--scenarios", f"{SCENARIOS},{TRAINER_SCENARIOS},{NF4_SCENARIO}"]
+           "--scenarios",
+           f"{SCENARIOS},{FASTGEN_SCENARIO},{TRAINER_SCENARIOS},{NF4_SCENARIO}"]
     t0 = time.time()
     proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
@@ -226,6 +242,92 @@ def _assert_ddp_step(ref, ranks, case):
     if "entropy" in r:  # TRL's metric gathers over processes: the global masked mean
         for rk in ranks:
             assert rk[case]["entropy"] == pytest.approx(r["entropy"], rel=1e-5, abs=2e-6)
+
+
+@pytest.fixture(scope="module")
+def fastgen_runs(runs, tmp_path_factory):
+    """(the grpo_fastgen single-process reference, the ranks' results): the reference scores
+    the global batch the ranks sampled, so it is computed after them (tests/_ddp_fastgen.py)."""
+    from trainers.tiny import build_tokenizer
+
+    _, ranks = runs
+    out = tmp_path_factory.mktemp("fastgen_ref")
+    return F.reference_results(build_tokenizer(), ranks, str(out)), ranks
+
+
+@pytest.mark.parametrize("loss_type", W.LOSS_TYPES)
+def test_grpo_fastgen_matches_single_process(fastgen_runs, loss_type):
+    """GRPO under DDP, each rank sampling its generation batch through its own decode loop in
+    TRL's `_generate_and_score_completions`: the DDP loss and gradients on the samples are the
+    single process's on the global batch the ranks' samples form, with `_assert_ddp_step`'s
+    checks and tolerances (the module docstring's loss arguments: the samples are inputs)."""
+    _assert_ddp_step(*fastgen_runs, f"{F.CASE}_{loss_type}")
+
+
+def test_grpo_fastgen_each_rank_sampled_with_its_loop(fastgen_runs):
+    check_fastgen_sampling(fastgen_runs[1], captured=False)  # eager on CPU: no graphs
+
+
+def check_fastgen_sampling(ranks, *, captured: bool):
+    """What each rank of grpo_fastgen sampled and how: TRL dealt it G copies of one prompt,
+    another prompt than the other rank's; its own decode loop served the call (no fallback)
+    and the completions trained on are the ones the loop returned; rewards and the token count
+    went through TRL's cross-process gathers (the global `num_items_in_batch` on every rank,
+    each group's advantages nonzero); with `captured` the loop captured its graphs; and the
+    generation took at most WAIT_BOUND_S beyond the rank's own capture time."""
+    recs = [rk[F.CASE] for rk in ranks]
+    for rank, rec in enumerate(recs):
+        assert len(rec["prompts"]) == F.G and len(set(rec["prompts"])) == 1, (rank,
+                                                                             rec["prompts"])
+    assert len({rec["prompts"][0] for rec in recs}) == len(recs), [r["prompts"] for r in recs]
+    total = sum(int(rec["inputs"]["completion_mask"].sum()) for rec in recs)
+    for rank, rec in enumerate(recs):
+        assert rec["served"] == {"loop": 1, "compiled": 0, "trl": 0}, (rank, rec["served"])
+        assert rec["loop_off"] is None and rec["loop_disabled"] is None, (rank, rec)
+        m = rec["metrics"]
+        assert m["fast_generation/loop_calls"] >= 1 and m["fast_generation/trl_calls"] == 0, m
+        ((sampler, ids),) = rec["seen"]
+        inp = rec["inputs"]
+        trained = [row[mask.bool()].tolist()
+                   for row, mask in zip(inp["completion_ids"], inp["completion_mask"])]
+        assert sampler == "loop" and trained == ids, (rank, trained, ids)
+        assert int(inp["num_items_in_batch"]) == total, (rank, inp["num_items_in_batch"], total)
+        assert (inp["advantages"] != 0).all(), (rank, inp["advantages"])
+        if captured:
+            assert rec["captures"] >= 1 and 0 < rec["capture_s"] <= rec["generation_s"], rec
+        else:
+            assert rec["captures"] == 0 and rec["capture_s"] == 0, rec
+        wait = rec["generation_s"] - rec["capture_s"]
+        print(f"rank {rank}: first generation {rec['generation_s']:.3f} s, "
+              f"{rec['captures']} captures {rec['capture_s']:.3f} s")
+        assert wait < WAIT_BOUND_S, (rank, rec["generation_s"], rec["capture_s"])
+
+
+def test_fastgen_global_batch_pads_completions():
+    """`F.global_batch` on ragged completions: right-padded to the longest (pad id, mask 0,
+    per-token values 0), rows in rank order, the global scalar kept; mismatches refused."""
+    def part(n_rows, width, fill):
+        return {"prompt_ids": torch.full((n_rows, 3), fill), "prompt_mask": torch.ones(n_rows, 3),
+                "completion_ids": torch.full((n_rows, width), fill),
+                "completion_mask": torch.ones(n_rows, width),
+                "old_per_token_logps": torch.full((n_rows, width), -1.0),
+                "importance_sampling_ratio": torch.ones(n_rows, 1),
+                "advantages": torch.arange(n_rows, dtype=torch.float) + fill,
+                "num_items_in_batch": torch.tensor(5)}
+    out = F.global_batch([part(2, 3, 7), part(2, 1, 8)], pad_token_id=0)
+    assert out["completion_ids"].tolist() == [[7] * 3] * 2 + [[8, 0, 0]] * 2
+    assert out["completion_mask"].tolist() == [[1] * 3] * 2 + [[1, 0, 0]] * 2
+    logps = out["old_per_token_logps"]
+    assert logps.size(1) == 3 and logps[2:, 1:].eq(0).all() and logps[:, 0].eq(-1).all()
+    assert out["importance_sampling_ratio"].shape == (4, 1)
+    assert out["advantages"].tolist() == [7, 8, 8, 9] and int(out["num_items_in_batch"]) == 5
+    with pytest.raises(ValueError, match="global scalar 'num_items_in_batch'"):
+        F.global_batch([part(2, 3, 7), {**part(2, 3, 8), "num_items_in_batch": torch.tensor(6)}],
+                       pad_token_id=0)
+    wide = part(2, 3, 8)
+    wide["prompt_ids"] = wide["prompt_mask"] = torch.ones(2, 4)
+    with pytest.raises(ValueError, match="prompt widths differ"):
+        F.global_batch([part(2, 3, 7), wide], pad_token_id=0)
 
 
 @pytest.mark.parametrize("case", T.NAMES)
@@ -488,3 +590,25 @@ def test_gpu_reference_writer_matches_the_fixture(runs, tmp_path):
     for case, r in ref.items():
         assert _shape(written[case]) == _shape(r), case
         _assert_loss(written[case]["loss"], r, f"{case} loss by the reference writer")
+
+
+def test_fastgen_reference_writer_matches_the_fixture(fastgen_runs, tmp_path):
+    """tests/test_multigpu.py's grpo_fastgen reference comes from `_ddp_worker.py
+    --fastgen-reference` after the ranks: run it here on CPU on this run's rank files; it must
+    write the fixture's results, with the fixture's losses and gradients."""
+    ref, ranks = fastgen_runs
+    for r, rk in enumerate(ranks):
+        torch.save(rk, tmp_path / f"rank{r}.pt")
+    env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
+           "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    cmd = [sys.executable, os.path.join(REPO, "tests", "_ddp_worker.py"), "--fastgen-reference",
+           "--device", "cpu", "--nprocs", str(WORLD), "--out", str(tmp_path)]
+    proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=240,
+                          check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    written = torch.load(tmp_path / "ref_fastgen.pt", weights_only=False)
+    assert written.keys() == ref.keys() == {f"{F.CASE}_{t}" for t in W.LOSS_TYPES}
+    for case, r in ref.items():
+        assert _shape(written[case]) == _shape(r), case
+        _assert_loss(written[case]["loss"], r, f"{case} loss by the reference writer")
+        _assert_grads(written[case]["grads"], r, f"{case} by the reference writer")

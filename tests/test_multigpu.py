@@ -12,16 +12,22 @@ partitioned and gathered; the teacher on its own ZeRO-3 engine; a trainable head
 construction); and GRPO (dapo), SFT, DPO, KTO, RLOO and distillation on bitsandbytes NF4 bases
 (compute dtype fp32) with LoRA under DDP (tests/_ddp_nf4.py: quantized once on the reference's
 GPU and loaded by both sides; the fp64 truth is the dequantized twin's step, which the reference
-writes). Tiny fp32 models: this checks the synchronisation, not scale. Needs 2 visible GPUs,
+writes); and GRPO under DDP sampling through each rank's own decode loop (CUDA graphs captured
+per rank) in TRL's `_generate_and_score_completions` (tests/_ddp_fastgen.py). Tiny fp32 models:
+this checks the synchronisation, not scale. Needs 2 visible GPUs,
 else skipped.
 
     python -m pytest tests/test_multigpu.py -m gpu -q -rA
 
-Two subprocesses of tests/_ddp_worker.py, one after the other: `--reference` on the first
+Three subprocesses of tests/_ddp_worker.py, one after the other: `--reference` on the first
 visible GPU alone (CUDA_VISIBLE_DEVICES narrowed to it), which writes the global batches and
-the single-process losses and gradients, then the 2 ranks on the two GPUs. Both are separate
-processes so that this pytest process never initialises CUDA or accelerate's singleton state,
-and both turn TF32 off (`_exact_fp32`): fp32 GEMMs in full fp32, cuDNN deterministic.
+the single-process losses and gradients; the 2 ranks on the two GPUs; then
+`--fastgen-reference` on the first GPU alone, which scores the global batch the ranks sampled
+in grpo_fastgen (the function the CPU test calls in-process; it needs the ranks' samples, so
+it runs after them, and on the reference's GPU, so that the tolerance's scale, the single
+process's distance to fp64, is the GPU's). All are separate processes so that this pytest
+process never initialises CUDA or accelerate's singleton state, and all turn TF32 off
+(`_exact_fp32`): fp32 GEMMs in full fp32, cuDNN deterministic.
 
 Tolerances: tests/test_ddp.py's, for the same reason. fp32 on both sides, identical weights,
 different row groupings (2 rows per rank against 4) and a reduction across ranks: only the
@@ -84,13 +90,17 @@ def runs(tmp_path_factory):
     first_gpu = env.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]
     t_ref = _worker(["--reference", "--device", "cuda", "--nprocs", str(cpu.WORLD),
                      "--out", str(out)], {**env, "CUDA_VISIBLE_DEVICES": first_gpu})
+    scenarios = (f"{cpu.SCENARIOS},{cpu.FASTGEN_SCENARIO},{cpu.TRAINER_SCENARIOS},"
+                 f"{cpu.NF4_SCENARIO}")
     t_ddp = _worker(["--device", "cuda", "--nprocs", str(cpu.WORLD), "--out", str(out),
-                     "--port", str(cpu._free_port()),
-                     "--scenarios",
-                     f"{cpu.SCENARIOS},{cpu.TRAINER_SCENARIOS},{cpu.NF4_SCENARIO}"], env)
+                     "--port", str(cpu._free_port()), "--scenarios", scenarios], env)
+    # grpo_fastgen's reference scores what the ranks sampled: a second pass after them
+    t_fg = _worker(["--fastgen-reference", "--device", "cuda", "--nprocs", str(cpu.WORLD),
+                    "--out", str(out)], {**env, "CUDA_VISIBLE_DEVICES": first_gpu})
     print(f"reference on 1 GPU: {t_ref:.1f} s; {cpu.WORLD} ranks on {cpu.WORLD} GPUs: "
-          f"{t_ddp:.1f} s")
+          f"{t_ddp:.1f} s; grpo_fastgen reference: {t_fg:.1f} s")
     ref = torch.load(out / "ref.pt", weights_only=False)
+    ref.update(torch.load(out / "ref_fastgen.pt", weights_only=False))
     ranks = [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(cpu.WORLD)]
     return ref, ranks
 
@@ -107,6 +117,17 @@ def test_placement(runs):
 @pytest.mark.parametrize("case", ["grpo_dapo", "grpo_grpo", "sft"])
 def test_ddp_matches_single_process_gpu(runs, case):
     cpu.test_ddp_matches_single_process(runs, case)
+
+
+@pytest.mark.parametrize("loss_type", cpu.W.LOSS_TYPES)
+def test_grpo_fastgen_matches_single_process_gpu(runs, loss_type):
+    cpu.test_grpo_fastgen_matches_single_process(runs, loss_type)
+
+
+def test_grpo_fastgen_each_rank_sampled_with_its_loop_gpu(runs):
+    """Each rank's own decode loop captured its CUDA graphs and served its generation, with no
+    rank waiting on the other's capture beyond cpu.WAIT_BOUND_S (`cpu.check_fastgen_sampling`)."""
+    cpu.check_fastgen_sampling(runs[1], captured=True)
 
 
 @pytest.mark.parametrize("case", cpu.T.NAMES)
