@@ -57,7 +57,7 @@ loss uses the teacher's distribution, not sampling log-probs, so none are kept.
 
 Falls back to TRL's own `_chunked_divergence_loss`, with one logged line per reason, when TRL
 passes a logit scale ≠ 1 or a final-logit softcap for either model (Gemma 2/3, Cohere, Granite,
-...), which grpo_lce does not apply. Refused at construction as for `trainers.GRPOTrainer`
+...), which grpo_lce does not apply, or a float64 head, which its ops do not take. Refused at construction as for `trainers.GRPOTrainer`
 (`trainers.base`): TRL outside 1.16.x, a PEFT adapter or `modules_to_save` on the student's LM
 head, a quantized LM head (student's or teacher's), models without `lm_head` or backbone, FSDP1,
 FSDP2 with CPU offload, ZeRO-3 with a trainable head. A teacher with another vocabulary, or
@@ -75,7 +75,7 @@ from accelerate.utils import is_peft_model
 from transformers.utils import logging
 from trl.extras.profiling import profiling_context
 
-from grpo_lce import linear_divergence
+from grpo_lce import FLOAT_DTYPES, linear_divergence
 
 from .base import PackingOptionsMixin
 from .head import check_fused_head, head_inputs
@@ -120,6 +120,15 @@ def _logit_transform_reason(scales: dict, softcaps: dict) -> str | None:
     for who, cap in softcaps.items():
         if cap is not None:
             return f"the {who}'s logits are softcapped at {cap}"
+    return None
+
+
+def _head_dtype_reason(weights: dict) -> str | None:
+    """A head weight in a dtype grpo_lce's ops do not take (float64), or None."""
+    for who, w in weights.items():
+        if w.dtype not in FLOAT_DTYPES:
+            return (f"the {who}'s LM head is {w.dtype}; grpo_lce computes in float32, bfloat16 "
+                    "or float16")
     return None
 
 
@@ -231,7 +240,8 @@ class DistillationTrainer(OnPolicySamplingMixin, PackingOptionsMixin, trl.Distil
             {"student": student_logit_scale, "teacher": teacher_logit_scale},
             {"student": student_final_logit_softcapping,
              "teacher": teacher_final_logit_softcapping},
-        )
+        ) or _head_dtype_reason({"student": student_lm_head_weight,
+                                 "teacher": teacher_lm_head_weight})
         if self._lce_falls_back(reason):
             trl_loss = trl.DistillationTrainer._compute_loss.__globals__[_SEAM]
             return trl_loss(

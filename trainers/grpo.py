@@ -22,8 +22,9 @@ compiled FastSampler, else TRL's; the loop's log-probs feed TRL's importance-sam
 (`sampler_importance_sampling_correction`: `trainers.sampling.correction`).
 
 Falls back to TRL's head, one warning per reason: multimodal inputs, logits softcapped or scaled
-before the softmax. Refused at construction (`trainers.base`): TRL outside 1.16.x, an adapted,
-quantized or missing LM head, FSDP and DeepSpeed ZeRO-3.
+before the softmax, a head in a dtype grpo_lce does not take (float64). Refused at construction
+(`trainers.base`): TRL outside 1.16.x, an adapted, quantized or missing LM head, FSDP1, FSDP2 with
+CPU offload, DeepSpeed ZeRO-3 with a trainable head.
 """
 
 from __future__ import annotations
