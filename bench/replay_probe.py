@@ -10,28 +10,12 @@ import sys
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, BitsAndBytesConfig, GenerationConfig
+from transformers import GenerationConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from test_sampling_loop import _gpu_llama, _gpu_prompts, hf_completions  # noqa: E402
+from test_sampling_loop import _gpu_prompts, gpu_lora_llama, hf_completions
 
-from trainers.sampling import DecodeLoop  # noqa: E402
-
-
-def build(quant, tmp):
-    from peft import LoraConfig, get_peft_model
-    model = _gpu_llama()
-    if quant == "nf4":
-        model.save_pretrained(tmp)
-        model = AutoModelForCausalLM.from_pretrained(tmp, quantization_config=BitsAndBytesConfig(
-            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.bfloat16),
-            dtype=torch.bfloat16, device_map={"": 0}).eval()
-    torch.manual_seed(1)
-    model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules="all-linear"))
-    for name, p in model.named_parameters():
-        if "lora_B" in name:
-            p.data.normal_(0.0, 0.02)
-    return model
+from trainers.sampling import DecodeLoop
 
 
 def agree(a, b):
@@ -46,7 +30,7 @@ def main():
             ("nf4", "torch", "inplace", True), ("nf4", "torch", "sgd", False),
             ("bf16", "torch", "sgd", True), ("nf4", "auto", "sgd", True)]:
         with tempfile.TemporaryDirectory() as tmp:
-            model = build(quant, tmp)
+            model = gpu_lora_llama(quant, tmp)
         ids, mask = _gpu_prompts(512)
         loop = DecodeLoop(check_every=16, kernels=kernels)
         before = loop.generate(model, ids, mask, gc).token_ids

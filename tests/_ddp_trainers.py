@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import torch
 
-from _trainer_pairs import ragged_ids_and_mask
+from _trainer_pairs import ragged_ids_and_mask, trl_head_in_fp64
 
 NAMES = ("dpo", "kto", "rloo", "distillation")
 ROWS = 4  # global pairs (DPO), examples (KTO) or rows (RLOO, distillation)
@@ -227,6 +227,19 @@ def reference_results(name: str, tr, batch: dict) -> dict:
     if name == "distillation":
         res["token_mean_loss"] = token_mean_loss(tr, tr.model, inputs)
     return res
+
+
+def reference_with_fp64(name: str, tr, batch: dict) -> dict:
+    """`reference_results`, with the same step in fp64 (`trl_head_in_fp64`) under "fp64":
+    (loss, grads), the truth the tolerances measure both sides against (and distillation's
+    token-mean loss in fp64 under its own "fp64")."""
+    ref = reference_results(name, tr, batch)
+    with trl_head_in_fp64(tr):
+        r64 = reference_results(name, tr, batch)
+    ref["fp64"] = r64["loss"], r64["grads"]
+    if name == "distillation":
+        ref["token_mean_loss"]["fp64"] = r64["token_mean_loss"]["loss"]
+    return ref
 
 
 def rank_results(name: str, rank: int, world: int, tok, batch: dict, out_dir: str,

@@ -587,12 +587,7 @@ def reference(out_dir, device, world: int):
     for name in _ddp_trainers.NAMES:  # same builders and order as tests/test_ddp.py's fixture
         t = _ddp_trainers.build(name, tok, out_dir, 1, device=device)
         batches[name] = _ddp_trainers.batches(name, tok, t, world)
-        ref[name] = _ddp_trainers.reference_results(name, t, batches[name])
-        with trl_head_in_fp64(t):
-            r64 = _ddp_trainers.reference_results(name, t, batches[name])
-        ref[name]["fp64"] = r64["loss"], r64["grads"]
-        if name == "distillation":
-            ref[name]["token_mean_loss"]["fp64"] = r64["token_mean_loss"]["loss"]
+        ref[name] = _ddp_trainers.reference_with_fp64(name, t, batches[name])
     import _ddp_nf4  # NF4 bases: quantized once here, the ranks load the saved checkpoints
 
     nf4_trainers, nf4_batches = _ddp_nf4.prepare(tok, out_dir, world, batches["sft"],

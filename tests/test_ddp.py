@@ -192,12 +192,7 @@ def runs(tmp_path_factory):
         ref[f"fsdp2_{'lora' if peft else 'full'}"] = {"loss": loss, "grads": grads,
                                                      "fp64": (loss64, grads64)}
     for name, t in trainers.items():
-        ref[name] = T.reference_results(name, t, batches[name])
-        with trl_head_in_fp64(t):
-            r64 = T.reference_results(name, t, batches[name])
-        ref[name]["fp64"] = r64["loss"], r64["grads"]
-        if name == "distillation":
-            ref[name]["token_mean_loss"]["fp64"] = r64["token_mean_loss"]["loss"]
+        ref[name] = T.reference_with_fp64(name, t, batches[name])
     # NF4: the fp64 truth is each model's dequantized twin (tests/_ddp_nf4.py)
     ref.update(N.reference_results(nf4_trainers, batches, str(out)))
 
@@ -422,13 +417,23 @@ def test_trainer_fsdp2_matches_single_process(runs, case):
     on every rank as often as in the single process, with no fallback. Why each loss agrees:
     the module docstring (FSDP2 averages the gradients over ranks as DDP does)."""
     ref, ranks = runs
-    key, r = f"fsdp2_{case}", ref[FSDP2_TRAINER_CASES[case]]
+    # the policy's head (and a sharded teacher's) was a DTensor, gathered by trainers.sharded
+    want = "DTensor+teacher DTensor" if case.endswith("sharded_teacher") else "DTensor"
+    _assert_sharded_trainer_step(ranks, f"fsdp2_{case}", ref[FSDP2_TRAINER_CASES[case]],
+                                 FSDP2_TRAINER_CASES[case], want, "FSDP2's")
+
+
+def _assert_sharded_trainer_step(ranks, key: str, r: dict, local: str, head: str, how: str):
+    """A trainer step with the policy sharded (FSDP2 or ZeRO-3), results under `key` on the
+    ranks, against the single process's `r`: the mean loss and each rank's whole gathered
+    gradients (equal on both ranks, LoRA only), the head's layout `head`, grpo_lce's calls with
+    no fallback, the gathered metrics; and that a rank's own rows alone (the DDP scenario
+    `local`'s rank-local gradients, same model and rows) give other gradients, so matching `r`
+    needed `how` reduction."""
     loss = torch.stack([rk[key]["loss"] for rk in ranks]).mean()
     _assert_loss(loss, r, f"{key} loss")
     for rank, rk in enumerate(ranks):
-        # the policy's head (and a sharded teacher's) was a DTensor, gathered by trainers.sharded
-        want = "DTensor+teacher DTensor" if case.endswith("sharded_teacher") else "DTensor"
-        assert rk[key]["head"] == want, (rank, rk[key]["head"])
+        assert rk[key]["head"] == head, (rank, rk[key]["head"])
         _assert_grads(rk[key]["synced"], r, f"{key} rank {rank}")
         assert rk[key]["synced"].keys() == r["grads"].keys()
         assert all("lora_" in n for n in rk[key]["synced"])
@@ -437,12 +442,10 @@ def test_trainer_fsdp2_matches_single_process(runs, case):
         assert rk[key]["calls"] == r.get("calls", 1) > 0, (rank, rk[key]["calls"])
     for n, g0 in ranks[0][key]["synced"].items():  # the same reduced shards, gathered
         assert torch.equal(g0, ranks[1][key]["synced"][n]), f"{key} {n}: ranks differ"
-    # a rank's own rows alone give other gradients (the DDP scenario's rank-local ones, same
-    # model and rows): matching the reference above needed FSDP2's reduce-scatter
-    base = FSDP2_TRAINER_CASES[case]
-    worst = max(((rk[base]["local"][n] - g).abs().max() / g.abs().max()).item()
+    worst = max(((rk[local]["local"][n] - g).abs().max() / g.abs().max()).item()
                 for rk in ranks for n, g in r["grads"].items())
-    assert worst > 1e-2, f"{key}: a rank's local grads equal the reference ({worst:.2e})"
+    assert worst > 1e-2, (f"{key}: a rank's local grads equal the reference ({worst:.2e}): "
+                          f"no {how} reduction tested")
     if "metrics" in r:  # TRL gathers every metric over processes: the global batch's values
         for rank, rk in enumerate(ranks):
             assert rk[key]["metrics"].keys() == r["metrics"].keys()
@@ -476,33 +479,11 @@ def test_trainer_zero3_matches_single_process(runs, case):
     batch's."""
     pytest.importorskip("deepspeed")
     ref, ranks = runs
-    key, r = f"zero3_{case}", ref[case]
-    loss = torch.stack([rk[key]["loss"] for rk in ranks]).mean()
-    _assert_loss(loss, r, f"{key} loss")
     # the teacher's weights keep requires_grad (neither TRL nor the builder freezes them); its
     # head is read under no_grad, where trainers.sharded gathers a trainable ZeRO-3 head too
     want = ("partitioned frozen+teacher partitioned trainable" if case == "distillation"
             else "partitioned frozen")
-    for rank, rk in enumerate(ranks):
-        assert rk[key]["head"] == want, (rank, rk[key]["head"])
-        _assert_grads(rk[key]["synced"], r, f"{key} rank {rank}")
-        assert rk[key]["synced"].keys() == r["grads"].keys()
-        assert all("lora_" in n for n in rk[key]["synced"])
-        assert rk[key]["fallbacks"] == [] == r.get("fallbacks", []), (rank, rk[key]["fallbacks"])
-        # SFT: one head call per step (its reference asserted >= 1 call, no count kept)
-        assert rk[key]["calls"] == r.get("calls", 1) > 0, (rank, rk[key]["calls"])
-    for n, g0 in ranks[0][key]["synced"].items():  # the same reduced partitions, gathered
-        assert torch.equal(g0, ranks[1][key]["synced"][n]), f"{key} {n}: ranks differ"
-    # a rank's own rows alone give other gradients (the DDP scenario's rank-local ones, same
-    # model and rows): matching the reference above needed ZeRO-3's reduce-scatter
-    worst = max(((rk[case]["local"][n] - g).abs().max() / g.abs().max()).item()
-                for rk in ranks for n, g in r["grads"].items())
-    assert worst > 1e-2, f"{key}: a rank's local grads equal the reference ({worst:.2e})"
-    if "metrics" in r:  # TRL gathers every metric over processes: the global batch's values
-        for rank, rk in enumerate(ranks):
-            assert rk[key]["metrics"].keys() == r["metrics"].keys()
-            for k, v in r["metrics"].items():  # one step each: num_tokens' totals agree too
-                assert rk[key]["metrics"][k] == pytest.approx(v, rel=1e-5, abs=2e-6), (rank, k)
+    _assert_sharded_trainer_step(ranks, f"zero3_{case}", ref[case], case, want, "ZeRO-3's")
 
 
 def test_zero3_trainable_head_refused_at_construction(runs):

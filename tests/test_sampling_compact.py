@@ -27,6 +27,7 @@ from test_sampling_loop import (
     hf_completions,
     mid_eos,
     recompute_logprobs,
+    spread_eos,
 )
 
 from trainers import tiny
@@ -236,18 +237,6 @@ def test_compaction_with_triton_decode_attention(tok, fake_graphs):
 
 # -- GPU: bucket graphs captured for real ------------------------------------------------------
 
-def _spread_eos(rows, never):
-    """The id with the most rows first emitting it at step >= 1, among ids some row never
-    emits (so rows stop at different lengths and some run to the end)."""
-    best, score = never, -1
-    for t in {t for row in rows for t in row}:
-        firsts = [row.index(t) if t in row else None for row in rows]
-        hits = sum(f is not None and f >= 1 for f in firsts)
-        if None in firsts and hits > score:
-            best, score = t, hits
-    return best
-
-
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_compaction_greedy_and_replay():
@@ -267,7 +256,7 @@ def test_gpu_compaction_greedy_and_replay():
         return GenerationConfig(max_new_tokens=N, do_sample=False, pad_token_id=0,
                                 eos_token_id=[eos])
 
-    gc = gc_for(_spread_eos(hf_completions(model, ids, mask, gc_for(never)), never))
+    gc = gc_for(spread_eos(hf_completions(model, ids, mask, gc_for(never)), never))
     ref = hf_completions(model, ids, mask, gc)
     plain = DecodeLoop(check_every=k)
     compact = DecodeLoop(check_every=k, compact_finished=True)

@@ -111,9 +111,15 @@ def mid_eos(model, tok, ids, mask):
     to max_new_tokens: the token with the most rows first hitting it at step >= 1 among those
     that some row never emits."""
     free = hf_completions(model, ids, mask, config(tok, [len(tok) + 7]))  # an id never drawn
-    best, score = None, -1
-    for t in {t for row in free for t in row}:
-        firsts = [row.index(t) if t in row else None for row in free]
+    return spread_eos(free)
+
+
+def spread_eos(rows, never=None):
+    """The id with the most rows first emitting it at step >= 1, among ids some row never
+    emits (so rows stop at different lengths and some run to the end); `never` if none."""
+    best, score = never, -1
+    for t in {t for row in rows for t in row}:
+        firsts = [row.index(t) if t in row else None for row in rows]
         hits = sum(f is not None and f >= 1 for f in firsts)
         if None in firsts and hits > score:
             best, score = t, hits
@@ -853,16 +859,9 @@ def test_near_tie_bound_scales_with_the_logits():
     assert _near_tie(14.0 / 3, 2.5, 14.0, layers=4)
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("quant,attention,kernels", [
-    ("bf16", "sdpa", "auto"), ("nf4", "sdpa", "torch"), ("nf4", "sdpa", "auto"),
-    ("nf4", "triton", "auto")])
-def test_gpu_greedy_and_replay_after_optimizer_step(quant, attention, kernels, tmp_path):
-    """Greedy completions of the captured loop against eager `generate` (bf16 / NF4 + LoRA;
-    decode kernels on or off), then an optimizer step on the LoRA weights: the replayed graphs
-    (no new capture) give the updated policy's greedy tokens (the 4-bit kernel reads the LoRA
-    factors live). One host check per k tokens."""
+def gpu_lora_llama(quant: str, tmp_path):
+    """`_gpu_llama` in bf16 or loaded from `tmp_path` with an NF4 base ("nf4"), with LoRA r=8 on
+    every linear layer and random B (std 0.02, seed 1), so the adapter matters."""
     from peft import LoraConfig, get_peft_model
 
     model = _gpu_llama()
@@ -879,6 +878,20 @@ def test_gpu_greedy_and_replay_after_optimizer_step(quant, attention, kernels, t
     for name, p in model.named_parameters():
         if "lora_B" in name:
             p.data.normal_(0.0, 0.02)
+    return model
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("quant,attention,kernels", [
+    ("bf16", "sdpa", "auto"), ("nf4", "sdpa", "torch"), ("nf4", "sdpa", "auto"),
+    ("nf4", "triton", "auto")])
+def test_gpu_greedy_and_replay_after_optimizer_step(quant, attention, kernels, tmp_path):
+    """Greedy completions of the captured loop against eager `generate` (bf16 / NF4 + LoRA;
+    decode kernels on or off), then an optimizer step on the LoRA weights: the replayed graphs
+    (no new capture) give the updated policy's greedy tokens (the 4-bit kernel reads the LoRA
+    factors live). One host check per k tokens."""
+    model = gpu_lora_llama(quant, tmp_path)
     ids, mask = _gpu_prompts(512)
     N, k = 48, 16
     gc = GenerationConfig(max_new_tokens=N, do_sample=False, pad_token_id=0, eos_token_id=[1])

@@ -349,6 +349,12 @@ def test_bf16_packs_through_varlen_on_cuda(tok, tmp_path):
 def test_logit_transforms_fall_back_to_trl(tok, tmp_path, who, attr, value, reason):
     s_model, t_model = _model(tok, "llama", tied=True, peft=True), _teacher(tok, "qwen2")
     setattr((s_model if who == "student" else t_model).config, attr, value)
+    _assert_trl_loss_serves(tok, tmp_path, s_model, t_model, reason)
+
+
+def _assert_trl_loss_serves(tok, tmp_path, s_model, t_model, reason: str):
+    """Stock and ours on the same models: ours logs exactly `reason` over two steps and its
+    first loss is stock's to the bit (TRL's own divergence loss ran)."""
     args = _config(tmp_path, beta=0.5)
     losses = []
     for cls in (trl.DistillationTrainer, DistillationTrainer):
@@ -365,18 +371,10 @@ def test_float64_models_fall_back_to_trl(tok, tmp_path):
     """grpo_lce computes in fp32 / bf16 / fp16: float64 student and teacher go to TRL's own
     divergence loss, one logged line naming the dtype, instead of an error from inside the op."""
     s_model = _model(tok, "llama", tied=True, peft=True).double()
-    t_model = _teacher(tok, "qwen2").double()
-    args = _config(tmp_path, beta=0.5)
-    losses = []
-    for cls in (trl.DistillationTrainer, DistillationTrainer):
-        tr = cls(model=copy.deepcopy(s_model), teacher_model=copy.deepcopy(t_model), args=args,
-                 train_dataset=_prompts(), processing_class=tok)
-        tr.model.train()
-        losses.append(_step(tr, _batch(tok))[0])
-    assert tr._lce_fallbacks_logged == {
+    _assert_trl_loss_serves(
+        tok, tmp_path, s_model, _teacher(tok, "qwen2").double(),
         "the student's LM head is torch.float64; grpo_lce computes in float32, bfloat16 or "
-        "float16"}
-    assert losses[1] == losses[0]  # TRL's own function ran
+        "float16")
 
 
 def test_seam_check():
