@@ -75,10 +75,10 @@ from accelerate.utils import is_peft_model
 from transformers.utils import logging
 from trl.extras.profiling import profiling_context
 
-from grpo_lce import FLOAT_DTYPES, linear_divergence
+from grpo_lce import linear_divergence
 
 from .base import PackingOptionsMixin
-from .head import check_fused_head, head_inputs
+from .head import check_fused_head, head_dtype_reason, head_inputs
 from .models import unwrap_model
 from .packing import packed_hidden, plan_packs
 from .sampling.on_policy import OnPolicySamplingMixin
@@ -120,15 +120,6 @@ def _logit_transform_reason(scales: dict, softcaps: dict) -> str | None:
     for who, cap in softcaps.items():
         if cap is not None:
             return f"the {who}'s logits are softcapped at {cap}"
-    return None
-
-
-def _head_dtype_reason(weights: dict) -> str | None:
-    """A head weight in a dtype grpo_lce's ops do not take (float64), or None."""
-    for who, w in weights.items():
-        if w.dtype not in FLOAT_DTYPES:
-            return (f"the {who}'s LM head is {w.dtype}; grpo_lce computes in float32, bfloat16 "
-                    "or float16")
     return None
 
 
@@ -240,8 +231,8 @@ class DistillationTrainer(OnPolicySamplingMixin, PackingOptionsMixin, trl.Distil
             {"student": student_logit_scale, "teacher": teacher_logit_scale},
             {"student": student_final_logit_softcapping,
              "teacher": teacher_final_logit_softcapping},
-        ) or _head_dtype_reason({"student": student_lm_head_weight,
-                                 "teacher": teacher_lm_head_weight})
+        ) or head_dtype_reason(student_lm_head_weight, "the student's") or head_dtype_reason(
+            teacher_lm_head_weight, "the teacher's")
         if self._lce_falls_back(reason):
             trl_loss = trl.DistillationTrainer._compute_loss.__globals__[_SEAM]
             return trl_loss(

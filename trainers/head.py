@@ -149,14 +149,22 @@ def check_parallelism(trainer) -> None:
                 )
 
 
+def head_dtype_reason(weight: torch.Tensor, owner: str = "the") -> str | None:
+    """Why `grpo_lce`'s ops cannot take `owner`'s LM head weight (a dtype outside
+    `grpo_lce.FLOAT_DTYPES`, e.g. float64), or None."""
+    if weight.dtype in FLOAT_DTYPES:
+        return None
+    return f"{owner} LM head is {weight.dtype}; grpo_lce computes in float32, bfloat16 or float16"
+
+
 def fused_head_unsupported_reason(model: torch.nn.Module) -> str | None:
     """Why `grpo_lce`'s plain (h Wᵀ + b) / τ would not match this model's logits (or cannot
     compute them: a head in a dtype the ops do not take, e.g. float64), or None."""
     lm = unwrap_causal_lm(model)
-    head = lm.get_output_embeddings()
-    dtype = getattr(getattr(head, "weight", None), "dtype", None)
-    if dtype is not None and dtype not in FLOAT_DTYPES:
-        return f"the LM head is {dtype}; grpo_lce computes in float32, bfloat16 or float16"
+    weight = getattr(lm.get_output_embeddings(), "weight", None)
+    reason = None if weight is None else head_dtype_reason(weight)
+    if reason is not None:
+        return reason
     config = lm.config
     text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
     for attr in _LOGIT_TRANSFORMS:
