@@ -10,8 +10,9 @@ tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 pip download -q --no-deps -d "$tmp" deepspeed
 DS_BUILD_OPS=0 pip wheel -q --no-deps "$tmp"/deepspeed-*.tar.gz -w .whl
-# the GPU image's Python is 3.12 (msgpack is the one compiled dependency)
+# the GPU image's Python is 3.12 (msgpack and pydantic-core are the compiled dependencies;
+# deepspeed's config classes import pydantic, which the image lacks)
 pip download -q --no-deps -d .whl --python-version 3.12 --only-binary=:all: \
     --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform any \
-    hjson py-cpuinfo msgpack einops ninja nvidia-ml-py
-ls .whl | grep -Ei "deepspeed|hjson|cpuinfo|msgpack|einops|ninja|nvidia_ml"
+    hjson py-cpuinfo msgpack einops ninja nvidia-ml-py pydantic pydantic-core annotated-types typing-inspection
+ls .whl | grep -Ei "deepspeed|hjson|cpuinfo|msgpack|einops|ninja|nvidia_ml|pydantic|annotated|typing_insp"
