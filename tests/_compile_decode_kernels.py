@@ -29,24 +29,23 @@ def compile_kernel(fn, types: dict, consts: dict, **options):
 
 
 def main():
-    for nested, split, lora, bs in itertools.product((False, True), (False, True), (False, True),
-                                                     (64, 128)):
+    for nested, split, lora, lora_fp32, bs in itertools.product(
+            (False, True), (False, True), (False, True), (False, True), (64, 128)):
+        if lora_fp32 and not lora:
+            continue
         types = {"x_ptr": "*bf16", "w_ptr": "*u8", "code_ptr": "*fp32",
                  "absmax_ptr": "*u8" if nested else "*fp32", "code2_ptr": "*fp32",
-                 "absmax2_ptr": "*fp32", "offset_ptr": "*fp32", "t_ptr": "*fp32",
-                 "b_ptr": "*bf16", "bias_ptr": "*bf16", "y_ptr": "*bf16", "part_ptr": "*fp32",
-                 "scaling": "fp32"}
-        consts = {"BS": bs, "BS2": 256, "NESTED": nested, "HAS_LORA": lora, "HAS_BIAS": True,
-                  "SPLIT": split, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "BLOCK_R": 16,
-                  "INTERP": False}
-        compile_kernel(L._linear4bit_kernel, types, consts, enable_fp_fusion=False)
+                 "absmax2_ptr": "*fp32", "offset_ptr": "*fp32",
+                 "a_ptr": "*fp32" if lora_fp32 else "*bf16", "b_ptr": "*bf16",
+                 "bias_ptr": "*bf16", "y_ptr": "*bf16", "part_ptr": "*fp32", "scaling": "fp32"}
+        consts = {"BS": bs, "BS2": 256, "NESTED": nested, "HAS_LORA": lora,
+                  "LORA_FP32": lora_fp32, "HAS_BIAS": True, "SPLIT": split, "BLOCK_M": 16,
+                  "BLOCK_N": 64, "BLOCK_R": 16, "INTERP": False}
+        compile_kernel(L._linear4bit_lora_kernel, types, consts, enable_fp_fusion=False,
+                       num_stages=1)
     compile_kernel(L._split_k_reduce_kernel,
-                   {"part_ptr": "*fp32", "t_ptr": "*fp32", "b_ptr": "*fp32", "bias_ptr": "*bf16",
-                    "y_ptr": "*bf16", "scaling": "fp32"},
-                   {"HAS_LORA": True, "HAS_BIAS": True, "BLOCK_M": 16, "BLOCK_N": 64,
-                    "BLOCK_R": 16, "INTERP": False})
-    compile_kernel(L._lora_t_kernel, {"x_ptr": "*bf16", "a_ptr": "*bf16", "t_ptr": "*fp32"},
-                   {"BLOCK_M": 16, "BLOCK_R": 16, "BLOCK_K": 64})
+                   {"part_ptr": "*fp32", "bias_ptr": "*bf16", "y_ptr": "*bf16"},
+                   {"HAS_BIAS": True, "BLOCK_M": 16, "BLOCK_N": 64, "INTERP": False})
     for has_res in (False, True):
         compile_kernel(R._add_rmsnorm_kernel,
                        {"x_ptr": "*bf16", "r_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16",

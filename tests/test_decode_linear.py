@@ -140,21 +140,23 @@ def test_matches_fp64(quant_type, double, n, k, m):
     _check(ours, y, big_s, k_eff=k + 16 + 4, rel_u=1, s_u=0, what=f"M={m} N={n} K={k}")
 
 
-@pytest.mark.parametrize("split_k,block_n,block_k", [(1, 32, 64), (2, 64, 128), (3, 16, 64),
-                                                     (8, 64, 256)])
-@pytest.mark.parametrize("lora", [False, True])
-def test_tile_configs_and_split_k(split_k, block_n, block_k, lora):
-    """Every tiling computes the same sum: split-K (with an uneven last split, and more splits
-    than tiles), BLOCK_N not dividing N, BLOCK_K from one to four absmax blocks."""
+@pytest.mark.parametrize("split_k,block_n,block_m", [(1, 32, 16), (2, 64, 16), (3, 16, 32),
+                                                     (8, 64, 64), (30, 64, 16)])
+@pytest.mark.parametrize("lora,lora_dtype", [(False, None), (True, torch.bfloat16),
+                                             (True, torch.float32)])
+def test_tile_configs_and_split_k(split_k, block_n, block_m, lora, lora_dtype):
+    """Every tiling computes the same sum: split-K (an uneven last split, and more splits than
+    absmax blocks), BLOCK_N not dividing N; each split carries its own share of the LoRA term,
+    in 16-bit and in fp32 factors."""
     n, k, m = 80, 384, 5
     packed, qs = _quantize(n, k, quant_type="nf4", double=True)
-    x, a, b, bias = _inputs(m, n, k, 8)
-    cfg = {"BLOCK_M": 16, "BLOCK_N": block_n, "BLOCK_K": block_k, "SPLIT_K": split_k}
+    x, a, b, bias = _inputs(m, n, k, 8, lora_dtype=lora_dtype or torch.bfloat16)
+    cfg = {"BLOCK_M": block_m, "BLOCK_N": block_n, "SPLIT_K": split_k}
     kw = {"lora_a": a, "lora_b": b, "scaling": 0.5} if lora else {}
     ours = linear4bit_lora(x, Packed4bit.from_quant_state(packed, qs), bias=bias, config=cfg, **kw)
     y, big_s = _fp64(x, bnbF.dequantize_4bit(packed, qs), bias, *((a, b) if lora else (None,
                      None)), 0.5)
-    _check(ours, y, big_s, k_eff=k + 8 + 4, rel_u=1, s_u=0, what=f"config {cfg}")
+    _check(ours, y, big_s, k_eff=k + 8 + split_k + 4, rel_u=1, s_u=0, what=f"config {cfg}")
 
 
 def _lora_module(n, k, *, quant_type="nf4", double=True, bias=True, r=16, alpha=32,

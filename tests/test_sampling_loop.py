@@ -614,8 +614,12 @@ def test_kernel_forward_equals_the_modules(tok, family, kernels_on_cpu):
 
     model = nf4_lora(tok, family)
     base = model.get_base_model()
-    plan = make_plan(base, "auto", "cpu")
+    plan = make_plan(base, "auto", "cpu", batch=3)
     assert len(plan.fused) == 14 and plan.norms, plan.line
+    # above one 16-row tile the projections stay with bitsandbytes; norms and RoPE still fuse
+    wide = make_plan(base, "auto", "cpu", batch=17)
+    assert not wide.fused and wide.norms and wide.rope, wide.line
+    assert "batch 17 > 16 rows" in wide.line, wide.line
     ids, mask = batch(tok, PROMPTS[:3])
     lengths = mask.sum(1)
     P = ids.shape[1]

@@ -12,7 +12,8 @@
 
 Only decode steps use the projections' and the RoPE kernels (M = batch rows, the projection
 kernel's small-M regime); the prefill's B·S rows go through the modules (bitsandbytes dequantizes
-once per GEMM there).
+once per GEMM there), and so do the projections of a decode batch above FUSED_LINEAR_MAX_ROWS
+rows, where bitsandbytes' dequantize + GEMM is the faster of the two (bench/README.md).
 kernels="torch" uses none of them; "auto" uses them on KERNEL_DEVICES.
 A plan is made once per model state (the loop keys it by the same fingerprint as its graphs: a
 disabled adapter or train mode changes what `decode_linear` supports) and says in one line which
@@ -34,6 +35,7 @@ KERNELS = ("auto", "torch")
 KERNEL_DEVICES = ("cuda",)  # where "auto" uses the kernels (CPU tests add "cpu": the interpreter)
 ATTN_PROJ = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_PROJ = ("gate_proj", "up_proj", "down_proj")
+FUSED_LINEAR_MAX_ROWS = 16  # decode batches up to one 16-row dot tile take the fused projection
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,8 +98,9 @@ def _mlp_ok(mlp) -> bool:
         type(mlp).__name__ in ("LlamaMLP", "Qwen2MLP", "Qwen3MLP", "MistralMLP")
 
 
-def make_plan(base, kernels: str, device_type: str) -> KernelPlan:
-    """The plan for transformers causal LM `base` (its PEFT layers included) on `device_type`."""
+def make_plan(base, kernels: str, device_type: str, batch: int = 1) -> KernelPlan:
+    """The plan for transformers causal LM `base` (its PEFT layers included) on `device_type`,
+    decoding `batch` rows per step."""
     if kernels not in KERNELS:
         raise ValueError(f"kernels={kernels!r}; choose one of {KERNELS}")
     if kernels == "torch":
@@ -106,6 +109,9 @@ def make_plan(base, kernels: str, device_type: str) -> KernelPlan:
         return KernelPlan(line=f"kernels off (the model is on {device_type!r}; they run on "
                                f"{' / '.join(KERNEL_DEVICES)})")
     fused, split_mlp, first_reason, total, packed = set(), set(), None, 0, 0
+    rows_reason = (None if batch <= FUSED_LINEAR_MAX_ROWS else
+                   f"batch {batch} > {FUSED_LINEAR_MAX_ROWS} rows: bitsandbytes' dequantize + "
+                   "GEMM is faster there")
     for i, layer in enumerate(base.model.layers):
         mods = [(n, getattr(layer.self_attn, n)) for n in ATTN_PROJ]
         mlp_ok = _mlp_ok(layer.mlp)
@@ -116,7 +122,7 @@ def make_plan(base, kernels: str, device_type: str) -> KernelPlan:
             first_reason = f"layer {i} mlp is {type(layer.mlp).__name__}"
         for name, mod in mods:
             total += 1
-            reason = linear4bit.unsupported_reason(mod)
+            reason = rows_reason or linear4bit.unsupported_reason(mod)
             if reason is None:
                 fused.add(id(mod))
                 packed += linear4bit._is_linear4bit(linear4bit._resolve_lora(mod).base)

@@ -40,13 +40,14 @@ decides (as eager's own batch-size variation). Sampling draws one (W, V) noise t
 so after a compaction the seeded draws land on other rows than without it: each row is still
 drawn from its own processed distribution, but the draws differ from the uncompacted loop's.
 
-Kernels (`kernels="auto"`, on CUDA; off by default, `kernels="torch"`, since the captured step
-is slower with them until the decode linear is tuned: bench/README.md): decode steps run the
-q/k/v/o and gate/up/down projections through the fused 4-bit + LoRA decode linear where it
-serves the module, and each residual add + RMSNorm through `add_rmsnorm` (`kernel_plan`); the
-plan is made once per model state and logged in one line. If the first-call check fails with the
-kernels, they are turned off for the run (one logged line) and the check is repeated without
-them.
+Kernels (`kernels="auto"`, the default; they run on CUDA): decode steps run each residual add +
+RMSNorm through `add_rmsnorm`, RoPE with the cache write through `rope_cache_write` and, for a
+decode batch of at most 16 rows, the q/k/v/o and gate/up/down projections through the fused
+4-bit + LoRA decode linear where it serves the module (`kernel_plan`, which decides it; the
+plan is made once per model state and batch and logged in one line). `kernels="torch"` runs the
+modules' own forward. The first call of each plan is checked as below; if the check fails with
+the kernels, they are turned off for the run (one logged line) and the check is repeated
+without them.
 
 Safety: the first call checks the loop's logits for the first two tokens (prefill and one
 decode step) against the model's own eager forward on the same prompts, in eval mode; a
@@ -217,7 +218,7 @@ class DecodeLoop:
 
     def __init__(self, *, devices=("cuda",), check_every: int = 16, capture: bool = True,
                  max_prompt_length: int | None = None, attention: str = "sdpa",
-                 kernels: str = "torch", compact_finished: bool = False):
+                 kernels: str = "auto", compact_finished: bool = False):
         if kernels not in KERNELS:
             raise ValueError(f"kernels={kernels!r}; choose one of {KERNELS}")
         if check_every < 1:
@@ -238,9 +239,9 @@ class DecodeLoop:
         # (batch, new tokens, capacity, vocab) -> state: one cache per state, since its graphs
         # read that cache (two caches of one batch and capacity differ in N)
         self._states: dict[tuple, _State] = {}
-        self._checked: set[int] = set()  # id(model) whose first call passed the check
+        self._checked: set[tuple] = set()  # (id(model), plan.line) whose first call passed
         self._logged: set[str] = set()
-        self._plans: dict[tuple, object] = {}  # (id(model), fingerprint) -> KernelPlan
+        self._plans: dict[tuple, object] = {}  # (id(model), fingerprint, batch) -> KernelPlan
         self._pool = None
 
     # -- policy -----------------------------------------------------------------------------
@@ -282,11 +283,12 @@ class DecodeLoop:
         _, reason = processors.spec_from_config(config, base.config.vocab_size)
         return reason
 
-    def _plan_for(self, model, fingerprint, device):
-        key = (id(model), fingerprint)
+    def _plan_for(self, model, fingerprint, device, batch):
+        key = (id(model), fingerprint, batch)
         plan = self._plans.get(key)
         if plan is None:
-            plan = self._plans[key] = make_plan(base_model(model), self.kernels, device.type)
+            plan = self._plans[key] = make_plan(base_model(model), self.kernels, device.type,
+                                                batch)
             self._log_once(plan.line)
         return plan
 
@@ -512,8 +514,9 @@ class DecodeLoop:
         shift = (P - lengths)[:, None]
         ids_left = input_ids.gather(1, (pos[None] + shift).clamp(max=P - 1))
         fingerprint = _fingerprint(model)
-        step_fn = ModelStep(model, self.attention, self._plan_for(model, fingerprint, dev))
-        if id(model) not in self._checked:
+        step_fn = ModelStep(model, self.attention, self._plan_for(model, fingerprint, dev, B))
+        checked_key = (id(model), step_fn.plan.line)  # each kernel path is checked once
+        if checked_key not in self._checked:
             try:
                 mismatch = self._check(model, step_fn, cache, ids_left, lengths, input_ids,
                                        attention_mask)
@@ -526,12 +529,13 @@ class DecodeLoop:
                 self.kernels = "torch"
                 self._plans.clear()
                 step_fn = ModelStep(model, self.attention, TORCH)
+                checked_key = (id(model), TORCH.line)
                 mismatch = self._check(model, step_fn, cache, ids_left, lengths, input_ids,
                                        attention_mask)
             if mismatch is not None:
                 self.disable(mismatch)
                 return None
-            self._checked.add(id(model))
+            self._checked.add(checked_key)
 
         t0 = time.perf_counter()
         eos_list = _eos_ids(config)

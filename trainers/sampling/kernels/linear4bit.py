@@ -25,10 +25,12 @@ the base output to bf16), with u = 2⁻⁸ the bf16 unit roundoff and S = |x| @ 
 output once; 2K · 2⁻²⁴ bounds the two fp32 accumulations.) Against the same sum in fp64 with the
 same round(W), ours is off by at most u · |y| + 2K · 2⁻²⁴ · S.
 
-Memory: the packed weight is read once (per block of 64 rows of x), never expanded to a bf16 copy
-in memory; A and B are read from their storage at every call, so a captured CUDA graph sees each
-optimizer step's values. Extra memory: t's split partials (SPLIT_T, M, R) fp32 and, when the K
-loop is split over programs, the partial outputs (SPLIT_K, M, N) fp32.
+Memory: the packed weight is read once, never expanded to a bf16 copy in memory; A and B are
+read from their storage at every call, so a captured CUDA graph sees each optimizer step's
+values. One launch (two when the K loop is split over programs: the partial outputs
+(SPLIT_K, M, N) fp32, then their fixed-order sum). Each split carries its own LoRA term
+s · t_split @ Bᵀ, t_split = x[:, split] @ A[:, split]ᵀ: the term is linear in t, so the splits
+add up to s · t @ Bᵀ, and every sum stays fp32 (no chain longer than K + r + SPLIT_K terms).
 """
 
 from __future__ import annotations
@@ -44,138 +46,11 @@ from ..kernels._interp import dot, interpreting, to_dtype
 
 
 @triton.jit
-def _lora_t_kernel(
-    x_ptr, a_ptr, t_ptr, M, K, R, K_PER_SPLIT,
-    stride_xm, stride_ar, stride_ts, stride_tm,
-    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-):
-    """t_part[s] = x[:, ks] @ A[:, ks]ᵀ over this program's K slice ks, fp32 products and sums."""
-    pid_m = tl.program_id(0)
-    pid_s = tl.program_id(1)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_r = tl.arange(0, BLOCK_R)
-    k_lo = pid_s * K_PER_SPLIT
-    acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-    for k0 in range(k_lo, tl.minimum(k_lo + K_PER_SPLIT, K), BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        k_ok = offs_k < tl.minimum(k_lo + K_PER_SPLIT, K)
-        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
-                    mask=(offs_m[:, None] < M) & k_ok[None, :], other=0.0)
-        a = tl.load(a_ptr + offs_r[:, None] * stride_ar + offs_k[None, :],
-                    mask=(offs_r[:, None] < R) & k_ok[None, :], other=0.0)
-        # fp32 operands, "ieee": bf16 x bf16 products are exact in fp32, no tf32 rounding
-        acc += tl.dot(x.to(tl.float32), tl.trans(a.to(tl.float32)), input_precision="ieee")
-    tl.store(t_ptr + pid_s * stride_ts + offs_m[:, None] * stride_tm + offs_r[None, :], acc,
-             mask=(offs_m[:, None] < M) & (offs_r[None, :] < BLOCK_R))
-
-
-@triton.jit
-def _epilogue(acc, offs_m, offs_n, M, N, R, SPLIT_T, scaling,
-              t_ptr, b_ptr, bias_ptr, y_ptr, stride_ts, stride_tm, stride_bn, stride_ym,
-              HAS_LORA: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
-              BLOCK_R: tl.constexpr, INTERP: tl.constexpr):
-    """y[m, n] = round(acc + s · t[m] · B[n] + bias[n]), the LoRA and bias terms in fp32."""
-    m_ok = offs_m < M
-    n_ok = offs_n < N
-    if HAS_LORA:
-        offs_r = tl.arange(0, BLOCK_R)
-        t = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-        for s in range(SPLIT_T):
-            t += tl.load(t_ptr + s * stride_ts + offs_m[:, None] * stride_tm + offs_r[None, :],
-                         mask=m_ok[:, None], other=0.0)
-        b = tl.load(b_ptr + offs_n[:, None] * stride_bn + offs_r[None, :],
-                    mask=n_ok[:, None] & (offs_r[None, :] < R), other=0.0)
-        acc += scaling * tl.dot(t, tl.trans(b.to(tl.float32)), input_precision="ieee")
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :],
-             to_dtype(acc, y_ptr.dtype.element_ty, INTERP), mask=m_ok[:, None] & n_ok[None, :])
-
-
-@triton.jit
-def _linear4bit_kernel(
-    x_ptr, w_ptr, code_ptr, absmax_ptr, code2_ptr, absmax2_ptr, offset_ptr,
-    t_ptr, b_ptr, bias_ptr, y_ptr, part_ptr,
-    M, N, K, R, SPLIT_T, TILES_PER_SPLIT, scaling,
-    stride_xm, stride_ts, stride_tm, stride_bn, stride_ym, stride_ps, stride_pm,
-    BS: tl.constexpr, BS2: tl.constexpr, NESTED: tl.constexpr,
-    HAS_LORA: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
-    INTERP: tl.constexpr,
-):
-    """acc = x[m-block] @ round(W[n-block])ᵀ over this program's K tiles; then the epilogue, or
-    the fp32 partial to part[pid_k] when the K loop is split over programs (SPLIT).
-
-    A K tile of BLOCK_K elements is NB = BLOCK_K / BS absmax blocks of HB = BS / 2 bytes: the
-    packed bytes load as (BLOCK_N, NB, HB), so one scale per (n, block) broadcasts over HB.
-    The high nibbles are the even columns k = k0 + 2j and the low nibbles the odd ones, so x is
-    read as its even and odd columns and the tile is two dots, never an interleave.
-    """
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    pid_k = tl.program_id(2)
-    NB: tl.constexpr = BLOCK_K // BS
-    HB: tl.constexpr = BS // 2
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_ok = offs_m < M
-    n_ok = offs_n < N
-    KB = K // BS  # absmax blocks per row
-    n64 = offs_n.to(tl.int64)
-    offs_b = tl.arange(0, NB)
-    offs_h = tl.arange(0, HB)
-    offs_j = tl.arange(0, BLOCK_K // 2)
-    offset = tl.load(offset_ptr)  # the double-quant offset (a code entry, unused, otherwise)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    tile_lo = pid_k * TILES_PER_SPLIT
-    for tile in range(tile_lo, tile_lo + TILES_PER_SPLIT):
-        blk = tile * NB + offs_b  # (NB,) absmax block within the row
-        blk_ok = n_ok[:, None] & (blk[None, :] < KB)  # (BLOCK_N, NB)
-        ablk = n64[:, None] * KB + blk[None, :]  # (BLOCK_N, NB) flat absmax index
-        if NESTED:
-            qa = tl.load(absmax_ptr + ablk, mask=blk_ok, other=0)
-            scale = tl.load(code2_ptr + qa.to(tl.int32)) * tl.load(
-                absmax2_ptr + ablk // BS2, mask=blk_ok, other=0.0) + offset
-        else:
-            scale = tl.load(absmax_ptr + ablk, mask=blk_ok, other=0.0)
-        # (BLOCK_N, NB, HB) packed bytes; read once, the only HBM traffic that scales with N·K
-        p = tl.load(w_ptr + (ablk * HB)[:, :, None] + offs_h[None, None, :],
-                    mask=blk_ok[:, :, None], other=0)
-        q_hi = (p >> 4).to(tl.int32)
-        q_lo = (p & 15).to(tl.int32)
-        # code · absmax in fp32, then rounded to x's dtype: bitsandbytes' dequantized weight
-        # the 16-entry table stays in L1: a gather per code
-        c_hi = tl.load(code_ptr + q_hi, eviction_policy="evict_last")
-        c_lo = tl.load(code_ptr + q_lo, eviction_policy="evict_last")
-        w_hi = to_dtype(c_hi * scale[:, :, None], x_ptr.dtype.element_ty, INTERP)
-        w_lo = to_dtype(c_lo * scale[:, :, None], x_ptr.dtype.element_ty, INTERP)
-        w_hi = tl.reshape(w_hi, (BLOCK_N, BLOCK_K // 2))
-        w_lo = tl.reshape(w_lo, (BLOCK_N, BLOCK_K // 2))
-        k_even = tile * BLOCK_K + 2 * offs_j
-        x_mask = m_ok[:, None] & (k_even[None, :] < K)
-        x_even = tl.load(x_ptr + offs_m[:, None] * stride_xm + k_even[None, :],
-                         mask=x_mask, other=0.0)
-        x_odd = tl.load(x_ptr + offs_m[:, None] * stride_xm + (k_even + 1)[None, :],
-                        mask=x_mask, other=0.0)
-        acc += dot(x_even, tl.trans(w_hi), INTERP)
-        acc += dot(x_odd, tl.trans(w_lo), INTERP)
-    if not SPLIT:
-        _epilogue(acc, offs_m, offs_n, M, N, R, SPLIT_T, scaling, t_ptr, b_ptr, bias_ptr, y_ptr,
-                  stride_ts, stride_tm, stride_bn, stride_ym, HAS_LORA, HAS_BIAS, BLOCK_M,
-                  BLOCK_R, INTERP)
-    else:
-        tl.store(part_ptr + pid_k * stride_ps + offs_m[:, None] * stride_pm + offs_n[None, :],
-                 acc, mask=m_ok[:, None] & n_ok[None, :])
-
-
-@triton.jit
 def _split_k_reduce_kernel(
-    part_ptr, t_ptr, b_ptr, bias_ptr, y_ptr, M, N, R, SPLIT_T, SPLIT_K, scaling,
-    stride_ps, stride_pm, stride_ts, stride_tm, stride_bn, stride_ym,
-    HAS_LORA: tl.constexpr, HAS_BIAS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, INTERP: tl.constexpr,
+    part_ptr, bias_ptr, y_ptr, M, N, SPLIT_K, stride_ps, stride_pm, stride_ym,
+    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, INTERP: tl.constexpr,
 ):
-    """acc = Σ_s part[s] in a fixed order (deterministic), then the same epilogue."""
+    """y = round(Σ_s part[s] + bias), the splits summed in a fixed order (deterministic)."""
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
@@ -183,9 +58,97 @@ def _split_k_reduce_kernel(
     for s in range(SPLIT_K):
         acc += tl.load(part_ptr + s * stride_ps + offs_m[:, None] * stride_pm + offs_n[None, :],
                        mask=mask, other=0.0)
-    _epilogue(acc, offs_m, offs_n, M, N, R, SPLIT_T, scaling, t_ptr, b_ptr, bias_ptr, y_ptr,
-              stride_ts, stride_tm, stride_bn, stride_ym, HAS_LORA, HAS_BIAS, BLOCK_M,
-              BLOCK_R, INTERP)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
+    tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :],
+             to_dtype(acc, y_ptr.dtype.element_ty, INTERP), mask=mask)
+
+
+@triton.jit
+def _linear4bit_lora_kernel(
+    x_ptr, w_ptr, code_ptr, absmax_ptr, code2_ptr, absmax2_ptr, offset_ptr,
+    a_ptr, b_ptr, bias_ptr, y_ptr, part_ptr,
+    M, N, K, R, BLOCKS_PER_SPLIT, scaling,
+    stride_xm, stride_ar, stride_bn, stride_ym, stride_ps, stride_pm,
+    BS: tl.constexpr, BS2: tl.constexpr, NESTED: tl.constexpr,
+    HAS_LORA: tl.constexpr, LORA_FP32: tl.constexpr, HAS_BIAS: tl.constexpr,
+    SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+    INTERP: tl.constexpr,
+):
+    """One launch per projection (the reduction aside): over this program's K slice, one absmax
+    block of BS elements per iteration, so the block's scale is one value per row n:
+
+        acc += x[:, blk] @ round(code[q(n, blk)] · scale[n, blk])ᵀ     (bf16 dot, fp32 sums)
+        t   += x[:, blk] @ A[:, blk]ᵀ                                   (the LoRA factor, fp32)
+
+    then acc += s · t @ B[n-block]ᵀ. The LoRA term is linear in t, so each K split adds its own
+    s · t_split @ Bᵀ and the splits' sum is s · t @ Bᵀ: no separate launch for t. x's even and
+    odd columns meet the high and low nibbles (two dots, never an interleave).
+    """
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    HB: tl.constexpr = BS // 2  # packed bytes per row per absmax block
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_j = tl.arange(0, HB)
+    offs_r = tl.arange(0, BLOCK_R)
+    m_ok = offs_m < M
+    n_ok = offs_n < N
+    r_ok = offs_r < R
+    KB = K // BS  # absmax blocks per row
+    n_blk = offs_n.to(tl.int64) * KB  # (BLOCK_N,) first absmax block of each row
+    offset = tl.load(offset_ptr)  # the double-quant offset (a code entry, unused, otherwise)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    t = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    blk_lo = pid_k * BLOCKS_PER_SPLIT
+    for blk in range(blk_lo, tl.minimum(blk_lo + BLOCKS_PER_SPLIT, KB)):
+        ablk = n_blk + blk  # (BLOCK_N,)
+        if NESTED:
+            qa = tl.load(absmax_ptr + ablk, mask=n_ok, other=0)
+            scale = tl.load(code2_ptr + qa.to(tl.int32)) * tl.load(
+                absmax2_ptr + ablk // BS2, mask=n_ok, other=0.0) + offset
+        else:
+            scale = tl.load(absmax_ptr + ablk, mask=n_ok, other=0.0)
+        # (BLOCK_N, HB) packed bytes, contiguous per row: the only traffic that scales with N·K
+        p = tl.load(w_ptr + (ablk * HB)[:, None] + offs_j[None, :], mask=n_ok[:, None], other=0)
+        # code · scale in fp32, rounded to x's dtype: bitsandbytes' dequantized weight
+        c_hi = tl.load(code_ptr + (p >> 4).to(tl.int32))
+        c_lo = tl.load(code_ptr + (p & 15).to(tl.int32))
+        w_hi = to_dtype(c_hi * scale[:, None], x_ptr.dtype.element_ty, INTERP)
+        w_lo = to_dtype(c_lo * scale[:, None], x_ptr.dtype.element_ty, INTERP)
+        k_even = blk * BS + 2 * offs_j  # (HB,) K % BS == 0: no column mask
+        x_even = tl.load(x_ptr + offs_m[:, None] * stride_xm + k_even[None, :],
+                         mask=m_ok[:, None], other=0.0)
+        x_odd = tl.load(x_ptr + offs_m[:, None] * stride_xm + (k_even + 1)[None, :],
+                        mask=m_ok[:, None], other=0.0)
+        acc += dot(x_even, tl.trans(w_hi), INTERP)
+        acc += dot(x_odd, tl.trans(w_lo), INTERP)
+        if HAS_LORA:
+            a_even = tl.load(a_ptr + offs_r[:, None] * stride_ar + k_even[None, :],
+                             mask=r_ok[:, None], other=0.0)
+            a_odd = tl.load(a_ptr + offs_r[:, None] * stride_ar + (k_even + 1)[None, :],
+                            mask=r_ok[:, None], other=0.0)
+            if LORA_FP32:  # A is not x's dtype: PEFT casts x to A's dtype; fp32 products
+                t += tl.dot(x_even.to(tl.float32), tl.trans(a_even.to(tl.float32)),
+                            input_precision="ieee")
+                t += tl.dot(x_odd.to(tl.float32), tl.trans(a_odd.to(tl.float32)),
+                            input_precision="ieee")
+            else:  # 16-bit products are exact in fp32: the same t as an fp32 dot
+                t += dot(x_even, tl.trans(a_even), INTERP)
+                t += dot(x_odd, tl.trans(a_odd), INTERP)
+    if HAS_LORA:
+        b = tl.load(b_ptr + offs_n[:, None] * stride_bn + offs_r[None, :],
+                    mask=n_ok[:, None] & r_ok[None, :], other=0.0)
+        acc += scaling * tl.dot(t, tl.trans(b.to(tl.float32)), input_precision="ieee")
+    if SPLIT:
+        tl.store(part_ptr + pid_k * stride_ps + offs_m[:, None] * stride_pm + offs_n[None, :],
+                 acc, mask=m_ok[:, None] & n_ok[None, :])
+    else:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :],
+                 to_dtype(acc, y_ptr.dtype.element_ty, INTERP), mask=m_ok[:, None] & n_ok[None, :])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -249,31 +212,17 @@ def _num_sms(device: torch.device) -> int:
 
 
 def pick_config(m: int, n: int, k: int, blocksize: int, num_sms: int) -> dict:
-    """Tile sizes and the split of the K loop. BLOCK_K is a multiple of the absmax block (128
-    elements = 64 packed bytes per row: 4 KiB of weight per tile, few enough registers for the
-    unpacked codes); the K loop is split until about two programs per SM are running, so that a
-    small-M, small-N layer still streams its weight from every SM."""
+    """Tiles: BLOCK_M covers the decode batch (16 is the smallest dot tile), BLOCK_N 64 output
+    columns; the K loop (one absmax block per step) is split over programs until about two are
+    running per SM, so that a small-M, small-N layer still streams its weight from every SM.
+    One stage: the code lookups depend on the packed bytes of the same step, and a pipelined
+    gather costs more than the latency it hides (bench/README.md, the decode linear)."""
     block_m = min(64, max(16, triton.next_power_of_2(m)))
     block_n = 64
-    block_k = max(blocksize, 128)
-    tiles = triton.cdiv(k, block_k)
     mn_progs = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
-    split = max(1, min(triton.cdiv(2 * num_sms, mn_progs), tiles, 16))
-    return {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "SPLIT_K": split}
-
-
-def lora_t(x: torch.Tensor, a: torch.Tensor, *, k_per_split: int = 1024):
-    """t partials (SPLIT_T, M, BLOCK_R) fp32 whose sum over SPLIT_T is x @ Aᵀ (r padded)."""
-    m, k = x.shape
-    r = a.shape[0]
-    block_m = min(64, max(16, triton.next_power_of_2(m)))
-    block_r = max(16, triton.next_power_of_2(r))
-    split_t = triton.cdiv(k, k_per_split)
-    t = torch.empty(split_t, m, block_r, device=x.device, dtype=torch.float32)  # small
-    _lora_t_kernel[(triton.cdiv(m, block_m), split_t)](
-        x, a, t, m, k, r, k_per_split, x.stride(0), a.stride(0), t.stride(0), t.stride(1),
-        BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=64)
-    return t, block_r
+    split = max(1, min(triton.cdiv(2 * num_sms, mn_progs), k // blocksize, 16))
+    return {"BLOCK_M": block_m, "BLOCK_N": block_n, "SPLIT_K": split, "num_warps": 4,
+            "num_stages": 1}
 
 
 def linear4bit_lora(x: torch.Tensor, w: Packed4bit, *, bias: torch.Tensor | None = None,
@@ -281,7 +230,7 @@ def linear4bit_lora(x: torch.Tensor, w: Packed4bit, *, bias: torch.Tensor | None
                     scaling: float = 1.0, config: dict | None = None) -> torch.Tensor:
     """y (M, N) in x's dtype = x @ round(W)ᵀ + bias + scaling · (x @ lora_aᵀ) @ lora_bᵀ
     (module docstring for the bound). x (M, K) bf16/fp16; lora_a (r, K), lora_b (N, r) any
-    float dtype, read at this call. `config`: BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K and optionally
+    float dtype, read at this call. `config`: BLOCK_M, BLOCK_N, SPLIT_K and optionally
     num_warps, num_stages (default `pick_config`)."""
     n, k = w.shape
     if x.dim() != 2 or x.shape[1] != k:
@@ -293,6 +242,7 @@ def linear4bit_lora(x: torch.Tensor, w: Packed4bit, *, bias: torch.Tensor | None
     x = x if x.stride(1) == 1 else x.contiguous()
     m = x.shape[0]
     has_lora = lora_a is not None
+    r = 0
     if has_lora:
         r = lora_a.shape[0]
         if lora_a.shape != (r, k) or lora_b.shape != (n, r):
@@ -300,48 +250,42 @@ def linear4bit_lora(x: torch.Tensor, w: Packed4bit, *, bias: torch.Tensor | None
                              f"do not fit (r, K={k}) and (N={n}, r)")
         lora_a = lora_a if lora_a.stride(1) == 1 else lora_a.contiguous()
         lora_b = lora_b if lora_b.stride(1) == 1 else lora_b.contiguous()
-        t, block_r = lora_t(x, lora_a)
-    else:
-        r, t, block_r, lora_b = 0, x, 16, x  # placeholders, never read (HAS_LORA=False)
     if bias is not None and bias.shape != (n,):
         raise ValueError(f"bias has shape {tuple(bias.shape)}, expected ({n},)")
     cfg = config or pick_config(m, n, k, w.blocksize, _num_sms(x.device))
-    if cfg["BLOCK_K"] % w.blocksize:
-        raise ValueError(f"config BLOCK_K={cfg['BLOCK_K']} is not a multiple of "
-                         f"blocksize={w.blocksize}")
+    blocks = k // w.blocksize
+    per = triton.cdiv(blocks, cfg["SPLIT_K"])
+    split_k = triton.cdiv(blocks, per)  # no empty splits
     y = torch.empty(m, n, device=x.device, dtype=x.dtype)  # (M, N)
-    tiles = triton.cdiv(k, cfg["BLOCK_K"])
-    tiles_per = triton.cdiv(tiles, cfg["SPLIT_K"])
-    split_k = triton.cdiv(tiles, tiles_per)  # no empty splits
     part = (torch.empty(split_k, m, n, device=x.device, dtype=torch.float32)  # (SPLIT_K, M, N)
             if split_k > 1 else y)
     bias_arg = bias if bias is not None else y
+    a_arg, b_arg = (lora_a, lora_b) if has_lora else (x, x)  # placeholders, never read
     nested = w.nested
     interp = interpreting()
     grid = (triton.cdiv(m, cfg["BLOCK_M"]), triton.cdiv(n, cfg["BLOCK_N"]), split_k)
-    _linear4bit_kernel[grid](
+    _linear4bit_lora_kernel[grid](
         x, w.packed, w.code, w.absmax,
         w.code2 if nested else w.code, w.absmax2 if nested else w.code,
         w.offset if nested else w.code,
-        t, lora_b, bias_arg, y, part,
-        m, n, k, r, t.shape[0], tiles_per, float(scaling),
-        x.stride(0), t.stride(0), t.stride(1), lora_b.stride(0), y.stride(0),
+        a_arg, b_arg, bias_arg, y, part,
+        m, n, k, r, per, float(scaling),
+        x.stride(0), a_arg.stride(0), b_arg.stride(0), y.stride(0),
         part.stride(0) if split_k > 1 else 0, part.stride(1) if split_k > 1 else 0,
         BS=w.blocksize, BS2=w.blocksize2, NESTED=nested, HAS_LORA=has_lora,
-        HAS_BIAS=bias is not None, SPLIT=split_k > 1, BLOCK_M=cfg["BLOCK_M"],
-        BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], BLOCK_R=block_r, INTERP=interp,
+        LORA_FP32=has_lora and lora_a.dtype != x.dtype, HAS_BIAS=bias is not None,
+        SPLIT=split_k > 1, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
+        BLOCK_R=max(16, triton.next_power_of_2(r)), INTERP=interp,
         # no FMA contraction: the double-quant scale code2·absmax2 + offset is then formed with
         # the same two roundings as bitsandbytes' (a product, then an add)
         enable_fp_fusion=False, num_warps=cfg.get("num_warps", 4),
-        num_stages=cfg.get("num_stages", 3),
+        num_stages=cfg.get("num_stages", 1),
     )
     if split_k > 1:
         bm, bn = cfg["BLOCK_M"], 64
         _split_k_reduce_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn))](
-            part, t, lora_b, bias_arg, y, m, n, r, t.shape[0], split_k, float(scaling),
-            part.stride(0), part.stride(1), t.stride(0), t.stride(1), lora_b.stride(0),
-            y.stride(0), HAS_LORA=has_lora, HAS_BIAS=bias is not None,
-            BLOCK_M=bm, BLOCK_N=bn, BLOCK_R=block_r, INTERP=interp)
+            part, bias_arg, y, m, n, split_k, part.stride(0), part.stride(1), y.stride(0),
+            HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=bn, INTERP=interp)
     return y
 
 
