@@ -25,8 +25,8 @@ A graph keeps addresses, not Python references: every tensor a captured step rea
 the state or the cache (a per-call tensor would be freed and reused under the graph).
 
 Compaction (`compact_finished=True`; off by default: on a model that stops it pays at batch 64,
-not at 8, bench/README.md): at a host check the host reads the working batch's `done` (the same one sync) and, when the live rows fit a bucket
-b <= W / 2 of the working batch W (buckets: powers of two, b = the smallest >= the live count),
+not at 8, bench/README.md): at a host check the host reads the working batch's `done` (the
+same one sync) and, when the live rows fit a bucket b <= W / 2 of the working batch W (buckets: powers of two, b = the smallest >= the live count),
 moves them in place to rows [0, b) of the same state and cache tensors (live rows first, then
 finished ones to fill b; cache slots up to the furthest written one) and goes on with b's graph,
 captured on first use and replayed by later calls; there are at most log2(B) buckets, and a
