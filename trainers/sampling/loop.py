@@ -24,20 +24,20 @@ Optimizer steps update parameters in place, so replays read the current weights.
 A graph keeps addresses, not Python references: every tensor a captured step reads is owned by
 the state or the cache (a per-call tensor would be freed and reused under the graph).
 
-Compaction (`compact_finished=True`; off by default: on a model that stops it pays at batch 64,
-not at 8, bench/README.md): at a host check the host reads the working batch's `done` (the
-same one sync) and, when the live rows fit a bucket b <= W / 2 of the working batch W (buckets: powers of two, b = the smallest >= the live count),
-moves them in place to rows [0, b) of the same state and cache tensors (live rows first, then
-finished ones to fill b; cache slots up to the furthest written one) and goes on with b's graph,
-captured on first use and replayed by later calls; there are at most log2(B) buckets, and a
-capture past MAX_CAPTURES is not made (the batch stays as it is, one logged line).
-Invariants: working row j holds original row `orig[j]` (cur, slot, done, seen and its cache row
-move together); `out` and `logp` never move: a bucket writes row j's token into row orig[j], so
-a finished row's output stays as written. Each row's step is a function of its own row only, so
-greedy completions equal the uncompacted loop's up to the rounding of other GEMM batch shapes:
-log-probs within fp32 (bf16) rounding, tokens identical except at near-ties that this rounding
-decides (as eager's own batch-size variation). Sampling draws one (W, V) noise tensor per step,
-so after a compaction the seeded draws land on other rows than without it: each row is still
+Compaction (`compact_finished=True`; off by default: on a model that stops it pays at batch 64, not
+at 8, bench/README.md): at a host check the host reads the working batch's `done` (the same one
+sync) and, when the live rows fit a bucket b <= W / 2 of the working batch W (buckets: powers of
+two, b = the smallest >= the live count), moves them in place to rows [0, b) of the same state and
+cache tensors (live rows first, then finished ones to fill b; cache slots up to the furthest
+written one) and goes on with b's graph, captured on first use and replayed by later calls; there
+are at most log2(B) buckets, and a capture past MAX_CAPTURES is not made (the batch stays as it is,
+one logged line). Invariants: working row j holds original row `orig[j]` (cur, slot, done, seen and
+its cache row move together); `out` and `logp` never move: a bucket writes row j's token into row
+orig[j], so a finished row's output stays as written. Each row's step is a function of its own row
+only, so greedy completions equal the uncompacted loop's up to the rounding of other GEMM batch
+shapes: log-probs within fp32 (bf16) rounding, tokens identical except at near-ties that this
+rounding decides (as eager's own batch-size variation). Sampling draws one (W, V) noise tensor per
+step, so after a compaction the seeded draws land on other rows than without it: each row is still
 drawn from its own processed distribution, but the draws differ from the uncompacted loop's.
 
 Kernels (`kernels="auto"`, the default; they run on CUDA): decode steps run each residual add +
