@@ -135,52 +135,19 @@ def build(case: str, tok, out_dir: str, world: int, *, device: str = "cpu"):
     """The trainer of `case` on its NF4 base (module docstring), configured as the fp32
     scenario's, in train mode."""
     import _ddp_worker as W
-    import trl
-    from _tiny_models import soft_head_model, with_lora
-    from _trainer_pairs import randomize_adapter
-    from peft import LoraConfig
+    from _tiny_models import with_lora
 
-    import trainers
-
+    if case not in CASES:
+        raise ValueError(f"case={case!r}: expected one of {CASES}")
     base = load_base(out_dir, BASES[case], device)
-    common = {"output_dir": out_dir, "report_to": "none", "use_cpu": device == "cpu",
-              "bf16": False, "per_device_train_batch_size": T.ROWS // world,
-              "save_strategy": "no", "seed": 0}
     if case == "grpo_dapo":
         return W.grpo_trainer(tok, with_lora(base), out_dir, world, device=device,
                               loss_type="dapo")
     if case == "sft":
         return W.sft_trainer(tok, with_lora(base), out_dir, world, device=device)
-    if case == "dpo":
-        tr = trainers.DPOTrainer(
-            model=base, args=trl.DPOConfig(**common, beta=0.5, loss_type="sigmoid"),
-            train_dataset=T._dpo_data(), processing_class=tok,
-            peft_config=LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
-        assert tr.ref_model is None and "ref" not in tr.model.peft_config
-    elif case == "kto":
-        tr = trainers.KTOTrainer(
-            model=with_lora(base),
-            args=trl.KTOConfig(**common, beta=0.5, desirable_weight=1.2, undesirable_weight=0.8),
-            train_dataset=T._kto_data(), processing_class=tok)
-        assert tr.calculate_KL and "ref" in tr.model.peft_config
-    elif case == "rloo":
-        tr = trainers.RLOOTrainer(
-            model=with_lora(base), reward_funcs=T._reward,
-            args=trl.RLOOConfig(**common, num_generations=T.ROWS, max_completion_length=T.C,
-                                temperature=0.7, epsilon=0.3, epsilon_high=0.35),
-            train_dataset=T._prompts(), processing_class=tok)
-    elif case == "distillation":
-        tr = trainers.DistillationTrainer(
-            model=with_lora(base),
-            teacher_model=soft_head_model(tok, "qwen2", tied=False, peft=False, hidden=96, seed=7),
-            args=trl.DistillationConfig(**common, beta=0.5, max_completion_length=8),
-            train_dataset=T._prompts(), processing_class=tok)
-    else:
-        raise ValueError(f"case={case!r}: expected one of {CASES}")
-    if case in ("dpo", "kto"):
-        randomize_adapter(tr.model, seed=3)
-    tr.model.train()
-    return tr
+    # DPO adds its adapter from its LoraConfig; the others get theirs here
+    return T.build(case, tok, out_dir, world, device=device,
+                   model=base if case == "dpo" else with_lora(base))
 
 
 def batch(case: str, tok, tr, world: int, sft_batch: dict) -> dict:

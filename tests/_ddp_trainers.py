@@ -76,8 +76,10 @@ def _reward(completions, **kwargs):
     return [float(len(c)) for c in completions]
 
 
-def build(name: str, tok, out_dir: str, world: int, *, device: str = "cpu"):
-    """The trainer `name` (module docstring) for a run on `world` processes, in train mode."""
+def build(name: str, tok, out_dir: str, world: int, *, device: str = "cpu", model=None):
+    """The trainer `name` (module docstring) for a run on `world` processes, in train mode.
+    `model`: the policy as the trainer receives it, in place of the tiny one (DPO's without an
+    adapter: its LoraConfig adds one)."""
     import trl
     from _tiny_models import lora_tiny_llama, lora_tiny_qwen2, soft_head_model
     from _trainer_pairs import randomize_adapter
@@ -85,35 +87,40 @@ def build(name: str, tok, out_dir: str, world: int, *, device: str = "cpu"):
 
     import trainers
 
+    if name not in NAMES:
+        raise ValueError(f"name={name!r}: expected one of {NAMES}")
+    if model is None:  # the tiny policy of each scenario
+        model = {"dpo": lambda: lora_tiny_llama(tok, tied=False, peft=False),
+                 "kto": lambda: lora_tiny_qwen2(tok, tied=False),
+                 "rloo": lambda: lora_tiny_llama(tok, tied=False),
+                 "distillation": lambda: soft_head_model(tok, "llama", tied=True, peft=True),
+                 }[name]()
     common = dict(output_dir=out_dir, report_to="none", use_cpu=device == "cpu", bf16=False,
                   per_device_train_batch_size=ROWS // world, save_strategy="no", seed=0)
     if name == "dpo":
         tr = trainers.DPOTrainer(
-            model=lora_tiny_llama(tok, tied=False, peft=False),
-            args=trl.DPOConfig(**common, beta=0.5, loss_type="sigmoid"),
+            model=model, args=trl.DPOConfig(**common, beta=0.5, loss_type="sigmoid"),
             train_dataset=_dpo_data(), processing_class=tok,
             peft_config=LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
         assert tr.ref_model is None and "ref" not in tr.model.peft_config
     elif name == "kto":
         tr = trainers.KTOTrainer(
-            model=lora_tiny_qwen2(tok, tied=False),
+            model=model,
             args=trl.KTOConfig(**common, beta=0.5, desirable_weight=1.2, undesirable_weight=0.8),
             train_dataset=_kto_data(), processing_class=tok)
         assert tr.calculate_KL and "ref" in tr.model.peft_config
     elif name == "rloo":
         tr = trainers.RLOOTrainer(
-            model=lora_tiny_llama(tok, tied=False), reward_funcs=_reward,
+            model=model, reward_funcs=_reward,
             args=trl.RLOOConfig(**common, num_generations=ROWS, max_completion_length=C,
                                 temperature=0.7, epsilon=0.3, epsilon_high=0.35),
             train_dataset=_prompts(), processing_class=tok)
     elif name == "distillation":
         tr = trainers.DistillationTrainer(
-            model=soft_head_model(tok, "llama", tied=True, peft=True),
+            model=model,
             teacher_model=soft_head_model(tok, "qwen2", tied=False, peft=False, hidden=96, seed=7),
             args=trl.DistillationConfig(**common, beta=0.5, max_completion_length=8),
             train_dataset=_prompts(), processing_class=tok)
-    else:
-        raise ValueError(f"name={name!r}: expected one of {NAMES}")
     if name in ("dpo", "kto"):
         # the policy's adapter moves away from its reference (the disabled or the "ref" one)
         randomize_adapter(tr.model, seed=3)
