@@ -15,9 +15,9 @@ kernel's small-M regime); the prefill's B·S rows go through the modules (bitsan
 once per GEMM there), and so do the projections of a decode batch above FUSED_LINEAR_MAX_ROWS
 rows, where bitsandbytes' dequantize + GEMM is the faster of the two (bench/README.md).
 kernels="torch" uses none of them; "auto" uses them on KERNEL_DEVICES.
-A plan is made once per model state (the loop keys it by the same fingerprint as its graphs: a
-disabled adapter or train mode changes what `decode_linear` supports) and says in one line which
-path the projections take.
+A plan is made once per model state and decode batch (the loop keys it by the same fingerprint as
+its graphs and the batch: a disabled adapter or train mode changes what `decode_linear` supports)
+and says in one line which path the projections take.
 """
 
 from __future__ import annotations
