@@ -57,11 +57,11 @@ loss uses the teacher's distribution, not sampling log-probs, so none are kept.
 
 Falls back to TRL's own `_chunked_divergence_loss`, with one logged line per reason, when TRL
 passes a logit scale ≠ 1 or a final-logit softcap for either model (Gemma 2/3, Cohere, Granite,
-...), which grpo_lce does not apply, or a float64 head, which its ops do not take. Refused at construction as for `trainers.GRPOTrainer`
-(`trainers.base`): TRL outside 1.16.x, a PEFT adapter or `modules_to_save` on the student's LM
-head, a quantized LM head (student's or teacher's), models without `lm_head` or backbone, FSDP1,
-FSDP2 with CPU offload, ZeRO-3 with a trainable head. A teacher with another vocabulary, or
-with its head on another device, is refused by TRL itself.
+...), which grpo_lce does not apply, or a float64 head, which its ops do not take. Refused at
+construction as for `trainers.GRPOTrainer` (`trainers.base`): TRL outside 1.16.x, a PEFT adapter or
+`modules_to_save` on the student's LM head, a quantized LM head (student's or teacher's), models
+without `lm_head` or backbone, FSDP1, FSDP2 with CPU offload, ZeRO-3 with a trainable head. A
+teacher with another vocabulary, or with its head on another device, is refused by TRL itself.
 """
 
 from __future__ import annotations
