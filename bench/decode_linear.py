@@ -21,7 +21,7 @@ GPU (from the project root, `.whl/` filled by ../shared/gpu/wheels.sh and carrie
 
     python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl; export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1; python3 -m bench.decode_linear
 
-Tile sweep (graph-replay ms of the kernel over BLOCK_N × SPLIT_K × num_stages):
+Tile sweep (graph-replay ms of the kernel over BLOCK_N × num_warps × SPLIT_K):
 `python3 -m bench.decode_linear --sweep --rows 8`.
 CPU smoke run (Triton's interpreter, tiny shapes): `python -m bench.decode_linear --smoke`.
 Writes bench/results/bench_decode_linear_<GPU>.json and prints the table.
@@ -182,11 +182,10 @@ def layer_summary(results) -> list[dict]:
 
 
 def sweep_configs(k, blocksize=64):
-    """The tile grid `--sweep` times: BLOCK_N × SPLIT_K × num_stages (4 warps)."""
-    for bn in (32, 64):
-        for split in sorted({4, 8, 16, 32} & set(range(1, k // blocksize + 1))):
-            for stages in (1, 2):
-                yield {"BLOCK_N": bn, "SPLIT_K": split, "num_warps": 4, "num_stages": stages}
+    """The tile grid `--sweep` times: BLOCK_N × num_warps × SPLIT_K (one stage)."""
+    for bn, warps in ((64, 4), (128, 4), (128, 8), (256, 8)):
+        for split in sorted({2, 4, 8, 16, 32} & set(range(1, k // blocksize + 1))):
+            yield {"BLOCK_N": bn, "SPLIT_K": split, "num_warps": warps, "num_stages": 1}
 
 
 def sweep(shapes, rows, rank, device, bw):

@@ -1,6 +1,6 @@
 """Decode speed of `trainers.sampling.DecodeLoop` against today's `FastSampler` and eager
-`generate`, on the Llama-3.2-1B shape (random init, LoRA r=16 on all linear layers over a bf16
-or an NF4 base).
+`generate`, on the Llama-3.2-1B shape or (--model 8b) the Llama-3.1-8B shape (random init, LoRA
+r=16 on all linear layers over a bf16 or an NF4 base).
 
 Per (base, batch): random prompts of 4-40 tokens, left-padded; --new sampled tokens with TRL's
 default sampling options (temperature 1, top_p 1, top_k 0) and an EOS id no row ever draws, so
@@ -32,9 +32,10 @@ model's near-flat rows diverge at rounding-level ties; a broken forward gives ga
 
     python -m bench.decode_loop --bases nf4                # batch 8 and 64, all but loop_triton
     python -m bench.decode_loop --bases nf4 --variants fast_sampler,loop --kernels auto,torch
+    python -m bench.decode_loop --model 8b --bases nf4 --batches 8 --variants loop
     python -m bench.decode_loop --tiny --device cpu        # smoke run, tiny fp32 model
 
-Writes bench/results/decode_loop_<GPU>[tag].json and prints a table.
+Writes bench/results/decode_loop_<GPU>[_8b][tag].json and prints a table.
 """
 
 from __future__ import annotations
@@ -212,7 +213,7 @@ def measure(variant: Variant, ids, mask, cfg, new: int, reps: int, device: str) 
 
 
 def table(rows) -> str:
-    cols = ("base", "batch", "variant", "kernels", "new", "ms_per_token", "ms_in_graphs_per_token",
+    cols = ("model", "base", "batch", "variant", "kernels", "new", "ms_per_token", "ms_in_graphs_per_token",
             "ms_outside_per_token", "first_call_s", "first_token_s", "capture_s",
             "peak_above_model_gib")
     out = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
@@ -228,6 +229,8 @@ def table(rows) -> str:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="1b", choices=("1b", "8b"),
+                   help="1b: Llama-3.2-1B shape; 8b: Llama-3.1-8B shape (random init, both)")
     p.add_argument("--bases", default="bf16,nf4", help="comma list of bf16,nf4")
     p.add_argument("--batches", default="8,64", help="comma list of batch sizes")
     p.add_argument("--variants", default=",".join(DEFAULT_VARIANTS), help="comma list of " +
@@ -247,7 +250,7 @@ def main(argv=None) -> int:
     p.add_argument("--tiny", action="store_true", help="smoke run on the tiny offline Llama")
     p.add_argument("--device", default="cuda", help="cuda, or cpu for the --tiny smoke run")
     a = p.parse_args(argv)
-    name = "1b"
+    name = a.model
     if a.tiny:
         name, a.bases, a.new, a.check_new, a.reps = "tiny", "bf16", 16, 8, 1
         a.eager_new = min(a.eager_new, a.new)
@@ -257,7 +260,8 @@ def main(argv=None) -> int:
     for pkg in ("transformers", "peft", "bitsandbytes", "accelerate", "trl"):
         env[pkg] = bc.package_version(pkg)
     res = {"env": env, "commit": bc.git_commit(), "args": vars(a), "rows": [], "checks": []}
-    path = Path(a.out_dir) / f"decode_loop_{bc.gpu_short_name(device)}{a.tag}.json"
+    tag = a.tag if a.model == "1b" or a.tiny else f"_{a.model}{a.tag}"
+    path = Path(a.out_dir) / f"decode_loop_{bc.gpu_short_name(device)}{tag}.json"
     variants = a.variants.split(",")
     kernel_opts = a.kernels.split(",")
     for v in variants:
@@ -288,7 +292,7 @@ def main(argv=None) -> int:
                                   a.eager_reps if eager else a.reps, a.device)
                 except Exception as exc:  # noqa: BLE001 - one failed variant, the rest runs
                     row = {"variant": vname, "kernels": kernels, "error": bc.short_error(exc)}
-                row.update(base=base, batch=batch, kernels_requested=kernels)
+                row.update(model=name, base=base, batch=batch, kernels_requested=kernels)
                 res["rows"].append(row)
                 print(row, flush=True)
                 bc.write_json(path, res)

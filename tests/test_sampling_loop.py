@@ -779,18 +779,27 @@ def test_kernels_option_is_checked():
 
 # -- GPU: captured graphs ---------------------------------------------------------------------
 
-def _gpu_llama(dtype=torch.bfloat16, *, vocab=512, seed=0):
-    """A small Llama-shaped random model (GQA 8/2 heads, head_dim 64, untied head at std 0.2:
-    logits of a few units, so greedy choices are rarely decided by bf16 rounding)."""
-    config = LlamaConfig(vocab_size=vocab, hidden_size=512, intermediate_size=1024,
-                         num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
-                         max_position_embeddings=1024, pad_token_id=0, eos_token_id=1,
-                         bos_token_id=2, tie_word_embeddings=False)
+def _gpu_llama(dtype=torch.bfloat16, *, vocab=512, seed=0, family="llama"):
+    """A small random model of `family` (llama, qwen3: q/k norms; mistral: a sliding window of
+    16, shorter than most prompts plus completions), GQA 8/2 heads, head_dim 64, untied head at
+    std 0.2: logits of a few units, so greedy choices are rarely decided by bf16 rounding."""
+    config_cls, model_cls, extra = {
+        "llama": (LlamaConfig, LlamaForCausalLM, {}),
+        "qwen3": (Qwen3Config, Qwen3ForCausalLM, {"head_dim": 64}),
+        "mistral": (MistralConfig, MistralForCausalLM, {"sliding_window": 16, "head_dim": 64}),
+    }[family]
+    config = config_cls(vocab_size=vocab, hidden_size=512, intermediate_size=1024,
+                        num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
+                        max_position_embeddings=1024, pad_token_id=0, eos_token_id=1,
+                        bos_token_id=2, tie_word_embeddings=False, **extra)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = LlamaForCausalLM(config)
+        model = model_cls(config)
         model.get_input_embeddings().weight.data.normal_(0.0, 1.0)
         model.get_output_embeddings().weight.data.normal_(0.0, 0.2)
+        for name, p in model.named_parameters():
+            if name.endswith(("q_norm.weight", "k_norm.weight")):  # Qwen3: norms that matter
+                p.data.uniform_(0.5, 1.5)
     return model.to("cuda", dtype).eval()
 
 
@@ -863,18 +872,20 @@ def test_near_tie_bound_scales_with_the_logits():
     assert _near_tie(14.0 / 3, 2.5, 14.0, layers=4)
 
 
-def gpu_lora_llama(quant: str, tmp_path):
-    """`_gpu_llama` in bf16 or loaded from `tmp_path` with an NF4 base ("nf4"), with LoRA r=8 on
-    every linear layer and random B (std 0.02, seed 1), so the adapter matters."""
+def gpu_lora_llama(quant: str, tmp_path, family: str = "llama"):
+    """`_gpu_llama(family=)` in bf16 or loaded from `tmp_path` with a 4-bit base ("nf4" with
+    double quant, or "fp4"), with LoRA r=8 on every linear layer and random B (std 0.02,
+    seed 1), so the adapter matters."""
     from peft import LoraConfig, get_peft_model
 
-    model = _gpu_llama()
-    if quant == "nf4":
+    model = _gpu_llama(family=family)
+    if quant in ("nf4", "fp4"):
         from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
         model.save_pretrained(tmp_path)
         model = AutoModelForCausalLM.from_pretrained(tmp_path, quantization_config=(
-            BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+            BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=quant,
+                               bnb_4bit_use_double_quant=quant == "nf4",
                                bnb_4bit_compute_dtype=torch.bfloat16)),
             dtype=torch.bfloat16, device_map={"": 0}).eval()
     torch.manual_seed(1)
@@ -887,15 +898,18 @@ def gpu_lora_llama(quant: str, tmp_path):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("quant,attention,kernels", [
-    ("bf16", "sdpa", "auto"), ("nf4", "sdpa", "torch"), ("nf4", "sdpa", "auto"),
-    ("nf4", "triton", "auto")])
-def test_gpu_greedy_and_replay_after_optimizer_step(quant, attention, kernels, tmp_path):
-    """Greedy completions of the captured loop against eager `generate` (bf16 / NF4 + LoRA;
-    decode kernels on or off), then an optimizer step on the LoRA weights: the replayed graphs
-    (no new capture) give the updated policy's greedy tokens (the 4-bit kernel reads the LoRA
-    factors live). One host check per k tokens."""
-    model = gpu_lora_llama(quant, tmp_path)
+@pytest.mark.parametrize("quant,attention,kernels,family", [
+    ("bf16", "sdpa", "auto", "llama"), ("nf4", "sdpa", "torch", "llama"),
+    ("nf4", "sdpa", "auto", "llama"), ("nf4", "triton", "auto", "llama"),
+    ("fp4", "sdpa", "auto", "llama"), ("nf4", "sdpa", "auto", "qwen3"),
+    ("nf4", "triton", "auto", "mistral"), ("bf16", "sdpa", "auto", "mistral")])
+def test_gpu_greedy_and_replay_after_optimizer_step(quant, attention, kernels, family, tmp_path):
+    """Greedy completions of the captured loop against eager `generate` (bf16 / NF4 / FP4 +
+    LoRA; Llama, Qwen3, Mistral with its sliding window; decode kernels on or off), then an
+    optimizer step on the LoRA weights: the replayed graphs (no new capture) give the updated
+    policy's greedy tokens (the 4-bit kernel reads the LoRA factors live). One host check per
+    k tokens."""
+    model = gpu_lora_llama(quant, tmp_path, family)
     ids, mask = _gpu_prompts(512)
     N, k = 48, 16
     gc = GenerationConfig(max_new_tokens=N, do_sample=False, pad_token_id=0, eos_token_id=[1])
@@ -904,9 +918,9 @@ def test_gpu_greedy_and_replay_after_optimizer_step(quant, attention, kernels, t
     assert loop.disabled_reason is None and out is not None and loop.stats.captures == 1
     assert loop.kernels == kernels  # the kernels passed the first-call check
     (plan,) = loop._plans.values()
-    print(f"\n{quant} {attention} kernels={kernels}: {plan.line}")
+    print(f"\n{family} {quant} {attention} kernels={kernels}: {plan.line}")
     if kernels == "auto":
-        packed = 28 if quant == "nf4" else 0  # 4 layers x 7 projections
+        packed = 28 if quant in ("nf4", "fp4") else 0  # 4 layers x 7 projections
         assert plan.norms and plan.rope and f"28 of 28 projections through decode_linear " \
             f"({packed} by" in plan.line, plan.line
     ref = hf_completions(model, ids, mask, gc)

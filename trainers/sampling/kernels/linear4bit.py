@@ -75,15 +75,21 @@ def _linear4bit_lora_kernel(
     SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
     INTERP: tl.constexpr,
 ):
-    """One launch per projection (the reduction aside): over this program's K slice, one absmax
-    block of BS elements per iteration, so the block's scale is one value per row n:
+    """One launch per projection (the reduction aside). The output tile is held transposed,
+    accT (BLOCK_N, BLOCK_M) = y[m-block, n-block]ᵀ, so that the dequantized weight tile is the
+    left operand of the dot (the MMA's A operand, taken from registers: no shared-memory round
+    trip for the BLOCK_N·BS weights of a step, only for the BLOCK_M·BS of x). Over this
+    program's K slice, one absmax block of BS elements per iteration, so the block's scale is
+    one value per row n:
 
-        acc += x[:, blk] @ round(code[q(n, blk)] · scale[n, blk])ᵀ     (bf16 dot, fp32 sums)
-        t   += x[:, blk] @ A[:, blk]ᵀ                                   (the LoRA factor, fp32)
+        accT += round(code[q(n, blk)] · scale[n, blk]) @ x[:, blk]ᵀ     (bf16 dot, fp32 sums)
+        t    += x[:, blk] @ A[:, blk]ᵀ                                   (the LoRA factor, fp32)
 
-    then acc += s · t @ B[n-block]ᵀ. The LoRA term is linear in t, so each K split adds its own
+    then accT += s · B[n-block] @ tᵀ. The LoRA term is linear in t, so each K split adds its own
     s · t_split @ Bᵀ and the splits' sum is s · t @ Bᵀ: no separate launch for t. x's even and
-    odd columns meet the high and low nibbles (two dots, never an interleave).
+    odd columns meet the high and low nibbles (two dots, never an interleave). The code lookups
+    index the 16-entry fp32 table, which sits in one 64-byte line: a warp's gather is one L1
+    request however its indices fall.
     """
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -99,7 +105,7 @@ def _linear4bit_lora_kernel(
     KB = K // BS  # absmax blocks per row
     n_blk = offs_n.to(tl.int64) * KB  # (BLOCK_N,) first absmax block of each row
     offset = tl.load(offset_ptr)  # the double-quant offset (a code entry, unused, otherwise)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)  # yᵀ of this tile
     t = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
     blk_lo = pid_k * BLOCKS_PER_SPLIT
     for blk in range(blk_lo, tl.minimum(blk_lo + BLOCKS_PER_SPLIT, KB)):
@@ -122,8 +128,8 @@ def _linear4bit_lora_kernel(
                          mask=m_ok[:, None], other=0.0)
         x_odd = tl.load(x_ptr + offs_m[:, None] * stride_xm + (k_even + 1)[None, :],
                         mask=m_ok[:, None], other=0.0)
-        acc += dot(x_even, tl.trans(w_hi), INTERP)
-        acc += dot(x_odd, tl.trans(w_lo), INTERP)
+        acc += dot(w_hi, tl.trans(x_even), INTERP)
+        acc += dot(w_lo, tl.trans(x_odd), INTERP)
         if HAS_LORA:
             a_even = tl.load(a_ptr + offs_r[:, None] * stride_ar + k_even[None, :],
                              mask=r_ok[:, None], other=0.0)
@@ -140,15 +146,16 @@ def _linear4bit_lora_kernel(
     if HAS_LORA:
         b = tl.load(b_ptr + offs_n[:, None] * stride_bn + offs_r[None, :],
                     mask=n_ok[:, None] & r_ok[None, :], other=0.0)
-        acc += scaling * tl.dot(t, tl.trans(b.to(tl.float32)), input_precision="ieee")
+        acc += scaling * tl.dot(b.to(tl.float32), tl.trans(t), input_precision="ieee")
+    mask = n_ok[:, None] & m_ok[None, :]
     if SPLIT:
-        tl.store(part_ptr + pid_k * stride_ps + offs_m[:, None] * stride_pm + offs_n[None, :],
-                 acc, mask=m_ok[:, None] & n_ok[None, :])
+        tl.store(part_ptr + pid_k * stride_ps + offs_m[None, :] * stride_pm + offs_n[:, None],
+                 acc, mask=mask)
     else:
         if HAS_BIAS:
-            acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-        tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :],
-                 to_dtype(acc, y_ptr.dtype.element_ty, INTERP), mask=m_ok[:, None] & n_ok[None, :])
+            acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
+        tl.store(y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None],
+                 to_dtype(acc, y_ptr.dtype.element_ty, INTERP), mask=mask)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -212,15 +219,22 @@ def _num_sms(device: torch.device) -> int:
 
 
 def pick_config(m: int, n: int, k: int, blocksize: int, num_sms: int) -> dict:
-    """Tiles: BLOCK_M covers the decode batch (16 is the smallest dot tile), BLOCK_N 64 output
-    columns; the K loop (one absmax block per step) is split over programs until about two are
-    running per SM, so that a small-M, small-N layer still streams its weight from every SM.
-    One stage: the code lookups depend on the packed bytes of the same step, and a pipelined
-    gather costs more than the latency it hides (bench/README.md, the decode linear)."""
+    """Tiles: BLOCK_M covers the decode batch (16 is the smallest dot tile), BLOCK_N 128 output
+    columns on 4 warps. The K loop (one absmax block per step) is split over programs so that
+    the grid holds about two programs per SM (the largest power of two that does not pass it)
+    and no program runs more than 16 steps, but every program at least two (below that, the
+    partial sums' traffic and the reduction cost more than the parallelism brings); at most 32
+    splits. One stage: the code lookups depend on the packed bytes of the same step, and a
+    pipelined gather costs more than the latency it hides (bench/README.md, the decode
+    linear)."""
     block_m = min(64, max(16, triton.next_power_of_2(m)))
-    block_n = 64
+    block_n = 128
+    blocks = k // blocksize
     mn_progs = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
-    split = max(1, min(triton.cdiv(2 * num_sms, mn_progs), k // blocksize, 16))
+    by_sms = max(1, 2 * num_sms // mn_progs)
+    by_sms = 1 << (by_sms.bit_length() - 1)  # largest power of two <= 2·SMs / programs
+    by_steps = triton.next_power_of_2(triton.cdiv(blocks, 16))
+    split = max(1, min(max(by_sms, by_steps), 32, blocks // 2))
     return {"BLOCK_M": block_m, "BLOCK_N": block_n, "SPLIT_K": split, "num_warps": 4,
             "num_stages": 1}
 
