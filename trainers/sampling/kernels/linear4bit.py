@@ -77,10 +77,10 @@ def _linear4bit_lora_kernel(
 ):
     """One launch per projection (the reduction aside). The output tile is held transposed,
     accT (BLOCK_N, BLOCK_M) = y[m-block, n-block]ᵀ, so that the dequantized weight tile is the
-    left operand of the dot (the MMA's A operand, taken from registers: no shared-memory round
-    trip for the BLOCK_N·BS weights of a step, only for the BLOCK_M·BS of x). Over this
-    program's K slice, one absmax block of BS elements per iteration, so the block's scale is
-    one value per row n:
+    left operand of the dot: the compiler then moves it into the MMA's operand layout with far
+    fewer shared-memory loads than as the right operand (half the instructions per weight
+    element; bench/README.md, the decode linear). Over this program's K slice, one absmax block
+    of BS elements per iteration, so the block's scale is one value per row n:
 
         accT += round(code[q(n, blk)] · scale[n, blk]) @ x[:, blk]ᵀ     (bf16 dot, fp32 sums)
         t    += x[:, blk] @ A[:, blk]ᵀ                                   (the LoRA factor, fp32)
