@@ -190,7 +190,8 @@ def sweep_configs(k, blocksize=64):
 
 def sweep(shapes, rows, rank, device, bw):
     """Graph-replay ms of linear4bit_lora under every config of `sweep_configs`, per shape and
-    M; prints the chosen config (pick_config) and the three fastest."""
+    M (every config's time in the record); prints the chosen config (pick_config) and the
+    fastest."""
     import triton
 
     from trainers.sampling.kernels.linear4bit import Packed4bit, linear4bit_lora, pick_config
@@ -224,7 +225,8 @@ def sweep(shapes, rows, rank, device, bw):
                 times.sort(key=lambda v: v[0])
                 rec = {"model": model, "layer": layer, "N": n, "K": k, "M": m,
                        "floor_ms": floor_ms, "chosen": chosen, "chosen_ms": t_chosen,
-                       "best": [{"ms": ms, "config": c} for ms, c in times[:3]]}
+                       "best": [{"ms": ms, "config": c} for ms, c in times[:3]],
+                       "all": [{"ms": ms, "config": c} for ms, c in times]}
                 out.append(rec)
                 print(f"{model:5} {layer:8} M={m:3} floor {floor_ms:.4f}  chosen "
                       f"{t_chosen:.4f} ({t_chosen / floor_ms:.2f}x)  best {times[0][0]:.4f} "

@@ -29,6 +29,7 @@ def compile_kernel(fn, types: dict, consts: dict, **options):
 
 
 def main():
+    # both BLOCK_N that pick_config uses (64 with blocksize 64, 128 with 128)
     for nested, split, lora, lora_fp32, bs in itertools.product(
             (False, True), (False, True), (False, True), (False, True), (64, 128)):
         if lora_fp32 and not lora:
@@ -40,7 +41,7 @@ def main():
                  "bias_ptr": "*bf16", "y_ptr": "*bf16", "part_ptr": "*fp32", "scaling": "fp32"}
         consts = {"BS": bs, "BS2": 256, "NESTED": nested, "HAS_LORA": lora,
                   "LORA_FP32": lora_fp32, "HAS_BIAS": True, "SPLIT": split, "BLOCK_M": 16,
-                  "BLOCK_N": 128, "BLOCK_R": 16, "INTERP": False}
+                  "BLOCK_N": 64 if bs == 64 else 128, "BLOCK_R": 16, "INTERP": False}
         compile_kernel(L._linear4bit_lora_kernel, types, consts, enable_fp_fusion=False,
                        num_stages=1)
     compile_kernel(L._split_k_reduce_kernel,

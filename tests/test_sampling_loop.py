@@ -610,16 +610,17 @@ def test_kernel_forward_equals_the_modules(tok, family, kernels_on_cpu):
     forced (the torch path's greedy tokens): prefill (fused norms, module projections) and two
     decode steps (fused norms and the 4-bit + LoRA decode linear for all 14 projections), on
     NF4 + LoRA Llama and Qwen2 (q/k/v biases, a sliding layer)."""
-    from trainers.sampling.kernel_plan import TORCH, make_plan
+    from trainers.sampling.kernel_plan import FUSED_LINEAR_MAX_ROWS, TORCH, make_plan
 
     model = nf4_lora(tok, family)
     base = model.get_base_model()
     plan = make_plan(base, "auto", "cpu", batch=3)
     assert len(plan.fused) == 14 and plan.norms, plan.line
-    # above one 16-row tile the projections stay with bitsandbytes; norms and RoPE still fuse
-    wide = make_plan(base, "auto", "cpu", batch=17)
+    # above FUSED_LINEAR_MAX_ROWS the projections stay with bitsandbytes; norms and RoPE fuse
+    wide = make_plan(base, "auto", "cpu", batch=FUSED_LINEAR_MAX_ROWS + 1)
     assert not wide.fused and wide.norms and wide.rope, wide.line
-    assert "batch 17 > 16 rows" in wide.line, wide.line
+    assert f"batch {FUSED_LINEAR_MAX_ROWS + 1} > {FUSED_LINEAR_MAX_ROWS} rows" in wide.line
+    assert len(make_plan(base, "auto", "cpu", batch=FUSED_LINEAR_MAX_ROWS).fused) == 14
     ids, mask = batch(tok, PROMPTS[:3])
     lengths = mask.sum(1)
     P = ids.shape[1]

@@ -35,7 +35,10 @@ KERNELS = ("auto", "torch")
 KERNEL_DEVICES = ("cuda",)  # where "auto" uses the kernels (CPU tests add "cpu": the interpreter)
 ATTN_PROJ = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_PROJ = ("gate_proj", "up_proj", "down_proj")
-FUSED_LINEAR_MAX_ROWS = 16  # decode batches up to one 16-row dot tile take the fused projection
+# decode batches up to this many rows take the fused projection: faster than bitsandbytes +
+# PEFT at 8 and 64 rows at the 1B and 8B layer shapes (at one row only at 1B), not measured
+# above 64 (bench/README.md)
+FUSED_LINEAR_MAX_ROWS = 64
 
 
 @dataclasses.dataclass(frozen=True)

@@ -98,6 +98,7 @@ def _linear4bit_lora_kernel(
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_j = tl.arange(0, HB)
+    offs_k = tl.arange(0, BS)
     offs_r = tl.arange(0, BLOCK_R)
     m_ok = offs_m < M
     n_ok = offs_n < N
@@ -123,18 +124,17 @@ def _linear4bit_lora_kernel(
         c_lo = tl.load(code_ptr + (p & 15).to(tl.int32))
         w_hi = to_dtype(c_hi * scale[:, None], x_ptr.dtype.element_ty, INTERP)
         w_lo = to_dtype(c_lo * scale[:, None], x_ptr.dtype.element_ty, INTERP)
-        k_even = blk * BS + 2 * offs_j  # (HB,) K % BS == 0: no column mask
-        x_even = tl.load(x_ptr + offs_m[:, None] * stride_xm + k_even[None, :],
-                         mask=m_ok[:, None], other=0.0)
-        x_odd = tl.load(x_ptr + offs_m[:, None] * stride_xm + (k_even + 1)[None, :],
-                        mask=m_ok[:, None], other=0.0)
+        k_blk = blk * BS + offs_k  # (BS,) K % BS == 0: no column mask
+        # x's block loaded contiguously, then split into its even and odd columns in registers
+        x_even, x_odd = tl.split(tl.reshape(tl.load(
+            x_ptr + offs_m[:, None] * stride_xm + k_blk[None, :], mask=m_ok[:, None], other=0.0),
+            (BLOCK_M, HB, 2)))
         acc += dot(w_hi, tl.trans(x_even), INTERP)
         acc += dot(w_lo, tl.trans(x_odd), INTERP)
         if HAS_LORA:
-            a_even = tl.load(a_ptr + offs_r[:, None] * stride_ar + k_even[None, :],
-                             mask=r_ok[:, None], other=0.0)
-            a_odd = tl.load(a_ptr + offs_r[:, None] * stride_ar + (k_even + 1)[None, :],
-                            mask=r_ok[:, None], other=0.0)
+            a_even, a_odd = tl.split(tl.reshape(tl.load(
+                a_ptr + offs_r[:, None] * stride_ar + k_blk[None, :], mask=r_ok[:, None],
+                other=0.0), (BLOCK_R, HB, 2)))
             if LORA_FP32:  # A is not x's dtype: PEFT casts x to A's dtype; fp32 products
                 t += tl.dot(x_even.to(tl.float32), tl.trans(a_even.to(tl.float32)),
                             input_precision="ieee")
@@ -219,22 +219,22 @@ def _num_sms(device: torch.device) -> int:
 
 
 def pick_config(m: int, n: int, k: int, blocksize: int, num_sms: int) -> dict:
-    """Tiles: BLOCK_M covers the decode batch (16 is the smallest dot tile), BLOCK_N 128 output
-    columns on 4 warps. The K loop (one absmax block per step) is split over programs so that
-    the grid holds about two programs per SM (the largest power of two that does not pass it)
-    and no program runs more than 16 steps, but every program at least two (below that, the
-    partial sums' traffic and the reduction cost more than the parallelism brings); at most 32
-    splits. One stage: the code lookups depend on the packed bytes of the same step, and a
-    pipelined gather costs more than the latency it hides (bench/README.md, the decode
-    linear)."""
+    """Tiles: BLOCK_M covers the decode batch (16 is the smallest dot tile); BLOCK_N 64 output
+    columns for N ≤ 2048, 128 above, on 4 warps. The K loop (one absmax block per step) is
+    split over programs so that the grid holds about four programs per SM (the largest power
+    of two that does not pass it) and no program runs more than 16 steps, but every program at
+    least four (below that, the partial sums' traffic and the reduction cost more than the
+    parallelism brings); at most 32 splits. One stage: the code lookups depend on the packed
+    bytes of the same step, and a pipelined gather costs more than the latency it hides.
+    (bench/README.md, the decode linear: the rule against the sweep of every tile.)"""
     block_m = min(64, max(16, triton.next_power_of_2(m)))
-    block_n = 128
+    block_n = 64 if n <= 2048 else 128
     blocks = k // blocksize
     mn_progs = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
-    by_sms = max(1, 2 * num_sms // mn_progs)
-    by_sms = 1 << (by_sms.bit_length() - 1)  # largest power of two <= 2·SMs / programs
+    by_sms = max(1, 4 * num_sms // mn_progs)
+    by_sms = 1 << (by_sms.bit_length() - 1)  # largest power of two <= 4·SMs / programs
     by_steps = triton.next_power_of_2(triton.cdiv(blocks, 16))
-    split = max(1, min(max(by_sms, by_steps), 32, blocks // 2))
+    split = max(1, min(max(by_sms, by_steps), 32, blocks // 4))
     return {"BLOCK_M": block_m, "BLOCK_N": block_n, "SPLIT_K": split, "num_warps": 4,
             "num_stages": 1}
 
