@@ -42,12 +42,12 @@ drawn from its own processed distribution, but the draws differ from the uncompa
 
 Kernels (`kernels="auto"`, the default; they run on CUDA): decode steps run each residual add +
 RMSNorm through `add_rmsnorm`, RoPE with the cache write through `rope_cache_write` and, for a
-decode batch of at most 16 rows, the q/k/v/o and gate/up/down projections through the fused
-4-bit + LoRA decode linear where it serves the module (`kernel_plan`, which decides it; the
-plan is made once per model state and batch and logged in one line). `kernels="torch"` runs the
-modules' own forward. The first call of each plan is checked as below; if the check fails with
-the kernels, they are turned off for the run (one logged line) and the check is repeated
-without them.
+decode batch of at most `kernel_plan.FUSED_LINEAR_MAX_ROWS` rows, the q/k/v/o and gate/up/down
+projections through the fused 4-bit + LoRA decode linear where it serves the module
+(`kernel_plan`, which decides it; the plan is made once per model state and batch and logged in
+one line). `kernels="torch"` runs the modules' own forward. The first call of each plan is
+checked as below; if the check fails with the kernels, they are turned off for the run (one
+logged line) and the check is repeated without them.
 
 Safety: the first call checks the loop's logits for the first two tokens (prefill and one
 decode step) against the model's own eager forward on the same prompts, in eval mode; a
