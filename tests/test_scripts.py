@@ -321,6 +321,7 @@ def test_unknown_hub_id_without_network_fails_fast(tmp_path, monkeypatch, capsys
     assert exc.value.code == 2 and "nor a valid hub id" in err and "Traceback" not in err, err
 
 
+@pytest.mark.slow  # whole-script runs; CI runs it in its slow pass
 def test_cached_hub_id_loads_without_network(tmp_path, monkeypatch, capsys):
     import shutil
 
@@ -359,6 +360,7 @@ def test_smollm2_fetch_errors_name_the_fix(tmp_path, monkeypatch, capsys):
     assert not (tmp_path / ".cache" / "grpo_lce" / "smollm2-135m-instruct-q4_1").exists()
 
 
+@pytest.mark.slow  # whole-script runs; CI runs it in its slow pass
 def test_seed_sweep_collects_ranges(tmp_path):
     sweep = importlib.import_module("bench.seed_sweep")
     assert sweep.parse_seeds("0-2,5,1") == [0, 1, 2, 5]
