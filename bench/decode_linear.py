@@ -160,6 +160,19 @@ def cold_copies(mod, device):
     return [mod] + [copy.deepcopy(mod) for _ in range(n - 1)]
 
 
+def packed_copies(mod, device) -> list:
+    """(Packed4bit, lora_A weight, lora_B weight) of each of `cold_copies(mod, device)`: what
+    `linear4bit_lora` reads."""
+    from trainers.sampling.kernels.linear4bit import Packed4bit
+
+    out = []
+    for c in cold_copies(mod, device):
+        base = c.get_base_layer()
+        out.append((Packed4bit.from_quant_state(base.weight.data, base.weight.quant_state),
+                    c.lora_A["default"].weight, c.lora_B["default"].weight))
+    return out
+
+
 def layer_summary(results) -> list[dict]:
     """Per model and M: the seven projections of one decoder layer (PER_LAYER), summed: ours and
     bnb+peft (graph times where captured) against the summed floor."""
@@ -194,17 +207,14 @@ def sweep(shapes, rows, rank, device, bw):
     fastest."""
     import triton
 
-    from trainers.sampling.kernels.linear4bit import Packed4bit, linear4bit_lora, pick_config
+    from trainers.sampling.kernels.linear4bit import linear4bit_lora, pick_config
 
     out = []
     for model, layers in shapes.items():
         for layer, (n, k) in layers.items():
             mod = make_module(n, k, rank, device)
             base = mod.get_base_layer()
-            copies = [(Packed4bit.from_quant_state(c.get_base_layer().weight.data,
-                                                   c.get_base_layer().weight.quant_state),
-                       c.lora_A["default"].weight, c.lora_B["default"].weight)
-                      for c in cold_copies(mod, device)]
+            copies = packed_copies(mod, device)
             w = copies[0][0]
             for m in rows:
                 x = torch.randn(m, k, device=device).to(torch.bfloat16)

@@ -239,6 +239,13 @@ def pick_config(m: int, n: int, k: int, blocksize: int, num_sms: int) -> dict:
             "num_stages": 1}
 
 
+def split_steps(blocks: int, split: int) -> tuple[int, int]:
+    """(absmax blocks per program, programs along K) for `split` programs asked over `blocks`
+    blocks: every program gets the same number of steps but the last, and none gets none."""
+    per = triton.cdiv(blocks, split)
+    return per, triton.cdiv(blocks, per)
+
+
 def linear4bit_lora(x: torch.Tensor, w: Packed4bit, *, bias: torch.Tensor | None = None,
                     lora_a: torch.Tensor | None = None, lora_b: torch.Tensor | None = None,
                     scaling: float = 1.0, config: dict | None = None) -> torch.Tensor:
@@ -267,9 +274,7 @@ def linear4bit_lora(x: torch.Tensor, w: Packed4bit, *, bias: torch.Tensor | None
     if bias is not None and bias.shape != (n,):
         raise ValueError(f"bias has shape {tuple(bias.shape)}, expected ({n},)")
     cfg = config or pick_config(m, n, k, w.blocksize, _num_sms(x.device))
-    blocks = k // w.blocksize
-    per = triton.cdiv(blocks, cfg["SPLIT_K"])
-    split_k = triton.cdiv(blocks, per)  # no empty splits
+    per, split_k = split_steps(k // w.blocksize, cfg["SPLIT_K"])
     y = torch.empty(m, n, device=x.device, dtype=x.dtype)  # (M, N)
     part = (torch.empty(split_k, m, n, device=x.device, dtype=torch.float32)  # (SPLIT_K, M, N)
             if split_k > 1 else y)
