@@ -13,7 +13,8 @@
 Only decode steps use the projections' and the RoPE kernels (M = batch rows, the projection
 kernel's small-M regime); the prefill's B·S rows go through the modules (bitsandbytes dequantizes
 once per GEMM there), and so do the projections of a decode batch above FUSED_LINEAR_MAX_ROWS
-rows, where bitsandbytes' dequantize + GEMM is the faster of the two (bench/README.md).
+rows, the most the fused kernel was measured faster than bitsandbytes' dequantize + GEMM at
+(bench/README.md).
 kernels="torch" uses none of them; "auto" uses them on KERNEL_DEVICES.
 A plan is made once per model state and decode batch (the loop keys it by the same fingerprint as
 its graphs and the batch: a disabled adapter or train mode changes what `decode_linear` supports)
@@ -113,8 +114,8 @@ def make_plan(base, kernels: str, device_type: str, batch: int = 1) -> KernelPla
                                f"{' / '.join(KERNEL_DEVICES)})")
     fused, split_mlp, first_reason, total, packed = set(), set(), None, 0, 0
     rows_reason = (None if batch <= FUSED_LINEAR_MAX_ROWS else
-                   f"batch {batch} > {FUSED_LINEAR_MAX_ROWS} rows: bitsandbytes' dequantize + "
-                   "GEMM is faster there")
+                   f"batch {batch} > {FUSED_LINEAR_MAX_ROWS} rows, the most the fused kernel is "
+                   "measured faster than bitsandbytes' dequantize + GEMM at")
     for i, layer in enumerate(base.model.layers):
         mods = [(n, getattr(layer.self_attn, n)) for n in ATTN_PROJ]
         mlp_ok = _mlp_ok(layer.mlp)
