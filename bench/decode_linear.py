@@ -44,6 +44,7 @@ from __future__ import annotations
 import argparse
 import copy
 import functools
+import itertools
 import os
 from pathlib import Path
 
@@ -194,14 +195,22 @@ def layer_summary(results) -> list[dict]:
     return out
 
 
-def sweep_configs(k, blocksize=64):
-    """The tile grid `--sweep` times: BLOCK_N × num_warps × SPLIT_K (one stage)."""
-    for bn, warps in ((64, 4), (128, 4), (128, 8), (256, 8)):
-        for split in sorted({2, 4, 8, 16, 32} & set(range(1, k // blocksize + 1))):
-            yield {"BLOCK_N": bn, "SPLIT_K": split, "num_warps": warps, "num_stages": 1}
+TILES = ((64, 4), (128, 4), (128, 8), (256, 8))  # (BLOCK_N, num_warps) that --sweep times
 
 
-def sweep(shapes, rows, rank, device, bw):
+def sweep_configs(k, blocksize=64, lookups=(True,), prefetch=(False,), stages=(1,),
+                  tiles=TILES):
+    """The grid `--sweep` times: (BLOCK_N, num_warps) in `tiles` × SPLIT_K, for each code lookup
+    in `lookups` (PRMT True: register byte permutes; False: memory gathers), PREFETCH (the next
+    block's loads issued before this block's math) in `prefetch`, num_stages in `stages`."""
+    for prmt, pf, st in itertools.product(lookups, prefetch, stages):
+        for bn, warps in tiles:
+            for split in sorted({2, 4, 8, 16, 32} & set(range(1, k // blocksize + 1))):
+                yield {"BLOCK_N": bn, "SPLIT_K": split, "num_warps": warps, "num_stages": st,
+                       "PRMT": prmt, "PREFETCH": pf}
+
+
+def sweep(shapes, rows, rank, device, bw, grid: dict):
     """Graph-replay ms of linear4bit_lora under every config of `sweep_configs`, per shape and
     M (every config's time in the record); prints the chosen config (pick_config) and the
     fastest."""
@@ -224,7 +233,7 @@ def sweep(shapes, rows, rank, device, bw):
                        if device.type == "cuda" else 1)
                 chosen = pick_config(m, n, k, w.blocksize, sms)
                 times = []
-                for cfg in [chosen, *sweep_configs(k, w.blocksize)]:
+                for cfg in [chosen, *sweep_configs(k, w.blocksize, **grid)]:
                     cfg = {"BLOCK_M": bm, **cfg}
                     fns = [functools.partial(linear4bit_lora, x, cw, lora_a=ca, lora_b=cb,
                                              scaling=2.0, config=cfg) for cw, ca, cb in copies]
@@ -359,6 +368,13 @@ def main():
     p.add_argument("--out-dir", default=str(bc.RESULTS_DIR), help="where the JSON goes")
     p.add_argument("--sweep", action="store_true",
                    help="time our kernel over a grid of tile configs instead (use with --rows 8)")
+    p.add_argument("--gathers", action="store_true",
+                   help="--sweep: also every tile with the code looked up by memory gathers")
+    p.add_argument("--prefetch", action="store_true",
+                   help="--sweep: also every tile with PREFETCH (loads one block ahead)")
+    p.add_argument("--stages", default="1", help="--sweep: comma list of num_stages")
+    p.add_argument("--tiles", default=",".join(f"{b}x{w}" for b, w in TILES),
+                   help="--sweep: comma list of BLOCK_NxNUM_WARPS")
     p.add_argument("--rope", action="store_true",
                    help="time the fused RoPE + KV-cache write against the torch ops instead")
     args = p.parse_args()
@@ -381,7 +397,12 @@ def main():
         rope_main(args, rope_shapes, rows, device, bw, env)
         return
     if args.sweep:
-        res = sweep(shapes, rows, args.rank, device, bw)
+        gpu = device.type == "cuda"
+        grid = {"lookups": (True, False) if args.gathers and gpu else (gpu,),
+                "prefetch": (False, True) if args.prefetch else (False,),
+                "stages": tuple(int(v) for v in args.stages.split(",")),
+                "tiles": tuple(tuple(int(v) for v in t.split("x")) for t in args.tiles.split(","))}
+        res = sweep(shapes, rows, args.rank, device, bw, grid)
         path = Path(args.out_dir) / f"bench_decode_linear_sweep_{bc.gpu_short_name(device)}.json"
         bc.write_json(path, {"env": env, "bandwidth_Bps": bw, "rank": args.rank,
                              "results": res})

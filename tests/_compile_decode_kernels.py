@@ -28,22 +28,30 @@ def compile_kernel(fn, types: dict, consts: dict, **options):
     return kernel
 
 
+def _compile_linear(nested, split, lora, lora_fp32, bs, prmt, xdt):
+    types = {"x_ptr": f"*{xdt}", "w_ptr": "*u8", "code_ptr": "*fp32",
+             "absmax_ptr": "*u8" if nested else "*fp32", "code2_ptr": "*fp32",
+             "absmax2_ptr": "*fp32", "offset_ptr": "*fp32",
+             "a_ptr": "*fp32" if lora_fp32 else f"*{xdt}", "b_ptr": f"*{xdt}",
+             "bias_ptr": f"*{xdt}", "y_ptr": f"*{xdt}", "part_ptr": "*fp32", "scaling": "fp32"}
+    consts = {"BS": bs, "BS2": 256, "NESTED": nested, "HAS_LORA": lora,
+              "LORA_FP32": lora_fp32, "HAS_BIAS": True, "SPLIT": split, "BLOCK_M": 16,
+              "BLOCK_N": 64 if bs == 64 else 128, "BLOCK_R": 16, "PRMT": prmt, "PREFETCH": prmt, "INTERP": False}
+    compile_kernel(L._linear4bit_lora_kernel, types, consts, enable_fp_fusion=False,
+                   num_stages=1)
+
+
 def main():
-    # both BLOCK_N that pick_config uses (64 with blocksize 64, 128 with 128)
+    # both BLOCK_N that pick_config uses (64 with blocksize 64, 128 with 128), the code looked
+    # up by register permutes (the GPU's path); then the memory gathers (the interpreter's
+    # path, and `config={"PRMT": False}`) and fp16 x
     for nested, split, lora, lora_fp32, bs in itertools.product(
             (False, True), (False, True), (False, True), (False, True), (64, 128)):
         if lora_fp32 and not lora:
             continue
-        types = {"x_ptr": "*bf16", "w_ptr": "*u8", "code_ptr": "*fp32",
-                 "absmax_ptr": "*u8" if nested else "*fp32", "code2_ptr": "*fp32",
-                 "absmax2_ptr": "*fp32", "offset_ptr": "*fp32",
-                 "a_ptr": "*fp32" if lora_fp32 else "*bf16", "b_ptr": "*bf16",
-                 "bias_ptr": "*bf16", "y_ptr": "*bf16", "part_ptr": "*fp32", "scaling": "fp32"}
-        consts = {"BS": bs, "BS2": 256, "NESTED": nested, "HAS_LORA": lora,
-                  "LORA_FP32": lora_fp32, "HAS_BIAS": True, "SPLIT": split, "BLOCK_M": 16,
-                  "BLOCK_N": 64 if bs == 64 else 128, "BLOCK_R": 16, "INTERP": False}
-        compile_kernel(L._linear4bit_lora_kernel, types, consts, enable_fp_fusion=False,
-                       num_stages=1)
+        _compile_linear(nested, split, lora, lora_fp32, bs, True, "bf16")
+    for nested, (prmt, xdt) in itertools.product((False, True), ((False, "bf16"), (True, "fp16"))):
+        _compile_linear(nested, True, True, False, 64, prmt, xdt)
     compile_kernel(L._split_k_reduce_kernel,
                    {"part_ptr": "*fp32", "bias_ptr": "*bf16", "y_ptr": "*bf16"},
                    {"HAS_BIAS": True, "BLOCK_M": 16, "BLOCK_N": 64, "INTERP": False})

@@ -20,6 +20,7 @@ second is the contract "equal within bf16 rounding".
 """
 
 import copy
+import itertools
 
 import pytest
 import torch
@@ -32,11 +33,13 @@ from peft import LoraConfig
 from peft.tuners.lora.bnb import Linear4bit as LoraLinear4bit
 from peft.tuners.lora.layer import Linear as LoraLinear
 
+from trainers.sampling.kernels._interp import interpreting
 from trainers.sampling.kernels.linear4bit import (
     Packed4bit,
     UnsupportedLinear,
     decode_linear,
     linear4bit_lora,
+    pick_config,
     unsupported_reason,
 )
 
@@ -140,18 +143,19 @@ def test_matches_fp64(quant_type, double, n, k, m):
     _check(ours, y, big_s, k_eff=k + 16 + 4, rel_u=1, s_u=0, what=f"M={m} N={n} K={k}")
 
 
-@pytest.mark.parametrize("split_k,block_n,block_m", [(1, 32, 16), (2, 64, 16), (3, 16, 32),
-                                                     (8, 64, 64), (30, 64, 16)])
+@pytest.mark.parametrize("split_k,block_n,block_m,prefetch", [
+    (1, 32, 16, False), (2, 64, 16, True), (3, 16, 32, True), (8, 64, 64, False),
+    (30, 64, 16, True)])
 @pytest.mark.parametrize("lora,lora_dtype", [(False, None), (True, torch.bfloat16),
                                              (True, torch.float32)])
-def test_tile_configs_and_split_k(split_k, block_n, block_m, lora, lora_dtype):
+def test_tile_configs_and_split_k(split_k, block_n, block_m, prefetch, lora, lora_dtype):
     """Every tiling computes the same sum: split-K (an uneven last split, and more splits than
-    absmax blocks), BLOCK_N not dividing N; each split carries its own share of the LoRA term,
-    in 16-bit and in fp32 factors."""
+    absmax blocks), BLOCK_N not dividing N, the loads one block ahead or not; each split
+    carries its own share of the LoRA term, in 16-bit and in fp32 factors."""
     n, k, m = 80, 384, 5
     packed, qs = _quantize(n, k, quant_type="nf4", double=True)
     x, a, b, bias = _inputs(m, n, k, 8, lora_dtype=lora_dtype or torch.bfloat16)
-    cfg = {"BLOCK_M": block_m, "BLOCK_N": block_n, "SPLIT_K": split_k}
+    cfg = {"BLOCK_M": block_m, "BLOCK_N": block_n, "SPLIT_K": split_k, "PREFETCH": prefetch}
     kw = {"lora_a": a, "lora_b": b, "scaling": 0.5} if lora else {}
     ours = linear4bit_lora(x, Packed4bit.from_quant_state(packed, qs), bias=bias, config=cfg, **kw)
     y, big_s = _fp64(x, bnbF.dequantize_4bit(packed, qs), bias, *((a, b) if lora else (None,
@@ -287,6 +291,10 @@ def test_bad_inputs_name_the_argument():
     _, qs_odd = _quantize(32, 96, quant_type="nf4", double=False, blocksize=64)
     with pytest.raises(ValueError, match="K=96 is not a multiple of blocksize=64"):
         Packed4bit.from_quant_state(packed, qs_odd)
+    if interpreting():
+        with pytest.raises(ValueError, match="config PRMT=True"):
+            linear4bit_lora(torch.zeros(2, 128, dtype=torch.bfloat16), w,
+                            config={"BLOCK_M": 16, "BLOCK_N": 64, "SPLIT_K": 1, "PRMT": True})
 
 
 @pytest.mark.slow
@@ -351,13 +359,45 @@ def test_real_shapes_gpu(model, quant_type, double):
 
 
 @pytest.mark.gpu
-def test_weight_exact_gpu():
-    for quant_type in ("nf4", "fp4"):
-        for double in (False, True):
-            packed, qs = _quantize(64, 256, quant_type=quant_type, double=double, device="cuda")
-            eye = torch.eye(256, dtype=torch.bfloat16, device="cuda")
-            y = linear4bit_lora(eye, Packed4bit.from_quant_state(packed, qs))
-            assert torch.equal(y, bnbF.dequantize_4bit(packed, qs).T), (quant_type, double)
+@pytest.mark.parametrize("prmt", [True, False])
+def test_weight_exact_gpu(prmt):
+    """Identity rows: every dequantized weight equals bitsandbytes' `dequantize_4bit` bit for
+    bit, in bf16 and fp16, at every blocksize, with the code looked up by register byte
+    permutes (PRMT, the GPU default) and by memory gathers."""
+    for quant_type, double, bs in itertools.product(("nf4", "fp4"), (False, True),
+                                                    (32, 64, 128, 256)):
+        packed, qs = _quantize(64, 512, quant_type=quant_type, double=double, blocksize=bs,
+                               device="cuda")
+        w = Packed4bit.from_quant_state(packed, qs)
+        for dt in (torch.bfloat16, torch.float16):
+            qs_dt = copy.copy(qs)
+            qs_dt.dtype = dt
+            ref = bnbF.dequantize_4bit(packed, qs_dt)
+            assert ref.dtype == dt
+            for m in (512, 8):  # every weight (BLOCK_M 64), and a decode batch's tile (16)
+                eye = torch.eye(512, dtype=dt, device="cuda")[:m]
+                cfg = {**pick_config(m, 64, 512, bs, torch.cuda.get_device_properties(
+                    0).multi_processor_count), "PRMT": prmt}
+                y = linear4bit_lora(eye, w, config=cfg)
+                assert torch.equal(y, ref.T[:m]), (quant_type, double, bs, dt, m)
+
+
+@pytest.mark.gpu
+def test_code_lookups_agree_gpu():
+    """The two code lookups build the same bf16 weight tiles, so the same kernel gives the same
+    output bit for bit, with the loads one block ahead or not, on real layer shapes with LoRA
+    and split K."""
+    for n, k in REAL_SHAPES["llama-3.2-1b"]:
+        packed, qs = _quantize(n, k, quant_type="nf4", double=True, device="cuda")
+        w = Packed4bit.from_quant_state(packed, qs)
+        for m in (1, 8, 64):
+            x, a, b, bias = _inputs(m, n, k, 16, device="cuda")
+            cfg = pick_config(m, n, k, 64, torch.cuda.get_device_properties(0)
+                              .multi_processor_count)
+            ys = [linear4bit_lora(x, w, bias=bias, lora_a=a, lora_b=b, scaling=2.0,
+                                  config={**cfg, "PRMT": prmt, "PREFETCH": pf})
+                  for prmt, pf in ((True, False), (True, True), (False, False))]
+            assert torch.equal(ys[0], ys[1]) and torch.equal(ys[0], ys[2]), (n, k, m)
 
 
 @pytest.mark.gpu

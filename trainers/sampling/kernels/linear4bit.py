@@ -45,6 +45,93 @@ import triton.language as tl
 from ..kernels._interp import dot, interpreting, to_dtype
 
 
+def _table_asm(cvt: str) -> str:
+    """PTX: the 16 entries round(code[i] · scale) of one row's absmax block (`cvt` rounds two fp32
+    to two 16-bit floats, nearest even), as two byte planes of four words: $0..$3 hold the low
+    bytes of entries 4j .. 4j + 3, $4..$7 their high bytes. Inputs: $8 the scale, $9 + i code[i].
+    The products are fp32 (mul.rn, never fused), as bitsandbytes forms them."""
+    lines = [f"mul.rn.f32 p{i}, ${9 + i}, $8;" for i in range(16)]
+    # w_j = {entry 2j + 1 (upper half), entry 2j (lower half)}: bytes [e2j.lo, e2j.hi, ...]
+    lines += [f"{cvt} w{j}, p{2 * j + 1}, p{2 * j};" for j in range(8)]
+    lines += [f"prmt.b32 ${j}, w{2 * j}, w{2 * j + 1}, 0x6420;" for j in range(4)]  # low bytes
+    lines += [f"prmt.b32 ${4 + j}, w{2 * j}, w{2 * j + 1}, 0x7531;" for j in range(4)]  # high
+    return "{\n.reg .f32 p<16>;\n.reg .b32 w<8>;\n" + "\n".join(lines) + "\n}"
+
+
+# PTX, two packed bytes at a time ($2, a 16-bit register; pack=2: the compiler may hold the
+# tile in the MMA operand layout, where a thread's consecutive elements are pairs along K of one
+# row, and the table operands are that row's). Each byte's two nibbles are looked up in the
+# byte-plane table ($3 + 2j: low-byte word j, $11 + 2j: high-byte word j; the first of each
+# operand's two copies). prmt picks 4 bytes out of 8 by 3-bit selectors: the 4 nibbles select
+# in entries 0-7 and in 8-15 (bit 3 cleared: it is prmt's sign-replicate flag), then each
+# nibble's bit 3 picks between the two. Out: $0 the high nibbles' values (even elements) of
+# bytes 0 and 1, two 16-bit floats, byte 0's in the lower half; $1 the low nibbles' (odd).
+_DEQUANT_ASM = """{
+.reg .b32 w, s, m, a, b, l, h;
+cvt.u32.u16 w, $2;
+and.b32 s, w, 0x7777;
+shr.u32 m, w, 1;
+and.b32 m, m, 0x4444;
+or.b32 m, m, 0x3210;
+prmt.b32 a, $3, $5, s;
+prmt.b32 b, $7, $9, s;
+prmt.b32 l, a, b, m;
+prmt.b32 a, $11, $13, s;
+prmt.b32 b, $15, $17, s;
+prmt.b32 h, a, b, m;
+prmt.b32 $0, l, h, 0x7351;
+prmt.b32 $1, l, h, 0x6240;
+}"""
+_TABLE_BF16 = tl.constexpr(_table_asm("cvt.rn.bf16x2.f32"))
+_TABLE_F16 = tl.constexpr(_table_asm("cvt.rn.f16x2.f32"))
+_TABLE_CONSTRAINTS = tl.constexpr(",".join(["=r"] * 8 + ["r"] * 17))
+_DEQUANT = tl.constexpr(_DEQUANT_ASM)
+_DEQUANT_CONSTRAINTS = tl.constexpr(",".join(["=r", "=r", "h"] + ["r"] * 16))
+
+
+@triton.jit
+def _dequant_prmt(p, scale, code_ptr, dtype: tl.constexpr):
+    """(high nibbles, low nibbles) of the packed bytes p (BLOCK_N, HB) uint8 as
+    round(code[q] · scale[n]) in dtype, each (BLOCK_N, HB): one table of 16 values per row,
+    then register byte permutes (no memory lookups per element)."""
+    c0 = tl.load(code_ptr + 0)
+    c1 = tl.load(code_ptr + 1)
+    c2 = tl.load(code_ptr + 2)
+    c3 = tl.load(code_ptr + 3)
+    c4 = tl.load(code_ptr + 4)
+    c5 = tl.load(code_ptr + 5)
+    c6 = tl.load(code_ptr + 6)
+    c7 = tl.load(code_ptr + 7)
+    c8 = tl.load(code_ptr + 8)
+    c9 = tl.load(code_ptr + 9)
+    c10 = tl.load(code_ptr + 10)
+    c11 = tl.load(code_ptr + 11)
+    c12 = tl.load(code_ptr + 12)
+    c13 = tl.load(code_ptr + 13)
+    c14 = tl.load(code_ptr + 14)
+    c15 = tl.load(code_ptr + 15)
+    if dtype == tl.bfloat16:
+        table_asm: tl.constexpr = _TABLE_BF16
+    else:
+        table_asm: tl.constexpr = _TABLE_F16
+    lo0, lo1, lo2, lo3, hi0, hi1, hi2, hi3 = tl.inline_asm_elementwise(
+        table_asm, _TABLE_CONSTRAINTS,
+        [scale, c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15],
+        dtype=(tl.int32, tl.int32, tl.int32, tl.int32, tl.int32, tl.int32, tl.int32,
+               tl.int32), is_pure=True, pack=1)
+    args = [p, lo0[:, None], lo1[:, None], lo2[:, None], lo3[:, None],
+            hi0[:, None], hi1[:, None], hi2[:, None], hi3[:, None]]
+    if dtype == tl.bfloat16:
+        w_hi, w_lo = tl.inline_asm_elementwise(_DEQUANT, _DEQUANT_CONSTRAINTS, args,
+                                               dtype=(tl.bfloat16, tl.bfloat16), is_pure=True,
+                                               pack=2)
+    else:
+        w_hi, w_lo = tl.inline_asm_elementwise(_DEQUANT, _DEQUANT_CONSTRAINTS, args,
+                                               dtype=(tl.float16, tl.float16), is_pure=True,
+                                               pack=2)
+    return w_hi, w_lo
+
+
 @triton.jit
 def _split_k_reduce_kernel(
     part_ptr, bias_ptr, y_ptr, M, N, SPLIT_K, stride_ps, stride_pm, stride_ym,
@@ -65,6 +152,22 @@ def _split_k_reduce_kernel(
 
 
 @triton.jit
+def _block_bytes_and_scale(w_ptr, absmax_ptr, code2_ptr, absmax2_ptr, offset, ablk, offs_j, n_ok,
+                           HB: tl.constexpr, BS2: tl.constexpr, NESTED: tl.constexpr):
+    """The packed bytes (BLOCK_N, HB) and the fp32 scale (BLOCK_N,) of absmax block `ablk` of
+    each row (ablk (BLOCK_N,) int64, the flat block index)."""
+    if NESTED:
+        qa = tl.load(absmax_ptr + ablk, mask=n_ok, other=0)
+        scale = tl.load(code2_ptr + qa.to(tl.int32)) * tl.load(
+            absmax2_ptr + ablk // BS2, mask=n_ok, other=0.0) + offset
+    else:
+        scale = tl.load(absmax_ptr + ablk, mask=n_ok, other=0.0)
+    # contiguous per row: the only traffic that scales with N·K
+    p = tl.load(w_ptr + (ablk * HB)[:, None] + offs_j[None, :], mask=n_ok[:, None], other=0)
+    return p, scale
+
+
+@triton.jit
 def _linear4bit_lora_kernel(
     x_ptr, w_ptr, code_ptr, absmax_ptr, code2_ptr, absmax2_ptr, offset_ptr,
     a_ptr, b_ptr, bias_ptr, y_ptr, part_ptr,
@@ -73,7 +176,7 @@ def _linear4bit_lora_kernel(
     BS: tl.constexpr, BS2: tl.constexpr, NESTED: tl.constexpr,
     HAS_LORA: tl.constexpr, LORA_FP32: tl.constexpr, HAS_BIAS: tl.constexpr,
     SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
-    INTERP: tl.constexpr,
+    PRMT: tl.constexpr, PREFETCH: tl.constexpr, INTERP: tl.constexpr,
 ):
     """One launch per projection (the reduction aside). The output tile is held transposed,
     accT (BLOCK_N, BLOCK_M) = y[m-block, n-block]ᵀ, so that the dequantized weight tile is the
@@ -109,21 +212,27 @@ def _linear4bit_lora_kernel(
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)  # yᵀ of this tile
     t = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
     blk_lo = pid_k * BLOCKS_PER_SPLIT
-    for blk in range(blk_lo, tl.minimum(blk_lo + BLOCKS_PER_SPLIT, KB)):
-        ablk = n_blk + blk  # (BLOCK_N,)
-        if NESTED:
-            qa = tl.load(absmax_ptr + ablk, mask=n_ok, other=0)
-            scale = tl.load(code2_ptr + qa.to(tl.int32)) * tl.load(
-                absmax2_ptr + ablk // BS2, mask=n_ok, other=0.0) + offset
+    blk_hi = tl.minimum(blk_lo + BLOCKS_PER_SPLIT, KB)
+    p_next, scale_next = _block_bytes_and_scale(
+        w_ptr, absmax_ptr, code2_ptr, absmax2_ptr, offset, n_blk + blk_lo, offs_j, n_ok,
+        HB, BS2, NESTED)
+    for blk in range(blk_lo, blk_hi):
+        if PREFETCH:  # this block's loads were issued an iteration ago; issue the next's now
+            p, scale = p_next, scale_next
+            p_next, scale_next = _block_bytes_and_scale(
+                w_ptr, absmax_ptr, code2_ptr, absmax2_ptr, offset,
+                n_blk + tl.minimum(blk + 1, blk_hi - 1), offs_j, n_ok, HB, BS2, NESTED)
         else:
-            scale = tl.load(absmax_ptr + ablk, mask=n_ok, other=0.0)
-        # (BLOCK_N, HB) packed bytes, contiguous per row: the only traffic that scales with N·K
-        p = tl.load(w_ptr + (ablk * HB)[:, None] + offs_j[None, :], mask=n_ok[:, None], other=0)
+            p, scale = _block_bytes_and_scale(w_ptr, absmax_ptr, code2_ptr, absmax2_ptr, offset,
+                                              n_blk + blk, offs_j, n_ok, HB, BS2, NESTED)
         # code · scale in fp32, rounded to x's dtype: bitsandbytes' dequantized weight
-        c_hi = tl.load(code_ptr + (p >> 4).to(tl.int32))
-        c_lo = tl.load(code_ptr + (p & 15).to(tl.int32))
-        w_hi = to_dtype(c_hi * scale[:, None], x_ptr.dtype.element_ty, INTERP)
-        w_lo = to_dtype(c_lo * scale[:, None], x_ptr.dtype.element_ty, INTERP)
+        if PRMT:
+            w_hi, w_lo = _dequant_prmt(p, scale, code_ptr, x_ptr.dtype.element_ty)
+        else:
+            c_hi = tl.load(code_ptr + (p >> 4).to(tl.int32))
+            c_lo = tl.load(code_ptr + (p & 15).to(tl.int32))
+            w_hi = to_dtype(c_hi * scale[:, None], x_ptr.dtype.element_ty, INTERP)
+            w_lo = to_dtype(c_lo * scale[:, None], x_ptr.dtype.element_ty, INTERP)
         k_blk = blk * BS + offs_k  # (BS,) K % BS == 0: no column mask
         # x's block loaded contiguously, then split into its even and odd columns in registers
         x_even, x_odd = tl.split(tl.reshape(tl.load(
@@ -220,23 +329,23 @@ def _num_sms(device: torch.device) -> int:
 
 def pick_config(m: int, n: int, k: int, blocksize: int, num_sms: int) -> dict:
     """Tiles: BLOCK_M covers the decode batch (16 is the smallest dot tile); BLOCK_N 64 output
-    columns for N ≤ 2048, 128 above, on 4 warps. The K loop (one absmax block per step) is
-    split over programs so that the grid holds about four programs per SM (the largest power
-    of two that does not pass it) and no program runs more than 16 steps, but every program at
+    columns for N ≤ 1024, 128 above, on 4 warps. The K loop (one absmax block per step) is
+    split over programs so that the grid holds about two programs per SM (the largest power of
+    two that does not pass it) and no program runs more than 16 steps, but every program at
     least four (below that, the partial sums' traffic and the reduction cost more than the
-    parallelism brings); at most 32 splits. One stage: the code lookups depend on the packed
-    bytes of the same step, and a pipelined gather costs more than the latency it hides.
-    (bench/README.md, the decode linear: the rule against the sweep of every tile.)"""
+    parallelism brings); at most 32 splits. Each step's packed bytes and scales are loaded one
+    step ahead (PREFETCH), in registers: one stage. (bench/README.md, the decode linear: the
+    rule against the sweep of every tile.)"""
     block_m = min(64, max(16, triton.next_power_of_2(m)))
-    block_n = 64 if n <= 2048 else 128
+    block_n = 64 if n <= 1024 else 128
     blocks = k // blocksize
     mn_progs = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
-    by_sms = max(1, 4 * num_sms // mn_progs)
-    by_sms = 1 << (by_sms.bit_length() - 1)  # largest power of two <= 4·SMs / programs
+    by_sms = max(1, 2 * num_sms // mn_progs)
+    by_sms = 1 << (by_sms.bit_length() - 1)  # largest power of two <= 2·SMs / programs
     by_steps = triton.next_power_of_2(triton.cdiv(blocks, 16))
     split = max(1, min(max(by_sms, by_steps), 32, blocks // 4))
     return {"BLOCK_M": block_m, "BLOCK_N": block_n, "SPLIT_K": split, "num_warps": 4,
-            "num_stages": 1}
+            "num_stages": 1, "PREFETCH": True}
 
 
 def split_steps(blocks: int, split: int) -> tuple[int, int]:
@@ -252,7 +361,8 @@ def linear4bit_lora(x: torch.Tensor, w: Packed4bit, *, bias: torch.Tensor | None
     """y (M, N) in x's dtype = x @ round(W)ᵀ + bias + scaling · (x @ lora_aᵀ) @ lora_bᵀ
     (module docstring for the bound). x (M, K) bf16/fp16; lora_a (r, K), lora_b (N, r) any
     float dtype, read at this call. `config`: BLOCK_M, BLOCK_N, SPLIT_K and optionally
-    num_warps, num_stages (default `pick_config`)."""
+    num_warps, num_stages (default `pick_config`), PRMT (default: on the GPU; the code table
+    looked up by register byte permutes, else by memory gathers, the same values)."""
     n, k = w.shape
     if x.dim() != 2 or x.shape[1] != k:
         raise ValueError(f"x has shape {tuple(x.shape)}, expected (M, {k}) for weight {(n, k)}")
@@ -274,6 +384,11 @@ def linear4bit_lora(x: torch.Tensor, w: Packed4bit, *, bias: torch.Tensor | None
     if bias is not None and bias.shape != (n,):
         raise ValueError(f"bias has shape {tuple(bias.shape)}, expected ({n},)")
     cfg = config or pick_config(m, n, k, w.blocksize, _num_sms(x.device))
+    interp = interpreting()
+    prmt = cfg.get("PRMT", not interp)
+    if prmt and interp:
+        raise ValueError("config PRMT=True (the code looked up by PTX byte permutes) needs the "
+                         "GPU compiler; Triton's interpreter runs PRMT=False")
     per, split_k = split_steps(k // w.blocksize, cfg["SPLIT_K"])
     y = torch.empty(m, n, device=x.device, dtype=x.dtype)  # (M, N)
     part = (torch.empty(split_k, m, n, device=x.device, dtype=torch.float32)  # (SPLIT_K, M, N)
@@ -281,7 +396,6 @@ def linear4bit_lora(x: torch.Tensor, w: Packed4bit, *, bias: torch.Tensor | None
     bias_arg = bias if bias is not None else y
     a_arg, b_arg = (lora_a, lora_b) if has_lora else (x, x)  # placeholders, never read
     nested = w.nested
-    interp = interpreting()
     grid = (triton.cdiv(m, cfg["BLOCK_M"]), triton.cdiv(n, cfg["BLOCK_N"]), split_k)
     _linear4bit_lora_kernel[grid](
         x, w.packed, w.code, w.absmax,
@@ -294,7 +408,9 @@ def linear4bit_lora(x: torch.Tensor, w: Packed4bit, *, bias: torch.Tensor | None
         BS=w.blocksize, BS2=w.blocksize2, NESTED=nested, HAS_LORA=has_lora,
         LORA_FP32=has_lora and lora_a.dtype != x.dtype, HAS_BIAS=bias is not None,
         SPLIT=split_k > 1, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
-        BLOCK_R=max(16, triton.next_power_of_2(r)), INTERP=interp,
+        BLOCK_R=max(16, triton.next_power_of_2(r)), PRMT=prmt,
+        PREFETCH=cfg.get("PREFETCH", False),
+        INTERP=interp,
         # no FMA contraction: the double-quant scale code2·absmax2 + offset is then formed with
         # the same two roundings as bitsandbytes' (a product, then an add)
         enable_fp_fusion=False, num_warps=cfg.get("num_warps", 4),
