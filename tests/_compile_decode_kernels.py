@@ -33,10 +33,12 @@ def _compile_linear(nested, split, lora, lora_fp32, bs, prmt, xdt):
              "absmax_ptr": "*u8" if nested else "*fp32", "code2_ptr": "*fp32",
              "absmax2_ptr": "*fp32", "offset_ptr": "*fp32",
              "a_ptr": "*fp32" if lora_fp32 else f"*{xdt}", "b_ptr": f"*{xdt}",
-             "bias_ptr": f"*{xdt}", "y_ptr": f"*{xdt}", "part_ptr": "*fp32", "scaling": "fp32"}
+             "bias_ptr": f"*{xdt}", "y_ptr": f"*{xdt}", "part_ptr": "*fp32", "count_ptr": "*i32",
+             "scaling": "fp32"}
     consts = {"BS": bs, "BS2": 256, "NESTED": nested, "HAS_LORA": lora,
-              "LORA_FP32": lora_fp32, "HAS_BIAS": True, "SPLIT": split, "BLOCK_M": 16,
-              "BLOCK_N": 64 if bs == 64 else 128, "BLOCK_R": 16, "PRMT": prmt, "PREFETCH": prmt, "INTERP": False}
+              "LORA_FP32": lora_fp32, "HAS_BIAS": True, "SPLIT": split, "LAST_REDUCES": split,
+              "BLOCK_M": 16, "BLOCK_N": 64 if bs == 64 else 128, "BLOCK_R": 16, "PRMT": prmt,
+              "PREFETCH": prmt, "INTERP": False}
     compile_kernel(L._linear4bit_lora_kernel, types, consts, enable_fp_fusion=False,
                    num_stages=1)
 

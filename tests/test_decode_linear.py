@@ -33,6 +33,7 @@ from peft import LoraConfig
 from peft.tuners.lora.bnb import Linear4bit as LoraLinear4bit
 from peft.tuners.lora.layer import Linear as LoraLinear
 
+from trainers.sampling.kernels import linear4bit
 from trainers.sampling.kernels._interp import interpreting
 from trainers.sampling.kernels.linear4bit import (
     Packed4bit,
@@ -161,6 +162,11 @@ def test_tile_configs_and_split_k(split_k, block_n, block_m, prefetch, lora, lor
     y, big_s = _fp64(x, bnbF.dequantize_4bit(packed, qs), bias, *((a, b) if lora else (None,
                      None)), 0.5)
     _check(ours, y, big_s, k_eff=k + 8 + split_k + 4, rel_u=1, s_u=0, what=f"config {cfg}")
+    if split_k > 1:  # the last split's in-kernel reduction: the second launch's bits
+        two = linear4bit_lora(x, Packed4bit.from_quant_state(packed, qs), bias=bias,
+                              config={**cfg, "LAST_REDUCES": False}, **kw)
+        assert torch.equal(ours, two)
+        assert not linear4bit._COUNTERS[x.device].any(), "tile counters left nonzero"
 
 
 def _lora_module(n, k, *, quant_type="nf4", double=True, bias=True, r=16, alpha=32,
@@ -385,8 +391,8 @@ def test_weight_exact_gpu(prmt):
 @pytest.mark.gpu
 def test_code_lookups_agree_gpu():
     """The two code lookups build the same bf16 weight tiles, so the same kernel gives the same
-    output bit for bit, with the loads one block ahead or not, on real layer shapes with LoRA
-    and split K."""
+    output bit for bit, with the loads one block ahead or not, the split-K sum in the kernel's
+    last split or in a second launch, on real layer shapes with LoRA and split K."""
     for n, k in REAL_SHAPES["llama-3.2-1b"]:
         packed, qs = _quantize(n, k, quant_type="nf4", double=True, device="cuda")
         w = Packed4bit.from_quant_state(packed, qs)
@@ -395,9 +401,12 @@ def test_code_lookups_agree_gpu():
             cfg = pick_config(m, n, k, 64, torch.cuda.get_device_properties(0)
                               .multi_processor_count)
             ys = [linear4bit_lora(x, w, bias=bias, lora_a=a, lora_b=b, scaling=2.0,
-                                  config={**cfg, "PRMT": prmt, "PREFETCH": pf})
-                  for prmt, pf in ((True, False), (True, True), (False, False))]
-            assert torch.equal(ys[0], ys[1]) and torch.equal(ys[0], ys[2]), (n, k, m)
+                                  config={**cfg, "PRMT": prmt, "PREFETCH": pf,
+                                          "LAST_REDUCES": lr})
+                  for prmt, pf, lr in ((True, True, True), (True, False, True),
+                                       (False, False, True), (True, True, False))]
+            assert all(torch.equal(ys[0], y) for y in ys[1:]), (n, k, m)
+            assert not linear4bit._COUNTERS[x.device].any()
 
 
 @pytest.mark.gpu

@@ -170,12 +170,13 @@ def _block_bytes_and_scale(w_ptr, absmax_ptr, code2_ptr, absmax2_ptr, offset, ab
 @triton.jit
 def _linear4bit_lora_kernel(
     x_ptr, w_ptr, code_ptr, absmax_ptr, code2_ptr, absmax2_ptr, offset_ptr,
-    a_ptr, b_ptr, bias_ptr, y_ptr, part_ptr,
+    a_ptr, b_ptr, bias_ptr, y_ptr, part_ptr, count_ptr,
     M, N, K, R, BLOCKS_PER_SPLIT, scaling,
     stride_xm, stride_ar, stride_bn, stride_ym, stride_ps, stride_pm,
     BS: tl.constexpr, BS2: tl.constexpr, NESTED: tl.constexpr,
     HAS_LORA: tl.constexpr, LORA_FP32: tl.constexpr, HAS_BIAS: tl.constexpr,
-    SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+    SPLIT: tl.constexpr, LAST_REDUCES: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
     PRMT: tl.constexpr, PREFETCH: tl.constexpr, INTERP: tl.constexpr,
 ):
     """One launch per projection (the reduction aside). The output tile is held transposed,
@@ -257,9 +258,29 @@ def _linear4bit_lora_kernel(
                     mask=n_ok[:, None] & r_ok[None, :], other=0.0)
         acc += scaling * tl.dot(b.to(tl.float32), tl.trans(t), input_precision="ieee")
     mask = n_ok[:, None] & m_ok[None, :]
+    part_offs = offs_m[None, :] * stride_pm + offs_n[:, None]
     if SPLIT:
-        tl.store(part_ptr + pid_k * stride_ps + offs_m[None, :] * stride_pm + offs_n[:, None],
-                 acc, mask=mask)
+        tl.store(part_ptr + pid_k * stride_ps + part_offs, acc, mask=mask)
+        if LAST_REDUCES:
+            # The tile's last split to arrive sums all splits' partials in split order (the
+            # separate reduction's order: the same bits) and resets the tile's counter to zero
+            # for the next call. Every thread's partial is stored before the counter's release;
+            # the last program reads the others' partials after its acquire, from L2 (.cg).
+            tl.debug_barrier()
+            splits = tl.num_programs(2)
+            tile = pid_m * tl.num_programs(1) + pid_n
+            arrived = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
+            if arrived == splits - 1:
+                acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+                for sk in range(splits):
+                    acc += tl.load(part_ptr + sk * stride_ps + part_offs, mask=mask, other=0.0,
+                                   cache_modifier=".cg")
+                if HAS_BIAS:
+                    acc += tl.load(bias_ptr + offs_n, mask=n_ok,
+                                   other=0.0).to(tl.float32)[:, None]
+                tl.store(y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None],
+                         to_dtype(acc, y_ptr.dtype.element_ty, INTERP), mask=mask)
+                tl.atomic_xchg(count_ptr + tile, 0, sem="relaxed", scope="gpu")
     else:
         if HAS_BIAS:
             acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
@@ -355,6 +376,27 @@ def split_steps(blocks: int, split: int) -> tuple[int, int]:
     return per, triton.cdiv(blocks, per)
 
 
+_COUNTERS: dict = {}  # device -> int32 tile counters, zero between calls
+_RETIRED: list = []  # outgrown counter buffers: captured graphs may still point at them
+
+
+def _tile_counters(device: torch.device, tiles: int) -> torch.Tensor | None:
+    """Zeroed int32 arrival counters for `tiles` output tiles, kept per device (each call's last
+    split per tile resets its counter, so they stay zero between calls). None while a CUDA graph
+    is being captured and no large enough buffer exists yet (allocating it then would tie it to
+    the graph's memory pool): the call then reduces in a second launch. Calls on one device
+    share the buffer, so they must not overlap in time: one stream, as the decode step runs."""
+    buf = _COUNTERS.get(device)
+    if buf is None or buf.numel() < tiles:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        if buf is not None:
+            _RETIRED.append(buf)
+        buf = torch.zeros(max(tiles, 4096), dtype=torch.int32, device=device)
+        _COUNTERS[device] = buf
+    return buf
+
+
 def linear4bit_lora(x: torch.Tensor, w: Packed4bit, *, bias: torch.Tensor | None = None,
                     lora_a: torch.Tensor | None = None, lora_b: torch.Tensor | None = None,
                     scaling: float = 1.0, config: dict | None = None) -> torch.Tensor:
@@ -362,7 +404,9 @@ def linear4bit_lora(x: torch.Tensor, w: Packed4bit, *, bias: torch.Tensor | None
     (module docstring for the bound). x (M, K) bf16/fp16; lora_a (r, K), lora_b (N, r) any
     float dtype, read at this call. `config`: BLOCK_M, BLOCK_N, SPLIT_K and optionally
     num_warps, num_stages (default `pick_config`), PRMT (default: on the GPU; the code table
-    looked up by register byte permutes, else by memory gathers, the same values)."""
+    looked up by register byte permutes, else by memory gathers, the same values), PREFETCH,
+    LAST_REDUCES (default True: with split K, each tile's last split sums the partials in the
+    same launch; False: a second launch does)."""
     n, k = w.shape
     if x.dim() != 2 or x.shape[1] != k:
         raise ValueError(f"x has shape {tuple(x.shape)}, expected (M, {k}) for weight {(n, k)}")
@@ -397,17 +441,20 @@ def linear4bit_lora(x: torch.Tensor, w: Packed4bit, *, bias: torch.Tensor | None
     a_arg, b_arg = (lora_a, lora_b) if has_lora else (x, x)  # placeholders, never read
     nested = w.nested
     grid = (triton.cdiv(m, cfg["BLOCK_M"]), triton.cdiv(n, cfg["BLOCK_N"]), split_k)
+    counts = (_tile_counters(x.device, grid[0] * grid[1])
+              if split_k > 1 and cfg.get("LAST_REDUCES", True) else None)
     _linear4bit_lora_kernel[grid](
         x, w.packed, w.code, w.absmax,
         w.code2 if nested else w.code, w.absmax2 if nested else w.code,
         w.offset if nested else w.code,
-        a_arg, b_arg, bias_arg, y, part,
+        a_arg, b_arg, bias_arg, y, part, counts if counts is not None else y,
         m, n, k, r, per, float(scaling),
         x.stride(0), a_arg.stride(0), b_arg.stride(0), y.stride(0),
         part.stride(0) if split_k > 1 else 0, part.stride(1) if split_k > 1 else 0,
         BS=w.blocksize, BS2=w.blocksize2, NESTED=nested, HAS_LORA=has_lora,
         LORA_FP32=has_lora and lora_a.dtype != x.dtype, HAS_BIAS=bias is not None,
-        SPLIT=split_k > 1, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
+        SPLIT=split_k > 1, LAST_REDUCES=counts is not None, BLOCK_M=cfg["BLOCK_M"],
+        BLOCK_N=cfg["BLOCK_N"],
         BLOCK_R=max(16, triton.next_power_of_2(r)), PRMT=prmt,
         PREFETCH=cfg.get("PREFETCH", False),
         INTERP=interp,
@@ -416,7 +463,7 @@ def linear4bit_lora(x: torch.Tensor, w: Packed4bit, *, bias: torch.Tensor | None
         enable_fp_fusion=False, num_warps=cfg.get("num_warps", 4),
         num_stages=cfg.get("num_stages", 1),
     )
-    if split_k > 1:
+    if split_k > 1 and counts is None:
         bm, bn = cfg["BLOCK_M"], 64
         _split_k_reduce_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn))](
             part, bias_arg, y, m, n, split_k, part.stride(0), part.stride(1), y.stride(0),
