@@ -22,7 +22,9 @@ GPU (from the project root, `.whl/` filled by ../shared/gpu/wheels.sh and carrie
     python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl; export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1; python3 -m bench.decode_linear
 
 Tile sweep (graph-replay ms of the kernel over BLOCK_N × num_warps × SPLIT_K):
-`python3 -m bench.decode_linear --sweep --rows 8`.
+`python3 -m bench.decode_linear --sweep --rows 8`; `--gathers` also times every tile with the
+code looked up by memory gathers, `--prefetch` with and without PREFETCH, `--stages 1,2` the
+pipeline depths, `--tiles 64x4,128x4` restricts the (BLOCK_N, num_warps) pairs.
 CPU smoke run (Triton's interpreter, tiny shapes): `python -m bench.decode_linear --smoke`.
 Writes bench/results/bench_decode_linear_<GPU>.json and prints the table.
 

@@ -284,6 +284,35 @@ def test_unsupported_modules_say_why():
     assert "variant" in unsupported_reason(dora)
 
 
+@pytest.mark.parametrize("kind", ["bf16", "f16"])
+def test_prmt_assembly_looks_up_every_code(kind):
+    """The GPU's code lookup, its PTX run by a reference interpreter of the instructions it uses
+    (tests/_ptx_emu.py): the table of round(code[i] · scale) as byte planes, then the two
+    nibbles of every byte value 0-255 (in both byte slots, with garbage in the upper half of the
+    16-bit operand's register) give exactly round(code · scale), for the NF4 and FP4 codes and
+    random ones, at random scales."""
+    import numpy as np
+
+    from _ptx_emu import f32_bits, half_bits, run
+
+    rng = np.random.default_rng(0)
+    codes = [bnbF.get_4bit_type("nf4", device="cpu").float().numpy(),
+             bnbF.get_4bit_type("fp4", device="cpu").float().numpy(),
+             rng.uniform(-3, 3, 16).astype(np.float32)]
+    table_asm = linear4bit._table_asm(f"cvt.rn.{kind}x2.f32")
+    for code, scale in itertools.product(codes, rng.uniform(1e-3, 8, 3).astype(np.float32)):
+        planes = run(table_asm, [0] * 8 + [f32_bits(scale)] + [f32_bits(c) for c in code])[:8]
+        want = [half_bits(np.float32(c) * scale, kind) for c in code]
+        for b0 in range(256):
+            b1 = int(rng.integers(256))
+            word = b0 | (b1 << 8) | (int(rng.integers(1 << 16)) << 16)
+            out = run(linear4bit._DEQUANT_ASM, [0, 0, word] + [p for p in planes for _ in (0, 1)])
+            got_hi = [out[0] & 0xFFFF, out[0] >> 16]
+            got_lo = [out[1] & 0xFFFF, out[1] >> 16]
+            assert got_hi == [want[b0 >> 4], want[b1 >> 4]], (kind, scale, b0, b1)
+            assert got_lo == [want[b0 & 15], want[b1 & 15]], (kind, scale, b0, b1)
+
+
 def test_bad_inputs_name_the_argument():
     packed, qs = _quantize(32, 128, quant_type="nf4", double=False)
     w = Packed4bit.from_quant_state(packed, qs)

@@ -27,8 +27,10 @@ same round(W), ours is off by at most u · |y| + 2K · 2⁻²⁴ · S.
 
 Memory: the packed weight is read once, never expanded to a bf16 copy in memory; A and B are
 read from their storage at every call, so a captured CUDA graph sees each optimizer step's
-values. One launch (two when the K loop is split over programs: the partial outputs
-(SPLIT_K, M, N) fp32, then their fixed-order sum). Each split carries its own LoRA term
+values. One launch: when the K loop is split over programs, each writes its partial output
+(SPLIT_K, M, N) fp32 and the last split of each output tile to arrive sums them in split order
+(the same bits as a second reduction launch, which `LAST_REDUCES=False` keeps). Each split
+carries its own LoRA term
 s · t_split @ Bᵀ, t_split = x[:, split] @ A[:, split]ᵀ: the term is linear in t, so the splits
 add up to s · t @ Bᵀ, and every sum stays fp32 (no chain longer than K + r + SPLIT_K terms).
 """
@@ -191,9 +193,15 @@ def _linear4bit_lora_kernel(
 
     then accT += s · B[n-block] @ tᵀ. The LoRA term is linear in t, so each K split adds its own
     s · t_split @ Bᵀ and the splits' sum is s · t @ Bᵀ: no separate launch for t. x's even and
-    odd columns meet the high and low nibbles (two dots, never an interleave). The code lookups
-    index the 16-entry fp32 table, which sits in one 64-byte line: a warp's gather is one L1
-    request however its indices fall.
+    odd columns meet the high and low nibbles (two dots, never an interleave).
+
+    The code lookup, PRMT (the GPU's): per row and block, the 16 values round(code[i] · scale)
+    are formed once (fp32 products, as bitsandbytes forms them) and held in registers as byte
+    planes; each nibble then selects its value by byte permutes, with no memory access per
+    element. Otherwise (the interpreter's): one gather per nibble from the 16-entry fp32 code
+    (one 64-byte line: a warp's gather is one L1 request), times the scale. Both give the same
+    rounded weight bit for bit. PREFETCH loads the next block's bytes and scales before this
+    block's math, so their latency hides behind it.
     """
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
