@@ -181,12 +181,12 @@ def _linear4bit_lora_kernel(
     BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
     PRMT: tl.constexpr, PREFETCH: tl.constexpr, INTERP: tl.constexpr,
 ):
-    """One launch per projection (the reduction aside). The output tile is held transposed,
-    accT (BLOCK_N, BLOCK_M) = y[m-block, n-block]ᵀ, so that the dequantized weight tile is the
-    left operand of the dot: the compiler then moves it into the MMA's operand layout with far
-    fewer shared-memory loads than as the right operand (half the instructions per weight
-    element; bench/README.md, the decode linear). Over this program's K slice, one absmax block
-    of BS elements per iteration, so the block's scale is one value per row n:
+    """One launch per projection (two with LAST_REDUCES off). The output tile is held
+    transposed, accT (BLOCK_N, BLOCK_M) = y[m-block, n-block]ᵀ, so that the dequantized weight
+    tile is the left operand of the dot: the compiler then moves it into the MMA's operand
+    layout with far fewer shared-memory loads than as the right operand (half the instructions
+    per weight element; bench/README.md, the decode linear). Over this program's K slice, one
+    absmax block of BS elements per iteration, so the block's scale is one value per row n:
 
         accT += round(code[q(n, blk)] · scale[n, blk]) @ x[:, blk]ᵀ     (bf16 dot, fp32 sums)
         t    += x[:, blk] @ A[:, blk]ᵀ                                   (the LoRA factor, fp32)
@@ -222,9 +222,10 @@ def _linear4bit_lora_kernel(
     t = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
     blk_lo = pid_k * BLOCKS_PER_SPLIT
     blk_hi = tl.minimum(blk_lo + BLOCKS_PER_SPLIT, KB)
-    p_next, scale_next = _block_bytes_and_scale(
-        w_ptr, absmax_ptr, code2_ptr, absmax2_ptr, offset, n_blk + blk_lo, offs_j, n_ok,
-        HB, BS2, NESTED)
+    if PREFETCH:
+        p_next, scale_next = _block_bytes_and_scale(
+            w_ptr, absmax_ptr, code2_ptr, absmax2_ptr, offset, n_blk + blk_lo, offs_j, n_ok,
+            HB, BS2, NESTED)
     for blk in range(blk_lo, blk_hi):
         if PREFETCH:  # this block's loads were issued an iteration ago; issue the next's now
             p, scale = p_next, scale_next
