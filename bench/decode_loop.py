@@ -213,9 +213,9 @@ def measure(variant: Variant, ids, mask, cfg, new: int, reps: int, device: str) 
 
 
 def table(rows) -> str:
-    cols = ("model", "base", "batch", "variant", "kernels", "new", "ms_per_token", "ms_in_graphs_per_token",
-            "ms_outside_per_token", "first_call_s", "first_token_s", "capture_s",
-            "peak_above_model_gib")
+    cols = ("model", "base", "batch", "variant", "kernels", "new", "ms_per_token",
+            "ms_in_graphs_per_token", "ms_outside_per_token", "first_call_s", "first_token_s",
+            "capture_s", "peak_above_model_gib")
     out = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in rows:
         cells = []

@@ -30,9 +30,9 @@ read from their storage at every call, so a captured CUDA graph sees each optimi
 values. One launch: when the K loop is split over programs, each writes its partial output
 (SPLIT_K, M, N) fp32 and the last split of each output tile to arrive sums them in split order
 (the same bits as a second reduction launch, which `LAST_REDUCES=False` keeps). Each split
-carries its own LoRA term
-s · t_split @ Bᵀ, t_split = x[:, split] @ A[:, split]ᵀ: the term is linear in t, so the splits
-add up to s · t @ Bᵀ, and every sum stays fp32 (no chain longer than K + r + SPLIT_K terms).
+carries its own LoRA term s · t_split @ Bᵀ, t_split = x[:, split] @ A[:, split]ᵀ: the term is
+linear in t, so the splits add up to s · t @ Bᵀ, and every sum stays fp32 (no chain longer than
+K + r + SPLIT_K terms).
 """
 
 from __future__ import annotations
@@ -135,6 +135,16 @@ def _dequant_prmt(p, scale, code_ptr, dtype: tl.constexpr):
 
 
 @triton.jit
+def _sum_splits(acc, part_ptr, offs, mask, splits, stride_ps):
+    """acc (zeros) + part[0] + part[1] + ... in split order, fp32: both split-K reductions sum
+    this way, so they give the same bits. Read from L2 (.cg): other programs wrote the parts."""
+    for s in range(splits):
+        acc += tl.load(part_ptr + s * stride_ps + offs, mask=mask, other=0.0,
+                       cache_modifier=".cg")
+    return acc
+
+
+@triton.jit
 def _split_k_reduce_kernel(
     part_ptr, bias_ptr, y_ptr, M, N, SPLIT_K, stride_ps, stride_pm, stride_ym,
     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, INTERP: tl.constexpr,
@@ -143,10 +153,8 @@ def _split_k_reduce_kernel(
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for s in range(SPLIT_K):
-        acc += tl.load(part_ptr + s * stride_ps + offs_m[:, None] * stride_pm + offs_n[None, :],
-                       mask=mask, other=0.0)
+    acc = _sum_splits(tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), part_ptr,
+                      offs_m[:, None] * stride_pm + offs_n[None, :], mask, SPLIT_K, stride_ps)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
     tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :],
@@ -271,19 +279,17 @@ def _linear4bit_lora_kernel(
     if SPLIT:
         tl.store(part_ptr + pid_k * stride_ps + part_offs, acc, mask=mask)
         if LAST_REDUCES:
-            # The tile's last split to arrive sums all splits' partials in split order (the
-            # separate reduction's order: the same bits) and resets the tile's counter to zero
-            # for the next call. Every thread's partial is stored before the counter's release;
-            # the last program reads the others' partials after its acquire, from L2 (.cg).
+            # The tile's last split to arrive sums all splits' partials (`_sum_splits`, as the
+            # separate reduction does) and resets the tile's counter to zero for the next call.
+            # Every thread's partial is stored before the counter's release; the last program
+            # reads the others' partials after its acquire.
             tl.debug_barrier()
             splits = tl.num_programs(2)
             tile = pid_m * tl.num_programs(1) + pid_n
             arrived = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
             if arrived == splits - 1:
-                acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-                for sk in range(splits):
-                    acc += tl.load(part_ptr + sk * stride_ps + part_offs, mask=mask, other=0.0,
-                                   cache_modifier=".cg")
+                acc = _sum_splits(tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32), part_ptr,
+                                  part_offs, mask, splits, stride_ps)
                 if HAS_BIAS:
                     acc += tl.load(bias_ptr + offs_n, mask=n_ok,
                                    other=0.0).to(tl.float32)[:, None]
