@@ -7,6 +7,8 @@ and M = 1, 8, 64, 256 rows of bf16 x:
     ours      trainers.sampling.kernels.linear4bit.decode_linear(x, lora.Linear4bit)
     bnb+peft  the same PEFT module's forward (bitsandbytes gemv_4bit at M = 1, dequantize to a
               bf16 copy + cuBLAS above; PEFT's two LoRA GEMMs, scale and add)
+    grouped   q/k/v and gate/up through `decode_linears` (one launch each, as the decode step
+              runs them); the per-layer line adds o and down
     floor     bytes that must move ÷ HBM bandwidth: packed weight N·K/2 + absmax (N·K/64 uint8
               + fp32 second-level scales) + A, B (r·(K + N)·2) + x and y; the bandwidth is
               measured in the same run by a 1 GiB device-to-device copy (read + write)
@@ -60,9 +62,14 @@ SHAPES = {
     "8b": {"q/o": (4096, 4096), "k/v": (1024, 4096), "gate/up": (14336, 4096),
            "down": (4096, 14336)},
 }
-SMOKE_SHAPES = {"tiny": {"q/o": (128, 256), "down": (64, 512)}}
+SMOKE_SHAPES = {"tiny": {"q/o": (128, 256), "k/v": (32, 256), "gate/up": (256, 256),
+                         "down": (64, 512)}}
 # how many projections of a decoder layer have each shape (q and o; k and v; gate and up; down)
 PER_LAYER = {"q/o": 2, "k/v": 2, "gate/up": 2, "down": 1}
+# the projections of one input that the decode step runs in one launch (decode_linears), by the
+# shapes above; with them a layer is q/k/v + o + gate/up + down
+GROUPS = {"q/k/v": ("q/o", "k/v", "k/v"), "gate/up": ("gate/up", "gate/up")}
+REST_OF_LAYER = {"q/o": 1, "down": 1}  # o and down: one launch each
 GRAPH_CALLS = 20
 # (q heads, kv heads, head dim, layers, Qwen3 q/k norms)
 ROPE_SHAPES = {"1b": (32, 8, 64, 16, False), "8b": (32, 8, 128, 32, False),
@@ -176,9 +183,10 @@ def packed_copies(mod, device) -> list:
     return out
 
 
-def layer_summary(results) -> list[dict]:
+def layer_summary(results, groups=()) -> list[dict]:
     """Per model and M: the seven projections of one decoder layer (PER_LAYER), summed: ours and
-    bnb+peft (graph times where captured) against the summed floor."""
+    bnb+peft (graph times where captured) against the summed floor; with `groups` records, also
+    ours as the decode step runs it: the q/k/v and gate/up launches, o and down."""
     out = []
     for model in dict.fromkeys(r["model"] for r in results):
         for m in dict.fromkeys(r["M"] for r in results):
@@ -188,12 +196,53 @@ def layer_summary(results) -> list[dict]:
             floor = sum(c * r["floor_ms"] for c, r in zip(mult, rs))
             ours = sum(c * best(r, "ours") for c, r in zip(mult, rs))
             ref = sum(c * best(r, "bnb_peft") for c, r in zip(mult, rs))
-            out.append({"model": model, "M": m, "floor_ms": floor, "ours_ms": ours,
-                        "bnb_peft_ms": ref, "ours_over_floor": ours / floor,
-                        "speedup": ref / ours})
+            rec = {"model": model, "M": m, "floor_ms": floor, "ours_ms": ours,
+                   "bnb_peft_ms": ref, "ours_over_floor": ours / floor, "speedup": ref / ours}
+            gs = [g for g in groups if g["model"] == model and g["M"] == m]
+            if len(gs) == len(GROUPS):
+                rec["ours_grouped_ms"] = sum(g["ours_graph"]["ms"] for g in gs) + sum(
+                    c * best(r, "ours") for r in rs for c in [REST_OF_LAYER.get(r["layer"], 0)])
+            out.append(rec)
+            grouped = (f", grouped {rec['ours_grouped_ms']:.4f} ms "
+                       f"({rec['ours_grouped_ms'] / floor:.2f}x)" if "ours_grouped_ms" in rec
+                       else "")
             print(f"{model:5} one decoder layer's projections, M={m:3}: floor {floor:.4f} ms, "
-                  f"ours {ours:.4f} ms ({ours / floor:.2f}x floor), bnb+peft {ref:.4f} ms "
-                  f"({ref / ours:.2f}x ours)")
+                  f"ours {ours:.4f} ms ({ours / floor:.2f}x floor){grouped}, bnb+peft "
+                  f"{ref:.4f} ms ({ref / ours:.2f}x ours)")
+    return out
+
+
+def grouped(shapes, rows, rank, device) -> list[dict]:
+    """Graph-replay ms of `decode_linears` on each GROUPS set of modules (one launch), checked
+    against each module's forward first, over enough copies of the set to stream 2x the L2."""
+    from trainers.sampling.kernels.linear4bit import decode_linears
+
+    out = []
+    l2 = (getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 50 * 2**20)
+          if device.type == "cuda" else 0)
+    for model, layers in shapes.items():
+        for name, members in GROUPS.items():
+            if not all(mb in layers for mb in members):
+                continue
+            mods = [make_module(*layers[mb], rank, device) for mb in members]
+            packed = sum(md.get_base_layer().weight.data.numel() for md in mods)
+            sets = [mods] + [copy.deepcopy(mods) for _ in range(
+                min(255, -(-2 * l2 // packed) - 1) if l2 else 0)]
+            k = layers[members[0]][1]
+            for m in rows:
+                x = torch.randn(m, k, device=device).to(torch.bfloat16)
+                with torch.no_grad():
+                    for md, y in zip(mods, decode_linears(x, mods)):
+                        check(y, md(x), x, md)
+                    g, why = graph_ms([functools.partial(decode_linears, x, st)
+                                       for st in sets], device)
+                    g = g or bc.time_ms(functools.partial(decode_linears, x, mods), device)
+                rec = {"model": model, "group": name, "members": list(members), "M": m,
+                       "ours_graph": g, "ours_graph_na": why}
+                out.append(rec)
+                print(f"{model:5} {name:8} one launch, M={m:3}: {g['ms']:.4f} ms")
+            del mods, sets
+            bc.free_memory()
     return out
 
 
@@ -451,10 +500,11 @@ def main():
                       f"{g_ref['ms'] if g_ref else float('nan'):7.4f} | {rec['speedup']:7.2f}")
             del mod, mods
             bc.free_memory()
-    summary = layer_summary(results)
+    groups = grouped(shapes, rows, args.rank, device)
+    summary = layer_summary(results, groups)
     path = Path(args.out_dir) / f"bench_decode_linear_{bc.gpu_short_name(device)}.json"
     bc.write_json(path, {"env": env, "bandwidth_Bps": bw, "graph_calls": GRAPH_CALLS,
-                         "rank": args.rank, "results": results,
+                         "rank": args.rank, "results": results, "groups": groups,
                          "per_decoder_layer": summary})
     print(f"x floor and speedup use the graph times where captured; wrote {path}")
 

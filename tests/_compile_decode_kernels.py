@@ -28,14 +28,15 @@ def compile_kernel(fn, types: dict, consts: dict, **options):
     return kernel
 
 
-def _compile_linear(nested, split, lora, lora_fp32, bs, prmt, xdt):
-    types = {"x_ptr": f"*{xdt}", "w_ptr": "*u8", "code_ptr": "*fp32",
-             "absmax_ptr": "*u8" if nested else "*fp32", "code2_ptr": "*fp32",
-             "absmax2_ptr": "*fp32", "offset_ptr": "*fp32",
-             "a_ptr": "*fp32" if lora_fp32 else f"*{xdt}", "b_ptr": f"*{xdt}",
-             "bias_ptr": f"*{xdt}", "y_ptr": f"*{xdt}", "part_ptr": "*fp32", "count_ptr": "*i32",
-             "scaling": "fp32"}
-    consts = {"BS": bs, "BS2": 256, "NESTED": nested, "HAS_LORA": lora,
+def _compile_linear(nested, split, lora, lora_fp32, bs, prmt, xdt, segs=1):
+    types = {"x_ptr": f"*{xdt}", "y_ptr": f"*{xdt}", "part_ptr": "*fp32", "count_ptr": "*i32"}
+    for i in range(3):  # each segment's arguments (a grouped launch's projections)
+        types.update({f"w_{i}": "*u8", f"code_{i}": "*fp32",
+                      f"absmax_{i}": "*u8" if nested else "*fp32", f"code2_{i}": "*fp32",
+                      f"absmax2_{i}": "*fp32", f"offset_{i}": "*fp32",
+                      f"a_{i}": "*fp32" if lora_fp32 else f"*{xdt}", f"b_{i}": f"*{xdt}",
+                      f"bias_{i}": f"*{xdt}", f"scaling_{i}": "fp32"})
+    consts = {"SEGS": segs, "BS": bs, "BS2": 256, "NESTED": nested, "HAS_LORA": lora,
               "LORA_FP32": lora_fp32, "HAS_BIAS": True, "SPLIT": split, "LAST_REDUCES": split,
               "BLOCK_M": 16, "BLOCK_N": 64 if bs == 64 else 128, "BLOCK_R": 16, "PRMT": prmt,
               "PREFETCH": prmt, "INTERP": False}
@@ -46,7 +47,7 @@ def _compile_linear(nested, split, lora, lora_fp32, bs, prmt, xdt):
 def main():
     # both BLOCK_N that pick_config uses (64 with blocksize 64, 128 with 128), the code looked
     # up by register permutes (the GPU's path); then the memory gathers (the interpreter's
-    # path, and `config={"PRMT": False}`) and fp16 x
+    # path, and `config={"PRMT": False}`), fp16 x and grouped launches
     for nested, split, lora, lora_fp32, bs in itertools.product(
             (False, True), (False, True), (False, True), (False, True), (64, 128)):
         if lora_fp32 and not lora:
@@ -54,6 +55,8 @@ def main():
         _compile_linear(nested, split, lora, lora_fp32, bs, True, "bf16")
     for nested, (prmt, xdt) in itertools.product((False, True), ((False, "bf16"), (True, "fp16"))):
         _compile_linear(nested, True, True, False, 64, prmt, xdt)
+    for segs in (2, 3):  # grouped launches (q/k/v, gate/up)
+        _compile_linear(True, True, True, False, 64, True, "bf16", segs)
     compile_kernel(L._split_k_reduce_kernel,
                    {"part_ptr": "*fp32", "bias_ptr": "*bf16", "y_ptr": "*bf16"},
                    {"HAS_BIAS": True, "BLOCK_M": 16, "BLOCK_N": 64, "INTERP": False})

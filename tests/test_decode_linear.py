@@ -227,6 +227,74 @@ def test_module_matches_bitsandbytes_and_peft(quant_type, double, lora_dtype, m)
     _module_bound_check(ours, mod, x, ref, f"{quant_type} double={double} {lora_dtype} M={m}")
 
 
+GROUP_CONFIGS = [(1, 32, True, True), (3, 64, True, True), (4, 16, False, True),
+                 (2, 64, True, False), (2, 128, True, True)]
+
+
+@pytest.mark.parametrize("segs", [2, 3])
+@pytest.mark.parametrize("split_k,block_n,prefetch,last", GROUP_CONFIGS)
+def test_grouped_launch_is_each_projection_alone(segs, split_k, block_n, prefetch, last,
+                                                 device="cpu"):
+    """One launch of 2 or 3 projections of the same x (q/k/v, gate/up): each output equals the
+    projection computed alone with the same tiles, bit for bit, with N_s not multiples of
+    BLOCK_N (a segment's last tile is partial, and the next segment's first tile starts at its
+    own row 0; with BLOCK_N 128 the second segment starts at tile 1), different scalings and
+    biases, split K reduced in the launch or by the second launch."""
+    from trainers.sampling.kernels.linear4bit import LinearPart, linear4bit_lora_group
+
+    k, m = 256, 5
+    parts = []
+    for i, n in enumerate((96, 40, 72)[:segs]):
+        packed, qs = _quantize(n, k, quant_type="nf4", double=True, seed=10 + i, device=device)
+        _, a, b, bias = _inputs(m, n, k, 8, seed=20 + i, device=device)
+        parts.append(LinearPart(Packed4bit.from_quant_state(packed, qs), bias, a, b, 0.5 + i))
+    x = _inputs(m, 8, k, 8, seed=3, device=device)[0]
+    cfg = {"BLOCK_M": 16, "BLOCK_N": block_n, "SPLIT_K": split_k, "PREFETCH": prefetch,
+           "LAST_REDUCES": last}
+    ys = linear4bit_lora_group(x, parts, config=cfg)
+    assert len(ys) == segs
+    for i, (y, p) in enumerate(zip(ys, parts)):
+        alone = linear4bit_lora(x, p.weight, bias=p.bias, lora_a=p.lora_a, lora_b=p.lora_b,
+                                scaling=p.scaling, config=cfg)
+        assert y.shape == alone.shape and torch.equal(y, alone), f"segment {i}"
+    if split_k > 1 and last:
+        assert not linear4bit._COUNTERS[x.device].any(), "tile counters left nonzero"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("split_k,block_n,prefetch,last", GROUP_CONFIGS)
+def test_grouped_launch_gpu(split_k, block_n, prefetch, last):
+    """The same on the GPU, compiled (the code looked up by byte permutes; the compiler
+    specializes a segment boundary of 1 tile as a constant)."""
+    test_grouped_launch_is_each_projection_alone(3, split_k, block_n, prefetch, last, "cuda")
+
+
+def test_grouped_modules_match_their_forward():
+    """decode_linears(x, [q, k, v]) of PEFT 4-bit LoRA modules: each output within the bf16
+    contract of the module's own forward; projections that cannot share a launch (another
+    in_features, one without LoRA) are refused with the reason, never computed wrongly."""
+    from trainers.sampling.kernels.linear4bit import decode_linears, group_modules_reason
+
+    k = 256
+    mods = [_lora_module(n, k, seed=i) for i, n in enumerate((128, 32, 32))]
+    x = _inputs(8, 128, k, 16)[0][:, None]  # (B, 1, K): the decode step's shape
+    assert group_modules_reason(mods, x.dtype) is None
+    ys = decode_linears(x, mods)
+    for mod, y in zip(mods, ys):
+        with torch.no_grad():
+            ref = copy.deepcopy(mod)(x)
+        assert y.shape == ref.shape and y.dtype == ref.dtype
+        _module_bound_check(y[:, 0], mod, x[:, 0], ref[:, 0], "grouped")
+    other_k = _lora_module(32, 128)
+    assert "in_features" in group_modules_reason([mods[0], other_k], x.dtype)
+    no_lora = _lora_module(32, k, seed=5).get_base_layer()  # bitsandbytes' layer alone
+    assert "LoRA" in group_modules_reason([mods[0], no_lora], x.dtype)
+    with pytest.raises(UnsupportedLinear, match="LoRA"):
+        decode_linears(x, [mods[0], no_lora])
+    assert "1 to 3" in group_modules_reason(mods + mods[:1], x.dtype)
+
+
 def test_lora_factors_are_read_live():
     """An in-place optimizer-style update of A and B changes the next call's output to the new
     values' result (nothing cached between calls)."""
@@ -288,9 +356,10 @@ def test_unsupported_modules_say_why():
 def test_prmt_assembly_looks_up_every_code(kind):
     """The GPU's code lookup, its PTX run by a reference interpreter of the instructions it uses
     (tests/_ptx_emu.py): the table of round(code[i] · scale) as byte planes, then the two
-    nibbles of every byte value 0-255 (in both byte slots, with garbage in the upper half of the
-    16-bit operand's register) give exactly round(code · scale), for the NF4 and FP4 codes and
-    random ones, at random scales."""
+    nibbles of every byte value 0-255 (in each of the four byte slots) give exactly
+    round(code · scale), for the NF4 and FP4 codes and random ones, at random scales. Bytes
+    0-1 use element 0's table and bytes 2-3 element 2's (two rows' tables here, as in the MMA
+    operand layout); elements 1 and 3 get garbage tables, which must not be read."""
     import numpy as np
 
     from _ptx_emu import f32_bits, half_bits, run
@@ -300,17 +369,28 @@ def test_prmt_assembly_looks_up_every_code(kind):
              bnbF.get_4bit_type("fp4", device="cpu").float().numpy(),
              rng.uniform(-3, 3, 16).astype(np.float32)]
     table_asm = linear4bit._table_asm(f"cvt.rn.{kind}x2.f32")
-    for code, scale in itertools.product(codes, rng.uniform(1e-3, 8, 3).astype(np.float32)):
+
+    def table(code, scale):
         planes = run(table_asm, [0] * 8 + [f32_bits(scale)] + [f32_bits(c) for c in code])[:8]
-        want = [half_bits(np.float32(c) * scale, kind) for c in code]
+        return planes, [half_bits(np.float32(c) * scale, kind) for c in code]
+
+    for (code, code2), scale in itertools.product(zip(codes, codes[1:] + codes[:1]),
+                                                  rng.uniform(1e-3, 8, 3).astype(np.float32)):
+        planes0, want0 = table(code, scale)
+        planes2, want2 = table(code2, np.float32(scale * 1.7))
+        garbage = [int(v) for v in rng.integers(0, 1 << 32, 8)]
+        # word w of element e is operand 5 + 4w + e
+        tables = [t for w in range(8) for t in (planes0[w], garbage[w], planes2[w], garbage[w])]
         for b0 in range(256):
-            b1 = int(rng.integers(256))
-            word = b0 | (b1 << 8) | (int(rng.integers(1 << 16)) << 16)
-            out = run(linear4bit._DEQUANT_ASM, [0, 0, word] + [p for p in planes for _ in (0, 1)])
-            got_hi = [out[0] & 0xFFFF, out[0] >> 16]
-            got_lo = [out[1] & 0xFFFF, out[1] >> 16]
-            assert got_hi == [want[b0 >> 4], want[b1 >> 4]], (kind, scale, b0, b1)
-            assert got_lo == [want[b0 & 15], want[b1 & 15]], (kind, scale, b0, b1)
+            bs = [b0, *(int(v) for v in rng.integers(256, size=3))]
+            for perm in (bs, bs[2:] + bs[:2]):  # every byte value in the first and third slot
+                word = perm[0] | perm[1] << 8 | perm[2] << 16 | perm[3] << 24
+                out = run(linear4bit._DEQUANT_ASM, [0, 0, 0, 0, word] + tables)
+                got_hi = [out[0] & 0xFFFF, out[0] >> 16, out[1] & 0xFFFF, out[1] >> 16]
+                got_lo = [out[2] & 0xFFFF, out[2] >> 16, out[3] & 0xFFFF, out[3] >> 16]
+                want = [want0, want0, want2, want2]
+                assert got_hi == [w[b >> 4] for w, b in zip(want, perm)], (kind, scale, perm)
+                assert got_lo == [w[b & 15] for w, b in zip(want, perm)], (kind, scale, perm)
 
 
 def test_bad_inputs_name_the_argument():

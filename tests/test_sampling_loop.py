@@ -577,16 +577,23 @@ def nf4_lora(tok, family, seed=0):
 
 @pytest.fixture
 def kernels_on_cpu(monkeypatch):
-    """kernels="auto" on CPU (the Triton interpreter), and a count of the kernels' calls."""
+    """kernels="auto" on CPU (the Triton interpreter), a count of the kernels' calls, and of
+    the projections they computed ("projections": one per decode_linear, one per module of a
+    grouped decode_linears)."""
     from trainers.sampling import kernel_plan, model_step
 
     monkeypatch.setattr(kernel_plan, "KERNEL_DEVICES", ("cuda", "cpu"))
-    calls = {"decode_linear": 0, "add_rmsnorm": 0, "rope_cache_write": 0}
-    for name in calls:
+    names = ("decode_linear", "decode_linears", "add_rmsnorm", "rope_cache_write")
+    calls = dict.fromkeys(names + ("projections",), 0)
+    for name in names:
         real = getattr(model_step, name)
 
         def counted(*a, _real=real, _name=name, **kw):
             calls[_name] += 1
+            if _name == "decode_linear":
+                calls["projections"] += 1
+            elif _name == "decode_linears":
+                calls["projections"] += len(a[1])
             return _real(*a, **kw)
 
         monkeypatch.setattr(model_step, name, counted)
@@ -616,6 +623,7 @@ def test_kernel_forward_equals_the_modules(tok, family, kernels_on_cpu):
     base = model.get_base_model()
     plan = make_plan(base, "auto", "cpu", batch=3)
     assert len(plan.fused) == 14 and plan.norms, plan.line
+    assert len(plan.groups) == 4 and "4 q/k/v or gate/up groups" in plan.line, plan.line
     # above FUSED_LINEAR_MAX_ROWS the projections stay with bitsandbytes; norms and RoPE fuse
     wide = make_plan(base, "auto", "cpu", batch=FUSED_LINEAR_MAX_ROWS + 1)
     assert not wide.fused and wide.norms and wide.rope, wide.line
@@ -637,7 +645,8 @@ def test_kernel_forward_equals_the_modules(tok, family, kernels_on_cpu):
                     tokens.append(z[-1].argmax(-1))
                 z.append(step.decode(cache, tokens[t], lengths + t))
         runs[name] = torch.stack(z, 1)  # (B, 3, V)
-    assert kernels_on_cpu["decode_linear"] == 2 * 14  # two decode steps, 2 layers x 7
+    assert kernels_on_cpu["projections"] == 2 * 14  # two decode steps, 2 layers x 7
+    assert kernels_on_cpu["decode_linears"] == 2 * 4  # q/k/v and gate/up in one launch each
     assert kernels_on_cpu["add_rmsnorm"] == 3 * 5  # prefill and decodes, 2 x 2 + final
     err = (runs["kernels"] - runs["torch"]).abs().amax(-1)  # (B, 3)
     bound = _kernel_logit_bound(runs["torch"], base.config.num_hidden_layers)
@@ -661,7 +670,7 @@ def test_loop_with_kernels_equals_without(tok, kernels_on_cpu, caplog):
     lines = [r.getMessage() for r in caplog.records if "projections through" in r.getMessage()]
     assert len(lines) == 1 and "14 of 14 projections" in lines[0], lines
     assert "add_rmsnorm" in lines[0]
-    assert kernels_on_cpu["decode_linear"] >= 14 * 4  # check step + 3 decode steps, at least
+    assert kernels_on_cpu["projections"] >= 14 * 4  # check step + 3 decode steps, at least
     # max |z| of each row over its steps, from the eager forward of prompt + torch completion
     comp = torch.tensor(outs["torch"].token_ids)  # (B, 4): no EOS is ever drawn
     full = torch.cat([mask, torch.ones_like(comp)], 1)
@@ -695,7 +704,7 @@ def test_unservable_projections_fall_back_with_one_line(tok, kernels_on_cpu, cap
     lines = [r.getMessage() for r in caplog.records if "projections through" in r.getMessage()]
     assert len(lines) == 1 and "0 of 14 projections" in lines[0], lines
     assert "variant" in lines[0]  # the reason: a LoRA variant (DoRA)
-    assert kernels_on_cpu["decode_linear"] == 0 and kernels_on_cpu["add_rmsnorm"] > 0
+    assert kernels_on_cpu["projections"] == 0 and kernels_on_cpu["add_rmsnorm"] > 0
 
 
 def test_failing_kernels_turn_off_with_one_line(tok, kernels_on_cpu, caplog, monkeypatch):
@@ -924,6 +933,7 @@ def test_gpu_greedy_and_replay_after_optimizer_step(quant, attention, kernels, f
         packed = 28 if quant in ("nf4", "fp4") else 0  # 4 layers x 7 projections
         assert plan.norms and plan.rope and f"28 of 28 projections through decode_linear " \
             f"({packed} by" in plan.line, plan.line
+        assert len(plan.groups) == (8 if packed else 0), plan.line  # q/k/v, gate/up x 4
     ref = hf_completions(model, ids, mask, gc)
     gaps = _greedy_gap(model, ids, mask, out.token_ids, ref)
     print(f"\n{quant} {attention}: rows diverging from eager (row, step, eager logit gap, "

@@ -6,6 +6,9 @@
     norms        each residual add + RMSNorm pair (the decoder layer's two, and the last layer's
                  add with the final norm): `add_rmsnorm`, when every such norm is LlamaRMSNorm's
                  forward; transformers' modules otherwise
+    groups       the projections of one input, q/k/v and gate/up of each layer, in one launch
+                 of the fused kernel (`decode_linears`) where all of them take it and
+                 `linear4bit.group_modules_reason` accepts them together
     rope         each decode step's RoPE of q and k (after Qwen3's q_norm / k_norm, fused) with
                  the write of k and v into the cache: `rope_cache_write`, one launch per layer,
                  when the rotary dim is the head dim and any q/k norm is LlamaRMSNorm's forward
@@ -46,6 +49,7 @@ FUSED_LINEAR_MAX_ROWS = 64
 class KernelPlan:
     fused: frozenset = frozenset()  # id() of the projection modules decode_linear serves
     split_mlp: frozenset = frozenset()  # id() of the LlamaMLP-style MLPs run projection by projection
+    groups: frozenset = frozenset()  # tuples of the id()s of projections run in one launch
     norms: bool = False  # residual add + RMSNorm by add_rmsnorm
     rope: bool = False  # decode steps: (q/k norm +) RoPE + cache write by rope_cache_write
     line: str = "kernels off (kernels='torch')"
@@ -113,6 +117,8 @@ def make_plan(base, kernels: str, device_type: str, batch: int = 1) -> KernelPla
         return KernelPlan(line=f"kernels off (the model is on {device_type!r}; they run on "
                                f"{' / '.join(KERNEL_DEVICES)})")
     fused, split_mlp, first_reason, total, packed = set(), set(), None, 0, 0
+    groups, group_reason = set(), None
+    dtype = base.model.embed_tokens.weight.dtype  # the projections' input dtype
     rows_reason = (None if batch <= FUSED_LINEAR_MAX_ROWS else
                    f"batch {batch} > {FUSED_LINEAR_MAX_ROWS} rows, the most the fused kernel is "
                    "measured faster than bitsandbytes' dequantize + GEMM at")
@@ -132,11 +138,24 @@ def make_plan(base, kernels: str, device_type: str, batch: int = 1) -> KernelPla
                 packed += linear4bit._is_linear4bit(linear4bit._resolve_lora(mod).base)
             else:
                 first_reason = first_reason or f"layer {i} {name}: {reason}"
+        named = dict(mods)
+        for names in (ATTN_PROJ[:3], MLP_PROJ[:2] if mlp_ok else ()):
+            group = [named[n] for n in names]
+            if not group or not all(id(m) in fused for m in group):
+                continue
+            reason = linear4bit.group_modules_reason(group, dtype)
+            if reason is None:
+                groups.add(tuple(id(m) for m in group))
+            else:
+                group_reason = group_reason or f"layer {i} {'/'.join(names)}: {reason}"
     norm_reason = _norm_reason(base)
     line = (f"{len(fused)} of {total} projections through decode_linear ({packed} by the fused "
             f"4-bit + LoRA kernel, {len(fused) - packed} dense by cuBLAS)")
     if first_reason is not None:
         line += f", the rest as module calls (first: {first_reason})"
+    if groups or group_reason:
+        line += f"; {len(groups)} q/k/v or gate/up groups in one launch each"
+        line += "" if group_reason is None else f" (not grouped: {group_reason})"
     line += ("; residual add + RMSNorm by add_rmsnorm" if norm_reason is None
              else f"; RMSNorm by the modules ({norm_reason})")
     rope_reason = _rope_reason(base)
@@ -145,5 +164,5 @@ def make_plan(base, kernels: str, device_type: str, batch: int = 1) -> KernelPla
              if rope_reason is None else f"; RoPE by torch ops ({rope_reason})")
     if not fused:
         split_mlp = set()  # nothing to gain from running the MLP piecewise
-    return KernelPlan(frozenset(fused), frozenset(split_mlp), norm_reason is None,
-                      rope_reason is None, line)
+    return KernelPlan(frozenset(fused), frozenset(split_mlp), frozenset(groups),
+                      norm_reason is None, rope_reason is None, line)

@@ -27,7 +27,8 @@ Logits are the head's output in the model dtype, then fp32, as HF's `generate` t
 
 With a `kernel_plan.KernelPlan`, decode steps run the planned projections through
 `decode_linear` (an MLP of LlamaMLP's form as down(act(gate(x)) · up(x)), projection by
-projection), and both forwards fuse each residual add with the RMSNorm that follows it
+projection; q/k/v and gate/up in one launch each where the plan groups them, `decode_linears`),
+and both forwards fuse each residual add with the RMSNorm that follows it
 (`add_rmsnorm`): the residual stream then carries the last block's output `delta` not yet added
 to `h`, and the next norm (a layer's input norm, or the final norm) adds it. With the plan's
 `rope`, a decode step's q/k norms (Qwen3), RoPE and cache write of each layer run as one
@@ -43,7 +44,7 @@ import torch.nn.functional as F
 
 from .decode_attention import decode_attention
 from .kernel_plan import TORCH, KernelPlan
-from .kernels.linear4bit import decode_linear
+from .kernels.linear4bit import decode_linear, decode_linears
 from .kernels.rmsnorm import add_rmsnorm
 from .kernels.rope import norm_params, rope_cache_write
 
@@ -146,11 +147,17 @@ class ModelStep:
             return decode_linear(x, module)
         return module(x)
 
+    def _projs(self, modules, x, fused):
+        """[module(x) for module in modules], projections of one input: one launch where the
+        plan groups them."""
+        if fused and tuple(id(m) for m in modules) in self.plan.groups:
+            return decode_linears(x, modules)
+        return [self._proj(m, x, fused) for m in modules]
+
     def _mlp(self, mlp, x, fused):
         if fused and id(mlp) in self.plan.split_mlp:  # LlamaMLP's forward, piece by piece
-            gate = self._proj(mlp.gate_proj, x, fused)
-            return self._proj(mlp.down_proj, mlp.act_fn(gate) * self._proj(mlp.up_proj, x, fused),
-                              fused)
+            gate, up = self._projs((mlp.gate_proj, mlp.up_proj), x, fused)
+            return self._proj(mlp.down_proj, mlp.act_fn(gate) * up, fused)
         return mlp(x)
 
     def _add_norm(self, delta, h, norm):
@@ -164,9 +171,8 @@ class ModelStep:
     def _qkv(self, attn, x, cos, sin, fused):
         B, S, _ = x.shape
         D = attn.head_dim
-        q = self._proj(attn.q_proj, x, fused).view(B, S, -1, D)
-        k = self._proj(attn.k_proj, x, fused).view(B, S, -1, D)
-        v = self._proj(attn.v_proj, x, fused).view(B, S, -1, D)
+        q, k, v = (y.view(B, S, -1, D) for y in
+                   self._projs((attn.q_proj, attn.k_proj, attn.v_proj), x, fused))
         if hasattr(attn, "q_norm"):  # qwen3: RMSNorm over the head dim, before RoPE
             q, k = attn.q_norm(q), attn.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H, S, D)
@@ -178,9 +184,8 @@ class ModelStep:
         (B, H, 1, D). The projections' (B, 1, H·D) outputs are read through (B, H, D) views."""
         B, _, _ = x.shape
         D = attn.head_dim
-        q = self._proj(attn.q_proj, x, True).view(B, -1, D)
-        k = self._proj(attn.k_proj, x, True).view(B, -1, D)
-        v = self._proj(attn.v_proj, x, True).view(B, -1, D)
+        q, k, v = (y.view(B, -1, D) for y in
+                   self._projs((attn.q_proj, attn.k_proj, attn.v_proj), x, True))
         norms = norm_params(attn)  # Qwen3's q_norm / k_norm, or None
         q = rope_cache_write(q, k, v, cos[:, 0], sin[:, 0], cache_k, cache_v, slots,
                              q_norm=norms and norms[0], k_norm=norms and norms[1])

@@ -60,35 +60,40 @@ def _table_asm(cvt: str) -> str:
     return "{\n.reg .f32 p<16>;\n.reg .b32 w<8>;\n" + "\n".join(lines) + "\n}"
 
 
-# PTX, two packed bytes at a time ($2, a 16-bit register; pack=2: the compiler may hold the
-# tile in the MMA operand layout, where a thread's consecutive elements are pairs along K of one
-# row, and the table operands are that row's). Each byte's two nibbles are looked up in the
-# byte-plane table ($3 + 2j: low-byte word j, $11 + 2j: high-byte word j; the first of each
-# operand's two copies). prmt picks 4 bytes out of 8 by 3-bit selectors: the 4 nibbles select
-# in entries 0-7 and in 8-15 (bit 3 cleared: it is prmt's sign-replicate flag), then each
-# nibble's bit 3 picks between the two. Out: $0 the high nibbles' values (even elements) of
-# bytes 0 and 1, two 16-bit floats, byte 0's in the lower half; $1 the low nibbles' (odd).
-_DEQUANT_ASM = """{
-.reg .b32 w, s, m, a, b, l, h;
-cvt.u32.u16 w, $2;
-and.b32 s, w, 0x7777;
-shr.u32 m, w, 1;
-and.b32 m, m, 0x4444;
-or.b32 m, m, 0x3210;
-prmt.b32 a, $3, $5, s;
-prmt.b32 b, $7, $9, s;
-prmt.b32 l, a, b, m;
-prmt.b32 a, $11, $13, s;
-prmt.b32 b, $15, $17, s;
-prmt.b32 h, a, b, m;
-prmt.b32 $0, l, h, 0x7351;
-prmt.b32 $1, l, h, 0x6240;
-}"""
+def _dequant_asm() -> str:
+    """PTX, four packed bytes at a time ($4; pack=4). Operands: $0, $1 the high nibbles' values
+    (even elements) of bytes 0-1 and 2-3, two 16-bit floats each, the lower byte's in the lower
+    half; $2, $3 the low nibbles' (odd elements); then each table word of `_table_asm` once per
+    element (word w of element e is $(5 + 4w + e)). The compiler may hold the tile in the MMA
+    operand layout, where a thread's consecutive elements are pairs along K of one row, and
+    elements 0-1 and 2-3 two such pairs: bytes 0-1 look up element 0's table, bytes 2-3
+    element 2's. prmt picks 4 bytes out of 8 by 3-bit selectors: the 4 nibbles of a byte pair
+    select in entries 0-7 and in 8-15 (bit 3 cleared: it is prmt's sign-replicate flag), then
+    each nibble's bit 3 picks between the two, for the low-byte plane and the high-byte plane;
+    two more permutes pair each value's bytes."""
+    lines = ["and.b32 s, $4, 0x77777777;",  # 3-bit entry index within a half of the table
+             "shr.u32 m, $4, 1;",  # m's nibble i: byte i of a (entries 0-7) or 4 + i (b)
+             "and.b32 m, m, 0x44444444;",
+             "or.b32 m, m, 0x32103210;"]
+    for half, (out_hi, out_lo, elem) in enumerate((("$0", "$2", 0), ("$1", "$3", 2))):
+        if half:  # bytes 2-3: prmt reads the selector's low 16 bits
+            lines += ["shr.u32 s, s, 16;", "shr.u32 m, m, 16;"]
+        word = [f"${5 + 4 * w + elem}" for w in range(8)]
+        for plane, dst in ((word[:4], "l"), (word[4:], "h")):
+            lines += [f"prmt.b32 a, {plane[0]}, {plane[1]}, s;",
+                      f"prmt.b32 b, {plane[2]}, {plane[3]}, s;",
+                      f"prmt.b32 {dst}, a, b, m;"]
+        lines += [f"prmt.b32 {out_hi}, l, h, 0x7351;",  # odd nibbles = the high ones
+                  f"prmt.b32 {out_lo}, l, h, 0x6240;"]
+    return "{\n.reg .b32 s, m, a, b, l, h;\n" + "\n".join(lines) + "\n}"
+
+
+_DEQUANT_ASM = _dequant_asm()
 _TABLE_BF16 = tl.constexpr(_table_asm("cvt.rn.bf16x2.f32"))
 _TABLE_F16 = tl.constexpr(_table_asm("cvt.rn.f16x2.f32"))
 _TABLE_CONSTRAINTS = tl.constexpr(",".join(["=r"] * 8 + ["r"] * 17))
 _DEQUANT = tl.constexpr(_DEQUANT_ASM)
-_DEQUANT_CONSTRAINTS = tl.constexpr(",".join(["=r", "=r", "h"] + ["r"] * 16))
+_DEQUANT_CONSTRAINTS = tl.constexpr(",".join(["=r"] * 4 + ["r"] * 33))
 
 
 @triton.jit
@@ -126,11 +131,11 @@ def _dequant_prmt(p, scale, code_ptr, dtype: tl.constexpr):
     if dtype == tl.bfloat16:
         w_hi, w_lo = tl.inline_asm_elementwise(_DEQUANT, _DEQUANT_CONSTRAINTS, args,
                                                dtype=(tl.bfloat16, tl.bfloat16), is_pure=True,
-                                               pack=2)
+                                               pack=4)
     else:
         w_hi, w_lo = tl.inline_asm_elementwise(_DEQUANT, _DEQUANT_CONSTRAINTS, args,
                                                dtype=(tl.float16, tl.float16), is_pure=True,
-                                               pack=2)
+                                               pack=4)
     return w_hi, w_lo
 
 
@@ -162,34 +167,82 @@ def _split_k_reduce_kernel(
 
 
 @triton.jit
-def _block_bytes_and_scale(w_ptr, absmax_ptr, code2_ptr, absmax2_ptr, offset, ablk, offs_j, n_ok,
-                           HB: tl.constexpr, BS2: tl.constexpr, NESTED: tl.constexpr):
-    """The packed bytes (BLOCK_N, HB) and the fp32 scale (BLOCK_N,) of absmax block `ablk` of
-    each row (ablk (BLOCK_N,) int64, the flat block index)."""
+def _scale_operands(absmax_ptr, absmax2_ptr, ablk, n_ok, BS2: tl.constexpr,
+                    NESTED: tl.constexpr):
+    """What the fp32 scale (BLOCK_N,) of absmax block `ablk` of each row is formed from (ablk
+    (BLOCK_N,) int64, the flat block index): with double quant (the uint8 code index, the
+    second-level fp32 scale), else (the fp32 absmax, the same again)."""
     if NESTED:
         qa = tl.load(absmax_ptr + ablk, mask=n_ok, other=0)
-        scale = tl.load(code2_ptr + qa.to(tl.int32)) * tl.load(
-            absmax2_ptr + ablk // BS2, mask=n_ok, other=0.0) + offset
+        return qa, tl.load(absmax2_ptr + ablk // BS2, mask=n_ok, other=0.0)
     else:
-        scale = tl.load(absmax_ptr + ablk, mask=n_ok, other=0.0)
-    # contiguous per row: the only traffic that scales with N·K
-    p = tl.load(w_ptr + (ablk * HB)[:, None] + offs_j[None, :], mask=n_ok[:, None], other=0)
-    return p, scale
+        a = tl.load(absmax_ptr + ablk, mask=n_ok, other=0.0)
+        return a, a
+
+
+@triton.jit
+def _scale(qa, a2, code2_ptr, offset, NESTED: tl.constexpr):
+    """The fp32 scale from `_scale_operands`: code2[qa] · absmax2 + offset (a product, then an
+    add: bitsandbytes' two roundings), or the absmax itself. code2 is 1 KB: an L1 gather."""
+    if NESTED:
+        return tl.load(code2_ptr + qa.to(tl.int32)) * a2 + offset
+    else:
+        return qa
+
+
+@triton.jit
+def _block_bytes(w_ptr, ablk, offs_j, n_ok, HB: tl.constexpr):
+    """The packed bytes (BLOCK_N, HB) of absmax block `ablk` of each row: contiguous per row,
+    the only traffic that scales with N·K."""
+    return tl.load(w_ptr + (ablk * HB)[:, None] + offs_j[None, :], mask=n_ok[:, None], other=0)
+
+
+@triton.jit
+def _x_and_a_block(x_ptr, a_ptr, offs_m, m_ok, offs_r, r_ok, k_blk, stride_xm, stride_ar,
+                   HAS_LORA: tl.constexpr):
+    """x[:, k_blk] (BLOCK_M, BS) and, with LoRA, A[:, k_blk] (BLOCK_R, BS) (else x's again),
+    each loaded contiguously (split into even and odd columns where they are used)."""
+    xb = tl.load(x_ptr + offs_m[:, None] * stride_xm + k_blk[None, :], mask=m_ok[:, None],
+                 other=0.0)
+    if HAS_LORA:
+        return xb, tl.load(a_ptr + offs_r[:, None] * stride_ar + k_blk[None, :],
+                           mask=r_ok[:, None], other=0.0)
+    else:
+        return xb, xb
+
+
+@triton.jit
+def _seg(v0, v1, v2, in1, in2, SEGS: tl.constexpr):
+    """v0, v1 or v2: the value of the projection (segment) this program computes (in1 / in2:
+    it is in segment 1 / 2)."""
+    if SEGS == 1:
+        return v0
+    elif SEGS == 2:
+        return tl.where(in1, v1, v0)
+    else:
+        return tl.where(in2, v2, tl.where(in1, v1, v0))
 
 
 @triton.jit
 def _linear4bit_lora_kernel(
-    x_ptr, w_ptr, code_ptr, absmax_ptr, code2_ptr, absmax2_ptr, offset_ptr,
-    a_ptr, b_ptr, bias_ptr, y_ptr, part_ptr, count_ptr,
-    M, N, K, R, BLOCKS_PER_SPLIT, scaling,
+    x_ptr, y_ptr, part_ptr, count_ptr,
+    w_0, code_0, absmax_0, code2_0, absmax2_0, offset_0, a_0, b_0, bias_0,
+    w_1, code_1, absmax_1, code2_1, absmax2_1, offset_1, a_1, b_1, bias_1,
+    w_2, code_2, absmax_2, code2_2, absmax2_2, offset_2, a_2, b_2, bias_2,
+    N_0, N_1, N_2, scaling_0, scaling_1, scaling_2, TILE_1, TILE_2, COL_1, COL_2,
+    M, K, R, BLOCKS_PER_SPLIT,
     stride_xm, stride_ar, stride_bn, stride_ym, stride_ps, stride_pm,
-    BS: tl.constexpr, BS2: tl.constexpr, NESTED: tl.constexpr,
+    SEGS: tl.constexpr, BS: tl.constexpr, BS2: tl.constexpr, NESTED: tl.constexpr,
     HAS_LORA: tl.constexpr, LORA_FP32: tl.constexpr, HAS_BIAS: tl.constexpr,
     SPLIT: tl.constexpr, LAST_REDUCES: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
     PRMT: tl.constexpr, PREFETCH: tl.constexpr, INTERP: tl.constexpr,
 ):
-    """One launch per projection (two with LAST_REDUCES off). The output tile is held
+    """One launch for SEGS projections of the same x (two with LAST_REDUCES off): segment s's
+    weight, quantization state, LoRA factors and bias are the arguments ending in _s, its
+    output columns y[:, COL_s : COL_s + N_s] (COL_0 = 0) and its n-tiles the programs from
+    TILE_s on along axis 1 (TILE_0 = 0); a program computes one tile of one segment. The output
+    tile is held
     transposed, accT (BLOCK_N, BLOCK_M) = y[m-block, n-block]ᵀ, so that the dequantized weight
     tile is the left operand of the dot: the compiler then moves it into the MMA's operand
     layout with far fewer shared-memory loads than as the right operand (half the instructions
@@ -208,15 +261,31 @@ def _linear4bit_lora_kernel(
     planes; each nibble then selects its value by byte permutes, with no memory access per
     element. Otherwise (the interpreter's): one gather per nibble from the 16-entry fp32 code
     (one 64-byte line: a warp's gather is one L1 request), times the scale. Both give the same
-    rounded weight bit for bit. PREFETCH loads the next block's bytes and scales before this
-    block's math, so their latency hides behind it.
+    rounded weight bit for bit. PREFETCH issues the next block's loads (packed bytes, x and A
+    columns, the scale) before this block's math, so their latency hides behind it; the scale
+    is a gather indexed by a loaded byte (double quant), so its own loads go two blocks ahead.
     """
     pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
+    pid_n = tl.program_id(1)  # the n-tile over all segments
     pid_k = tl.program_id(2)
+    in1 = pid_n >= TILE_1
+    in2 = pid_n >= TILE_2
+    w_ptr = _seg(w_0, w_1, w_2, in1, in2, SEGS)
+    code_ptr = _seg(code_0, code_1, code_2, in1, in2, SEGS)
+    absmax_ptr = _seg(absmax_0, absmax_1, absmax_2, in1, in2, SEGS)
+    code2_ptr = _seg(code2_0, code2_1, code2_2, in1, in2, SEGS)
+    absmax2_ptr = _seg(absmax2_0, absmax2_1, absmax2_2, in1, in2, SEGS)
+    offset_ptr = _seg(offset_0, offset_1, offset_2, in1, in2, SEGS)
+    a_ptr = _seg(a_0, a_1, a_2, in1, in2, SEGS)
+    b_ptr = _seg(b_0, b_1, b_2, in1, in2, SEGS)
+    bias_ptr = _seg(bias_0, bias_1, bias_2, in1, in2, SEGS)
+    N = _seg(N_0, N_1, N_2, in1, in2, SEGS)
+    scaling = _seg(scaling_0, scaling_1, scaling_2, in1, in2, SEGS)
+    tile0 = _seg(0, TILE_1, TILE_2, in1, in2, SEGS)  # the segment's first n-tile
+    col0 = _seg(0, COL_1, COL_2, in1, in2, SEGS)  # and its first output column
     HB: tl.constexpr = BS // 2  # packed bytes per row per absmax block
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_n = (pid_n - tile0) * BLOCK_N + tl.arange(0, BLOCK_N)  # rows of the segment's W
     offs_j = tl.arange(0, HB)
     offs_k = tl.arange(0, BS)
     offs_r = tl.arange(0, BLOCK_R)
@@ -230,19 +299,35 @@ def _linear4bit_lora_kernel(
     t = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
     blk_lo = pid_k * BLOCKS_PER_SPLIT
     blk_hi = tl.minimum(blk_lo + BLOCKS_PER_SPLIT, KB)
-    if PREFETCH:
-        p_next, scale_next = _block_bytes_and_scale(
-            w_ptr, absmax_ptr, code2_ptr, absmax2_ptr, offset, n_blk + blk_lo, offs_j, n_ok,
-            HB, BS2, NESTED)
+    if PREFETCH:  # block blk_lo's loads, and the scale operands of the block after it
+        qa, a2 = _scale_operands(absmax_ptr, absmax2_ptr, n_blk + blk_lo, n_ok, BS2, NESTED)
+        scale_next = _scale(qa, a2, code2_ptr, offset, NESTED)
+        qa_next2, a2_next2 = _scale_operands(absmax_ptr, absmax2_ptr,
+                                             n_blk + tl.minimum(blk_lo + 1, blk_hi - 1), n_ok,
+                                             BS2, NESTED)
+        p_next = _block_bytes(w_ptr, n_blk + blk_lo, offs_j, n_ok, HB)
+        x_next, a_next = _x_and_a_block(x_ptr, a_ptr, offs_m, m_ok, offs_r, r_ok,
+                                        blk_lo * BS + offs_k, stride_xm, stride_ar, HAS_LORA)
     for blk in range(blk_lo, blk_hi):
-        if PREFETCH:  # this block's loads were issued an iteration ago; issue the next's now
-            p, scale = p_next, scale_next
-            p_next, scale_next = _block_bytes_and_scale(
-                w_ptr, absmax_ptr, code2_ptr, absmax2_ptr, offset,
-                n_blk + tl.minimum(blk + 1, blk_hi - 1), offs_j, n_ok, HB, BS2, NESTED)
+        if PREFETCH:
+            # This block's loads were issued an iteration ago. Issue the next block's, and the
+            # scale operands of the one after: the scale is a gather indexed by a loaded byte,
+            # so its two loads are two iterations ahead and the L1 gather one.
+            p, scale, x_blk, a_blk = p_next, scale_next, x_next, a_next
+            nxt = tl.minimum(blk + 1, blk_hi - 1)
+            p_next = _block_bytes(w_ptr, n_blk + nxt, offs_j, n_ok, HB)
+            x_next, a_next = _x_and_a_block(x_ptr, a_ptr, offs_m, m_ok, offs_r, r_ok,
+                                            nxt * BS + offs_k, stride_xm, stride_ar, HAS_LORA)
+            scale_next = _scale(qa_next2, a2_next2, code2_ptr, offset, NESTED)
+            qa_next2, a2_next2 = _scale_operands(absmax_ptr, absmax2_ptr,
+                                                 n_blk + tl.minimum(blk + 2, blk_hi - 1), n_ok,
+                                                 BS2, NESTED)
         else:
-            p, scale = _block_bytes_and_scale(w_ptr, absmax_ptr, code2_ptr, absmax2_ptr, offset,
-                                              n_blk + blk, offs_j, n_ok, HB, BS2, NESTED)
+            qa, a2 = _scale_operands(absmax_ptr, absmax2_ptr, n_blk + blk, n_ok, BS2, NESTED)
+            scale = _scale(qa, a2, code2_ptr, offset, NESTED)
+            p = _block_bytes(w_ptr, n_blk + blk, offs_j, n_ok, HB)
+            x_blk, a_blk = _x_and_a_block(x_ptr, a_ptr, offs_m, m_ok, offs_r, r_ok,
+                                          blk * BS + offs_k, stride_xm, stride_ar, HAS_LORA)
         # code · scale in fp32, rounded to x's dtype: bitsandbytes' dequantized weight
         if PRMT:
             w_hi, w_lo = _dequant_prmt(p, scale, code_ptr, x_ptr.dtype.element_ty)
@@ -251,31 +336,23 @@ def _linear4bit_lora_kernel(
             c_lo = tl.load(code_ptr + (p & 15).to(tl.int32))
             w_hi = to_dtype(c_hi * scale[:, None], x_ptr.dtype.element_ty, INTERP)
             w_lo = to_dtype(c_lo * scale[:, None], x_ptr.dtype.element_ty, INTERP)
-        k_blk = blk * BS + offs_k  # (BS,) K % BS == 0: no column mask
-        # x's block loaded contiguously, then split into its even and odd columns in registers
-        x_even, x_odd = tl.split(tl.reshape(tl.load(
-            x_ptr + offs_m[:, None] * stride_xm + k_blk[None, :], mask=m_ok[:, None], other=0.0),
-            (BLOCK_M, HB, 2)))
+        # x's even and odd columns (split in registers) meet the high and low nibbles
+        x_even, x_odd = tl.split(tl.reshape(x_blk, (BLOCK_M, HB, 2)))
         acc += dot(w_hi, tl.trans(x_even), INTERP)
         acc += dot(w_lo, tl.trans(x_odd), INTERP)
-        if HAS_LORA:
-            a_even, a_odd = tl.split(tl.reshape(tl.load(
-                a_ptr + offs_r[:, None] * stride_ar + k_blk[None, :], mask=r_ok[:, None],
-                other=0.0), (BLOCK_R, HB, 2)))
+        if HAS_LORA:  # the whole block of x and A at once: t needs no even/odd split
             if LORA_FP32:  # A is not x's dtype: PEFT casts x to A's dtype; fp32 products
-                t += tl.dot(x_even.to(tl.float32), tl.trans(a_even.to(tl.float32)),
-                            input_precision="ieee")
-                t += tl.dot(x_odd.to(tl.float32), tl.trans(a_odd.to(tl.float32)),
+                t += tl.dot(x_blk.to(tl.float32), tl.trans(a_blk.to(tl.float32)),
                             input_precision="ieee")
             else:  # 16-bit products are exact in fp32: the same t as an fp32 dot
-                t += dot(x_even, tl.trans(a_even), INTERP)
-                t += dot(x_odd, tl.trans(a_odd), INTERP)
+                t += dot(x_blk, tl.trans(a_blk), INTERP)
     if HAS_LORA:
         b = tl.load(b_ptr + offs_n[:, None] * stride_bn + offs_r[None, :],
                     mask=n_ok[:, None] & r_ok[None, :], other=0.0)
         acc += scaling * tl.dot(b.to(tl.float32), tl.trans(t), input_precision="ieee")
     mask = n_ok[:, None] & m_ok[None, :]
-    part_offs = offs_m[None, :] * stride_pm + offs_n[:, None]
+    cols = col0 + offs_n  # the output columns (of y and of the partials)
+    part_offs = offs_m[None, :] * stride_pm + cols[:, None]
     if SPLIT:
         tl.store(part_ptr + pid_k * stride_ps + part_offs, acc, mask=mask)
         if LAST_REDUCES:
@@ -293,13 +370,13 @@ def _linear4bit_lora_kernel(
                 if HAS_BIAS:
                     acc += tl.load(bias_ptr + offs_n, mask=n_ok,
                                    other=0.0).to(tl.float32)[:, None]
-                tl.store(y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None],
+                tl.store(y_ptr + offs_m[None, :] * stride_ym + cols[:, None],
                          to_dtype(acc, y_ptr.dtype.element_ty, INTERP), mask=mask)
                 tl.atomic_xchg(count_ptr + tile, 0, sem="relaxed", scope="gpu")
     else:
         if HAS_BIAS:
             acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
-        tl.store(y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None],
+        tl.store(y_ptr + offs_m[None, :] * stride_ym + cols[:, None],
                  to_dtype(acc, y_ptr.dtype.element_ty, INTERP), mask=mask)
 
 
@@ -363,23 +440,24 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def pick_config(m: int, n: int, k: int, blocksize: int, num_sms: int) -> dict:
-    """Tiles: BLOCK_M covers the decode batch (16 is the smallest dot tile); BLOCK_N 64 output
-    columns for N ≤ 1024, 128 above, on 4 warps. The K loop (one absmax block per step) is
-    split over programs so that the grid holds about two programs per SM (the largest power of
-    two that does not pass it) and no program runs more than 16 steps, but every program at
-    least four (below that, the partial sums' traffic and the reduction cost more than the
-    parallelism brings); at most 32 splits. Each step's packed bytes and scales are loaded one
-    step ahead (PREFETCH), in registers: one stage. (bench/README.md, the decode linear: the
-    rule against the sweep of every tile.)"""
+def pick_config(m: int, n, k: int, blocksize: int, num_sms: int) -> dict:
+    """Tiles for M rows of x against weights of `n` output features (an int, or the sequence of
+    a grouped call's N_s) and K input features: BLOCK_M covers the decode batch (16 is the
+    smallest dot tile); BLOCK_N 64 output columns, 128 when the weights hold 2²⁵ elements or
+    more, on 4 warps. The K loop (one absmax block per step) is split over programs so that the
+    grid holds about two programs per SM (the largest power of two that does not pass it) and
+    no program runs more than 32 steps, but every program at least two; at most 32 splits.
+    Each step's loads are issued one step ahead (PREFETCH), in registers: one stage.
+    (bench/README.md, the decode linear: the rule against the sweep of every tile.)"""
+    ns = [n] if isinstance(n, int) else list(n)
     block_m = min(64, max(16, triton.next_power_of_2(m)))
-    block_n = 64 if n <= 1024 else 128
+    block_n = 128 if sum(ns) * k >= 1 << 25 else 64
     blocks = k // blocksize
-    mn_progs = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
+    mn_progs = triton.cdiv(m, block_m) * sum(triton.cdiv(v, block_n) for v in ns)
     by_sms = max(1, 2 * num_sms // mn_progs)
     by_sms = 1 << (by_sms.bit_length() - 1)  # largest power of two <= 2·SMs / programs
-    by_steps = triton.next_power_of_2(triton.cdiv(blocks, 16))
-    split = max(1, min(max(by_sms, by_steps), 32, blocks // 4))
+    by_steps = triton.next_power_of_2(triton.cdiv(blocks, 32))
+    split = max(1, min(max(by_sms, by_steps), 32, blocks // 2))
     return {"BLOCK_M": block_m, "BLOCK_N": block_n, "SPLIT_K": split, "num_warps": 4,
             "num_stages": 1, "PREFETCH": True}
 
@@ -412,6 +490,144 @@ def _tile_counters(device: torch.device, tiles: int) -> torch.Tensor | None:
     return buf
 
 
+@dataclasses.dataclass(frozen=True)
+class LinearPart:
+    """One projection of a grouped call: y_s = x @ round(W)ᵀ + bias + scaling · (x @ Aᵀ) @ Bᵀ."""
+
+    weight: Packed4bit
+    bias: torch.Tensor | None = None
+    lora_a: torch.Tensor | None = None  # (r, K)
+    lora_b: torch.Tensor | None = None  # (N, r)
+    scaling: float = 1.0
+
+
+MAX_GROUP = 3  # projections one launch computes (q, k, v)
+
+
+def _check_part(x: torch.Tensor, part: LinearPart, name: str) -> LinearPart:
+    """`part` with contiguous LoRA factors; ValueError naming the argument for shapes that do not
+    fit x (M, K)."""
+    n, k = part.weight.shape
+    if x.shape[1] != k:
+        raise ValueError(f"x has shape {tuple(x.shape)}, expected (M, {k}) for weight {(n, k)}")
+    if (part.lora_a is None) != (part.lora_b is None):
+        raise ValueError(f"{name}lora_a and {name}lora_b come together")
+    if part.lora_a is not None:
+        r = part.lora_a.shape[0]
+        if part.lora_a.shape != (r, k) or part.lora_b.shape != (n, r):
+            raise ValueError(f"{name}lora_a {tuple(part.lora_a.shape)} and {name}lora_b "
+                             f"{tuple(part.lora_b.shape)} do not fit (r, K={k}) and (N={n}, r)")
+        part = dataclasses.replace(part, lora_a=part.lora_a.contiguous(),
+                                   lora_b=part.lora_b.contiguous())
+    if part.bias is not None and part.bias.shape != (n,):
+        raise ValueError(f"{name}bias has shape {tuple(part.bias.shape)}, expected ({n},)")
+    return part
+
+
+def group_reason(parts: list[LinearPart]) -> str | None:
+    """Why `parts` cannot share one launch (None if they can): at most MAX_GROUP, the same
+    in_features, blocksizes and double quant, LoRA on all or none with one rank and dtypes, a
+    bias on all or none in one dtype."""
+    if not 1 <= len(parts) <= MAX_GROUP:
+        return f"{len(parts)} projections (one launch takes 1 to {MAX_GROUP})"
+    first = parts[0]
+
+    def sig(p: LinearPart):
+        w = p.weight
+        return (w.shape[1], w.blocksize, w.nested, w.blocksize2 if w.nested else None,
+                None if p.lora_a is None else (p.lora_a.shape[0], p.lora_a.dtype, p.lora_b.dtype),
+                None if p.bias is None else p.bias.dtype)
+
+    names = ("in_features", "blocksize", "double quant", "second-level blocksize",
+             "LoRA (rank, A dtype, B dtype)", "bias dtype")
+    for p in parts[1:]:
+        for name, u, v in zip(names, sig(first), sig(p)):
+            if u != v:
+                return f"the projections differ in {name} ({u} vs {v})"
+    return None
+
+
+def linear4bit_lora_group(x: torch.Tensor, parts: list[LinearPart], *,
+                          config: dict | None = None) -> list[torch.Tensor]:
+    """[y_s (M, N_s)] for each part, in one launch (`group_reason` says which parts can share
+    it): y_s = x @ round(W_s)ᵀ + bias_s + scaling_s · (x @ A_sᵀ) @ B_sᵀ, each exactly as
+    `linear4bit_lora` computes it alone. The outputs are column slices of one (M, Σ N_s)
+    buffer."""
+    if x.dim() != 2:
+        raise ValueError(f"x has shape {tuple(x.shape)}, expected (M, K)")
+    if x.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"x has dtype {x.dtype}, expected bfloat16 or float16")
+    reason = group_reason(parts)
+    if reason is not None:
+        raise ValueError(f"parts: {reason}")
+    many = len(parts) > 1
+    parts = [_check_part(x, p, f"parts[{i}]." if many else "") for i, p in enumerate(parts)]
+    x = x if x.stride(1) == 1 else x.contiguous()
+    m, k = x.shape
+    ns = [p.weight.shape[0] for p in parts]
+    first = parts[0]
+    has_lora, has_bias = first.lora_a is not None, first.bias is not None
+    r = first.lora_a.shape[0] if has_lora else 0
+    bs = first.weight.blocksize
+    cfg = config or pick_config(m, ns, k, bs, _num_sms(x.device))
+    interp = interpreting()
+    prmt = cfg.get("PRMT", not interp)
+    if prmt and interp:
+        raise ValueError("config PRMT=True (the code looked up by PTX byte permutes) needs the "
+                         "GPU compiler; Triton's interpreter runs PRMT=False")
+    per, split_k = split_steps(k // bs, cfg["SPLIT_K"])
+    bn = cfg["BLOCK_N"]
+    tiles = [triton.cdiv(n, bn) for n in ns]
+    cols = [sum(ns[:i]) for i in range(len(ns))]
+    y = torch.empty(m, sum(ns), device=x.device, dtype=x.dtype)  # (M, Σ N_s)
+    part_buf = (torch.empty(split_k, m, sum(ns), device=x.device, dtype=torch.float32)
+                if split_k > 1 else y)  # (SPLIT_K, M, Σ N_s)
+    grid = (triton.cdiv(m, cfg["BLOCK_M"]), sum(tiles), split_k)
+    counts = (_tile_counters(x.device, grid[0] * grid[1])
+              if split_k > 1 and cfg.get("LAST_REDUCES", True) else None)
+    seg_args, seg_ns, seg_scalings = [], [], []
+    for i in range(MAX_GROUP):
+        p = parts[min(i, len(parts) - 1)]  # absent segments repeat the last (never selected)
+        w = p.weight
+        seg_args += [w.packed, w.code, w.absmax, w.code2 if w.nested else w.code,
+                     w.absmax2 if w.nested else w.code, w.offset if w.nested else w.code,
+                     p.lora_a if has_lora else x, p.lora_b if has_lora else x,  # placeholders
+                     p.bias if has_bias else y]  # never read without LoRA / bias
+        seg_ns.append(w.shape[0])
+        seg_scalings.append(float(p.scaling))
+    first_tile = [sum(tiles[:i]) for i in range(1, MAX_GROUP)]
+    beyond = grid[1]  # a first tile no program reaches: the segment is absent
+    first_tile = [t if i + 1 < len(parts) else beyond for i, t in enumerate(first_tile)]
+    first_col = [cols[i] if i < len(parts) else 0 for i in range(1, MAX_GROUP)]
+    _linear4bit_lora_kernel[grid](
+        x, y, part_buf, counts if counts is not None else y,
+        *seg_args, *seg_ns, *seg_scalings, *first_tile, *first_col,
+        m, k, r, per,
+        x.stride(0), first.lora_a.stride(0) if has_lora else 0,
+        first.lora_b.stride(0) if has_lora else 0, y.stride(0),
+        part_buf.stride(0) if split_k > 1 else 0, part_buf.stride(1) if split_k > 1 else 0,
+        SEGS=len(parts), BS=bs, BS2=first.weight.blocksize2, NESTED=first.weight.nested,
+        HAS_LORA=has_lora, LORA_FP32=has_lora and first.lora_a.dtype != x.dtype,
+        HAS_BIAS=has_bias, SPLIT=split_k > 1, LAST_REDUCES=counts is not None,
+        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=bn, BLOCK_R=max(16, triton.next_power_of_2(r)),
+        PRMT=prmt, PREFETCH=cfg.get("PREFETCH", False), INTERP=interp,
+        # no FMA contraction: the double-quant scale code2·absmax2 + offset is then formed with
+        # the same two roundings as bitsandbytes' (a product, then an add)
+        enable_fp_fusion=False, num_warps=cfg.get("num_warps", 4),
+        num_stages=cfg.get("num_stages", 1),
+    )
+    outs = [y[:, c:c + n] for c, n in zip(cols, ns)]
+    if split_k > 1 and counts is None:
+        bm, rbn = cfg["BLOCK_M"], 64
+        for c, n, p, out in zip(cols, ns, parts, outs):
+            seg_part = part_buf[:, :, c:c + n]
+            _split_k_reduce_kernel[(triton.cdiv(m, bm), triton.cdiv(n, rbn))](
+                seg_part, p.bias if has_bias else y, out, m, n, split_k, seg_part.stride(0),
+                seg_part.stride(1), out.stride(0), HAS_BIAS=has_bias, BLOCK_M=bm,
+                BLOCK_N=rbn, INTERP=interp)
+    return outs
+
+
 def linear4bit_lora(x: torch.Tensor, w: Packed4bit, *, bias: torch.Tensor | None = None,
                     lora_a: torch.Tensor | None = None, lora_b: torch.Tensor | None = None,
                     scaling: float = 1.0, config: dict | None = None) -> torch.Tensor:
@@ -422,68 +638,11 @@ def linear4bit_lora(x: torch.Tensor, w: Packed4bit, *, bias: torch.Tensor | None
     looked up by register byte permutes, else by memory gathers, the same values), PREFETCH,
     LAST_REDUCES (default True: with split K, each tile's last split sums the partials in the
     same launch; False: a second launch does)."""
-    n, k = w.shape
-    if x.dim() != 2 or x.shape[1] != k:
-        raise ValueError(f"x has shape {tuple(x.shape)}, expected (M, {k}) for weight {(n, k)}")
-    if x.dtype not in (torch.bfloat16, torch.float16):
-        raise ValueError(f"x has dtype {x.dtype}, expected bfloat16 or float16")
-    if (lora_a is None) != (lora_b is None):
-        raise ValueError("lora_a and lora_b come together")
-    x = x if x.stride(1) == 1 else x.contiguous()
-    m = x.shape[0]
-    has_lora = lora_a is not None
-    r = 0
-    if has_lora:
-        r = lora_a.shape[0]
-        if lora_a.shape != (r, k) or lora_b.shape != (n, r):
-            raise ValueError(f"lora_a {tuple(lora_a.shape)} and lora_b {tuple(lora_b.shape)} "
-                             f"do not fit (r, K={k}) and (N={n}, r)")
-        lora_a = lora_a if lora_a.stride(1) == 1 else lora_a.contiguous()
-        lora_b = lora_b if lora_b.stride(1) == 1 else lora_b.contiguous()
-    if bias is not None and bias.shape != (n,):
-        raise ValueError(f"bias has shape {tuple(bias.shape)}, expected ({n},)")
-    cfg = config or pick_config(m, n, k, w.blocksize, _num_sms(x.device))
-    interp = interpreting()
-    prmt = cfg.get("PRMT", not interp)
-    if prmt and interp:
-        raise ValueError("config PRMT=True (the code looked up by PTX byte permutes) needs the "
-                         "GPU compiler; Triton's interpreter runs PRMT=False")
-    per, split_k = split_steps(k // w.blocksize, cfg["SPLIT_K"])
-    y = torch.empty(m, n, device=x.device, dtype=x.dtype)  # (M, N)
-    part = (torch.empty(split_k, m, n, device=x.device, dtype=torch.float32)  # (SPLIT_K, M, N)
-            if split_k > 1 else y)
-    bias_arg = bias if bias is not None else y
-    a_arg, b_arg = (lora_a, lora_b) if has_lora else (x, x)  # placeholders, never read
-    nested = w.nested
-    grid = (triton.cdiv(m, cfg["BLOCK_M"]), triton.cdiv(n, cfg["BLOCK_N"]), split_k)
-    counts = (_tile_counters(x.device, grid[0] * grid[1])
-              if split_k > 1 and cfg.get("LAST_REDUCES", True) else None)
-    _linear4bit_lora_kernel[grid](
-        x, w.packed, w.code, w.absmax,
-        w.code2 if nested else w.code, w.absmax2 if nested else w.code,
-        w.offset if nested else w.code,
-        a_arg, b_arg, bias_arg, y, part, counts if counts is not None else y,
-        m, n, k, r, per, float(scaling),
-        x.stride(0), a_arg.stride(0), b_arg.stride(0), y.stride(0),
-        part.stride(0) if split_k > 1 else 0, part.stride(1) if split_k > 1 else 0,
-        BS=w.blocksize, BS2=w.blocksize2, NESTED=nested, HAS_LORA=has_lora,
-        LORA_FP32=has_lora and lora_a.dtype != x.dtype, HAS_BIAS=bias is not None,
-        SPLIT=split_k > 1, LAST_REDUCES=counts is not None, BLOCK_M=cfg["BLOCK_M"],
-        BLOCK_N=cfg["BLOCK_N"],
-        BLOCK_R=max(16, triton.next_power_of_2(r)), PRMT=prmt,
-        PREFETCH=cfg.get("PREFETCH", False),
-        INTERP=interp,
-        # no FMA contraction: the double-quant scale code2·absmax2 + offset is then formed with
-        # the same two roundings as bitsandbytes' (a product, then an add)
-        enable_fp_fusion=False, num_warps=cfg.get("num_warps", 4),
-        num_stages=cfg.get("num_stages", 1),
-    )
-    if split_k > 1 and counts is None:
-        bm, bn = cfg["BLOCK_M"], 64
-        _split_k_reduce_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn))](
-            part, bias_arg, y, m, n, split_k, part.stride(0), part.stride(1), y.stride(0),
-            HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=bn, INTERP=interp)
-    return y
+    if x.dim() != 2 or x.shape[1] != w.shape[1]:
+        raise ValueError(f"x has shape {tuple(x.shape)}, expected (M, {w.shape[1]}) for weight "
+                         f"{w.shape}")
+    return linear4bit_lora_group(x, [LinearPart(w, bias, lora_a, lora_b, scaling)],
+                                 config=config)[0]
 
 
 class UnsupportedLinear(ValueError):
@@ -568,6 +727,59 @@ def _packed_weight(base: torch.nn.Module) -> Packed4bit:
         raise UnsupportedLinear(f"Linear4bit weight: {e}") from None
 
 
+def _fused_part(res: _Resolved, x_dtype: torch.dtype,
+                device: torch.device) -> tuple[LinearPart, torch.dtype]:
+    """(the kernel's view of a resolved 4-bit module for x of x_dtype, its compute dtype: the
+    module's, else x's); UnsupportedLinear if the base is no bitsandbytes Linear4bit the kernel
+    reads."""
+    base = res.base
+    if not _is_linear4bit(base):
+        raise UnsupportedLinear(f"base layer is {type(base).__name__}, not bitsandbytes "
+                                "Linear4bit")
+    w = _packed_weight(base)
+    cd = base.compute_dtype or x_dtype
+    if cd not in (torch.bfloat16, torch.float16):
+        raise UnsupportedLinear(f"Linear4bit compute dtype is {cd}, the kernel takes "
+                                "bfloat16 or float16")
+    if base.weight.device != device:
+        raise ValueError(f"x is on {device} but the weight is on {base.weight.device}")
+    bias = None if base.bias is None else base.bias.to(cd)
+    return LinearPart(w, bias, res.lora_a, res.lora_b, res.scaling), cd
+
+
+def _group_parts(modules, x_dtype: torch.dtype,
+                 device: torch.device) -> tuple[list[LinearPart], torch.dtype]:
+    """The kernel's parts for `modules`, one launch's worth; UnsupportedLinear with the reason
+    if they cannot share it."""
+    parts = [_fused_part(_resolve_lora(mod), x_dtype, device) for mod in modules]
+    if len({cd for _, cd in parts}) > 1:
+        raise UnsupportedLinear("the projections differ in compute dtype")
+    reason = group_reason([p for p, _ in parts])
+    if reason is not None:
+        raise UnsupportedLinear(reason)
+    return [p for p, _ in parts], parts[0][1]
+
+
+def group_modules_reason(modules, x_dtype: torch.dtype) -> str | None:
+    """Why `decode_linears(x, modules)` cannot compute `modules` (projections of one input of
+    x_dtype, on their weights' device) in one launch, or None."""
+    try:
+        _group_parts(modules, x_dtype, modules[0].weight.device)
+    except ValueError as e:  # UnsupportedLinear included
+        return str(e)
+    return None
+
+
+def decode_linears(x: torch.Tensor, modules) -> list[torch.Tensor]:
+    """[module(x) for module in modules] in one launch of the fused kernel, for 4-bit
+    projections of the same input (q/k/v, gate/up) that `group_modules_reason` accepts; each
+    output as `decode_linear(x, module)` gives it, bit for bit. Raises UnsupportedLinear (a
+    ValueError) with the reason otherwise."""
+    parts, cd = _group_parts(modules, x.dtype, x.device)
+    ys = linear4bit_lora_group(x.reshape(-1, x.shape[-1]).to(cd), parts)
+    return [y.to(x.dtype).reshape(*x.shape[:-1], y.shape[1]) for y in ys]
+
+
 def decode_linear(x: torch.Tensor, module: torch.nn.Module) -> torch.Tensor:
     """module(x) for x (..., K), in eval-mode semantics, through the fused 4-bit + LoRA kernel:
 
@@ -583,18 +795,9 @@ def decode_linear(x: torch.Tensor, module: torch.nn.Module) -> torch.Tensor:
     res = _resolve_lora(module)
     base = res.base
     if _is_linear4bit(base):
-        w = _packed_weight(base)
-        cd = base.compute_dtype or x.dtype
-        if cd not in (torch.bfloat16, torch.float16):
-            raise UnsupportedLinear(f"Linear4bit compute dtype is {cd}, the kernel takes "
-                                    "bfloat16 or float16")
-        if base.weight.device != x.device:
-            raise ValueError(f"x is on {x.device} but the weight is on {base.weight.device}")
-        x2 = x.reshape(-1, x.shape[-1]).to(cd)  # (M, K)
-        bias = None if base.bias is None else base.bias.to(cd)
-        y = linear4bit_lora(x2, w, bias=bias, lora_a=res.lora_a, lora_b=res.lora_b,
-                            scaling=res.scaling)
-        return y.to(x.dtype).reshape(*x.shape[:-1], w.shape[0])
+        part, cd = _fused_part(res, x.dtype, x.device)
+        (y,) = linear4bit_lora_group(x.reshape(-1, x.shape[-1]).to(cd), [part])  # (M, N)
+        return y.to(x.dtype).reshape(*x.shape[:-1], y.shape[1])
     if type(base) is not torch.nn.Linear:
         raise UnsupportedLinear(f"base layer is {type(base).__name__}, expected bitsandbytes "
                                 "Linear4bit or torch.nn.Linear")
