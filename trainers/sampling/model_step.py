@@ -18,10 +18,11 @@ row (cumsum of the mask - 1), so the two forwards compute the same function.
     decode(tokens (B,), slots (B,))  writes slot slots_b, attends to slots <= slots_b,
         returns (B, V) fp32
 
-Attention is SDPA with a boolean mask over the whole cache (a decode step's GQA without
-expanding K and V, `_attention`); keys outside a row's valid length are masked, never read into
-the result. With attention="triton" a decode step runs `decode_attention` instead, which reads
-only each row's valid keys. A sliding window w (Mistral, Qwen2 / Qwen3 sliding layers) adds
+Attention is SDPA with a mask over the whole cache (a decode step's GQA without expanding K and
+V, `_attention`; a decode step makes the additive mask SDPA would make of the boolean one once,
+not in every layer); keys outside a row's valid length are masked, never read into the result.
+With attention="triton" a decode step runs `decode_attention` instead, which reads only each
+row's valid keys. A sliding window w (Mistral, Qwen2 / Qwen3 sliding layers) adds
 the condition q - k < w, as HF's sliding mask does.
 Logits are the head's output in the model dtype, then fp32, as HF's `generate` takes them.
 
@@ -266,6 +267,7 @@ class ModelStep:
             if w is not None:
                 m = m & (slots[:, None] - kpos[None, :] < w)
             masks[w] = m[:, None, None, :]  # (B, 1, 1, M)
+        additive = {}  # (window, dtype) -> the mask SDPA makes of a boolean one, made once
 
         def write(i, k, v):
             # k (B, H_kv, 1, D) -> slot slots_b of row b; indices separated by a slice put the
@@ -283,7 +285,14 @@ class ModelStep:
                 o = decode_attention(q.reshape(B, Hkv, G, D), K, V, slots,
                                      scale=scale, window=window)
                 return o.reshape(B, Hkv * G, 1, -1)
-            return _attention(q, K, V, masks[window], scale)
+            # 0 where a key is seen, -inf where not: what SDPA would build from the boolean
+            # mask in every layer, built in the first
+            mask = additive.get((window, q.dtype))
+            if mask is None:
+                mask = additive[window, q.dtype] = torch.zeros(
+                    masks[window].shape, dtype=q.dtype, device=dev).masked_fill_(
+                    ~masks[window], float("-inf"))
+            return _attention(q, K, V, mask, scale)
 
         def qkv_write(i, attn, x, cos, sin):
             return self._qkv_write(attn, x, cos, sin, cache.k[i], cache.v[i], slots)
