@@ -33,6 +33,10 @@ values. One launch: when the K loop is split over programs, each writes its part
 carries its own LoRA term s · t_split @ Bᵀ, t_split = x[:, split] @ A[:, split]ᵀ: the term is
 linear in t, so the splits add up to s · t @ Bᵀ, and every sum stays fp32 (no chain longer than
 K + r + SPLIT_K terms).
+
+Projections of the same x (q/k/v, gate/up) can share that launch (`linear4bit_lora_group`,
+`decode_linears`): the grid's output tiles run over each projection's rows in turn, and each
+output is bit for bit what the projection gives alone with the same tiles.
 """
 
 from __future__ import annotations
@@ -241,13 +245,14 @@ def _linear4bit_lora_kernel(
     """One launch for SEGS projections of the same x (two with LAST_REDUCES off): segment s's
     weight, quantization state, LoRA factors and bias are the arguments ending in _s, its
     output columns y[:, COL_s : COL_s + N_s] (COL_0 = 0) and its n-tiles the programs from
-    TILE_s on along axis 1 (TILE_0 = 0); a program computes one tile of one segment. The output
-    tile is held
-    transposed, accT (BLOCK_N, BLOCK_M) = y[m-block, n-block]ᵀ, so that the dequantized weight
-    tile is the left operand of the dot: the compiler then moves it into the MMA's operand
-    layout with far fewer shared-memory loads than as the right operand (half the instructions
-    per weight element; bench/README.md, the decode linear). Over this program's K slice, one
-    absmax block of BS elements per iteration, so the block's scale is one value per row n:
+    TILE_s on along axis 1 (TILE_0 = 0); a program computes one tile of one segment.
+
+    The output tile is held transposed, accT (BLOCK_N, BLOCK_M) = y[m-block, n-block]ᵀ, so
+    that the dequantized weight tile is the left operand of the dot: the compiler then moves it
+    into the MMA's operand layout with far fewer shared-memory loads than as the right operand
+    (half the instructions per weight element; bench/README.md, the decode linear). Over this
+    program's K slice, one absmax block of BS elements per iteration, so the block's scale is
+    one value per row n:
 
         accT += round(code[q(n, blk)] · scale[n, blk]) @ x[:, blk]ᵀ     (bf16 dot, fp32 sums)
         t    += x[:, blk] @ A[:, blk]ᵀ                                   (the LoRA factor, fp32)
@@ -764,7 +769,7 @@ def group_modules_reason(modules, x_dtype: torch.dtype) -> str | None:
     """Why `decode_linears(x, modules)` cannot compute `modules` (projections of one input of
     x_dtype, on their weights' device) in one launch, or None."""
     try:
-        _group_parts(modules, x_dtype, modules[0].weight.device)
+        _group_parts(modules, x_dtype, _resolve_lora(modules[0]).base.weight.device)
     except ValueError as e:  # UnsupportedLinear included
         return str(e)
     return None
@@ -773,8 +778,9 @@ def group_modules_reason(modules, x_dtype: torch.dtype) -> str | None:
 def decode_linears(x: torch.Tensor, modules) -> list[torch.Tensor]:
     """[module(x) for module in modules] in one launch of the fused kernel, for 4-bit
     projections of the same input (q/k/v, gate/up) that `group_modules_reason` accepts; each
-    output as `decode_linear(x, module)` gives it, bit for bit. Raises UnsupportedLinear (a
-    ValueError) with the reason otherwise."""
+    output within the kernel's bound of module(x) (the group's tiles may split K otherwise
+    than `decode_linear(x, module)` alone). Raises UnsupportedLinear (a ValueError) with the
+    reason otherwise."""
     parts, cd = _group_parts(modules, x.dtype, x.device)
     ys = linear4bit_lora_group(x.reshape(-1, x.shape[-1]).to(cd), parts)
     return [y.to(x.dtype).reshape(*x.shape[:-1], y.shape[1]) for y in ys]
