@@ -361,7 +361,6 @@ def test_prmt_assembly_looks_up_every_code(kind):
     0-1 use element 0's table and bytes 2-3 element 2's (two rows' tables here, as in the MMA
     operand layout); elements 1 and 3 get garbage tables, which must not be read."""
     import numpy as np
-
     from _ptx_emu import f32_bits, half_bits, run
 
     rng = np.random.default_rng(0)
