@@ -26,7 +26,8 @@ GPU (from the project root, `.whl/` filled by ../shared/gpu/wheels.sh and carrie
 Tile sweep (graph-replay ms of the kernel over BLOCK_N × num_warps × SPLIT_K):
 `python3 -m bench.decode_linear --sweep --rows 8`; `--gathers` also times every tile with the
 code looked up by memory gathers, `--prefetch` with and without PREFETCH, `--stages 1,2` the
-pipeline depths, `--tiles 64x4,128x4` restricts the (BLOCK_N, num_warps) pairs.
+pipeline depths, `--tiles 64x4,128x4` restricts the (BLOCK_N, num_warps) pairs, `--groups`
+sweeps the q/k/v and gate/up launches instead of the single shapes.
 CPU smoke run (Triton's interpreter, tiny shapes): `python -m bench.decode_linear --smoke`.
 Writes bench/results/bench_decode_linear_<GPU>.json and prints the table.
 
@@ -261,6 +262,36 @@ def sweep_configs(k, blocksize=64, lookups=(True,), prefetch=(False,), stages=(1
                        "PRMT": prmt, "PREFETCH": pf}
 
 
+def _time_configs(calls, configs, device) -> list[tuple[float, dict]]:
+    """[(graph-replay ms, config)] of `calls(config)` (one call per copy of the weights) for each
+    config, fastest first; the first config's time is also returned first in the record."""
+    times = []
+    for cfg in configs:
+        fns = calls(cfg)
+        t, _ = graph_ms(fns, device)
+        t = t or bc.time_ms(fns[0], device)
+        times.append((t["ms"], cfg))
+    return times
+
+
+def _record(times, base: dict, floor_ms: float | None) -> dict:
+    """A sweep record: the chosen (first) config's time, the three fastest, every time."""
+    t_chosen, chosen = times[0]
+    ranked = sorted(times, key=lambda v: v[0])
+    rec = {**base, "floor_ms": floor_ms, "chosen": chosen, "chosen_ms": t_chosen,
+           "best": [{"ms": ms, "config": c} for ms, c in ranked[:3]],
+           "all": [{"ms": ms, "config": c} for ms, c in ranked]}
+    floor = f"floor {floor_ms:.4f}  " if floor_ms else ""
+    print(f"{base['model']:5} {base['layer']:8} M={base['M']:3} {floor}chosen {t_chosen:.4f}  "
+          f"best {ranked[0][0]:.4f} {ranked[0][1]}")
+    return rec
+
+
+def _num_sms(device) -> int:
+    return (torch.cuda.get_device_properties(device).multi_processor_count
+            if device.type == "cuda" else 1)
+
+
 def sweep(shapes, rows, rank, device, bw, grid: dict):
     """Graph-replay ms of linear4bit_lora under every config of `sweep_configs`, per shape and
     M (every config's time in the record); prints the chosen config (pick_config) and the
@@ -280,28 +311,54 @@ def sweep(shapes, rows, rank, device, bw, grid: dict):
                 x = torch.randn(m, k, device=device).to(torch.bfloat16)
                 floor_ms = floor_bytes(m, n, k, rank, base.weight.quant_state) / bw * 1e3
                 bm = min(64, max(16, triton.next_power_of_2(m)))
-                sms = (torch.cuda.get_device_properties(device).multi_processor_count
-                       if device.type == "cuda" else 1)
-                chosen = pick_config(m, n, k, w.blocksize, sms)
-                times = []
-                for cfg in [chosen, *sweep_configs(k, w.blocksize, **grid)]:
-                    cfg = {"BLOCK_M": bm, **cfg}
-                    fns = [functools.partial(linear4bit_lora, x, cw, lora_a=ca, lora_b=cb,
-                                             scaling=2.0, config=cfg) for cw, ca, cb in copies]
-                    t, _ = graph_ms(fns, device)
-                    t = t or bc.time_ms(fns[0], device)
-                    times.append((t["ms"], cfg))
-                t_chosen = times[0][0]
-                times.sort(key=lambda v: v[0])
-                rec = {"model": model, "layer": layer, "N": n, "K": k, "M": m,
-                       "floor_ms": floor_ms, "chosen": chosen, "chosen_ms": t_chosen,
-                       "best": [{"ms": ms, "config": c} for ms, c in times[:3]],
-                       "all": [{"ms": ms, "config": c} for ms, c in times]}
-                out.append(rec)
-                print(f"{model:5} {layer:8} M={m:3} floor {floor_ms:.4f}  chosen "
-                      f"{t_chosen:.4f} ({t_chosen / floor_ms:.2f}x)  best {times[0][0]:.4f} "
-                      f"({times[0][0] / floor_ms:.2f}x) {times[0][1]}")
+                chosen = pick_config(m, n, k, w.blocksize, _num_sms(device))
+                configs = [chosen] + [{"BLOCK_M": bm, **c}
+                                      for c in sweep_configs(k, w.blocksize, **grid)]
+
+                def calls(cfg, x=x, copies=copies):
+                    return [functools.partial(linear4bit_lora, x, cw, lora_a=ca, lora_b=cb,
+                                              scaling=2.0, config=cfg) for cw, ca, cb in copies]
+
+                out.append(_record(_time_configs(calls, configs, device),
+                                   {"model": model, "layer": layer, "N": n, "K": k, "M": m},
+                                   floor_ms))
             del mod, copies
+            bc.free_memory()
+    return out
+
+
+def sweep_groups(shapes, rows, rank, device, grid: dict):
+    """The same for the GROUPS launches (`linear4bit_lora_group` over q/k/v and gate/up, as the
+    decode step runs them), over copies of each set of modules streaming 2x the L2."""
+    import triton
+
+    from trainers.sampling.kernels.linear4bit import LinearPart, linear4bit_lora_group, pick_config
+
+    out = []
+    for model, layers in shapes.items():
+        for name, members in GROUPS.items():
+            if not all(mb in layers for mb in members):
+                continue
+            mods = [make_module(*layers[mb], rank, device) for mb in members]
+            sets = [packed_copies(md, device) for md in mods]  # per member, its copies
+            n_sets = min(len(c) for c in sets)
+            parts = [[LinearPart(cw, None, ca, cb, 2.0) for cw, ca, cb in
+                      (c[i] for c in sets)] for i in range(n_sets)]
+            ns, k = [layers[mb][0] for mb in members], layers[members[0]][1]
+            for m in rows:
+                x = torch.randn(m, k, device=device).to(torch.bfloat16)
+                bm = min(64, max(16, triton.next_power_of_2(m)))
+                chosen = pick_config(m, ns, k, 64, _num_sms(device))
+                configs = [chosen] + [{"BLOCK_M": bm, **c} for c in sweep_configs(k, 64, **grid)]
+
+                def calls(cfg, x=x):
+                    return [functools.partial(linear4bit_lora_group, x, ps, config=cfg)
+                            for ps in parts]
+
+                out.append(_record(_time_configs(calls, configs, device),
+                                   {"model": model, "layer": name, "N": sum(ns), "K": k, "M": m},
+                                   None))
+            del mods, sets, parts
             bc.free_memory()
     return out
 
@@ -426,6 +483,8 @@ def main():
     p.add_argument("--stages", default="1", help="--sweep: comma list of num_stages")
     p.add_argument("--tiles", default=",".join(f"{b}x{w}" for b, w in TILES),
                    help="--sweep: comma list of BLOCK_NxNUM_WARPS")
+    p.add_argument("--groups", action="store_true",
+                   help="--sweep: the q/k/v and gate/up launches (one each) instead of the shapes")
     p.add_argument("--rope", action="store_true",
                    help="time the fused RoPE + KV-cache write against the torch ops instead")
     args = p.parse_args()
@@ -453,8 +512,10 @@ def main():
                 "prefetch": (False, True) if args.prefetch else (False,),
                 "stages": tuple(int(v) for v in args.stages.split(",")),
                 "tiles": tuple(tuple(int(v) for v in t.split("x")) for t in args.tiles.split(","))}
-        res = sweep(shapes, rows, args.rank, device, bw, grid)
-        path = Path(args.out_dir) / f"bench_decode_linear_sweep_{bc.gpu_short_name(device)}.json"
+        res = (sweep_groups(shapes, rows, args.rank, device, grid) if args.groups else
+               sweep(shapes, rows, args.rank, device, bw, grid))
+        kind = "sweep_groups" if args.groups else "sweep"
+        path = Path(args.out_dir) / f"bench_decode_linear_{kind}_{bc.gpu_short_name(device)}.json"
         bc.write_json(path, {"env": env, "bandwidth_Bps": bw, "rank": args.rank,
                              "results": res})
         print(f"wrote {path}")
