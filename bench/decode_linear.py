@@ -351,7 +351,7 @@ def sweep_groups(shapes, rows, rank, device, grid: dict):
                 chosen = pick_config(m, ns, k, 64, _num_sms(device))
                 configs = [chosen] + [{"BLOCK_M": bm, **c} for c in sweep_configs(k, 64, **grid)]
 
-                def calls(cfg, x=x):
+                def calls(cfg, x=x, parts=parts):
                     return [functools.partial(linear4bit_lora_group, x, ps, config=cfg)
                             for ps in parts]
 
