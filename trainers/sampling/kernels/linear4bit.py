@@ -132,14 +132,8 @@ def _dequant_prmt(p, scale, code_ptr, dtype: tl.constexpr):
                tl.int32), is_pure=True, pack=1)
     args = [p, lo0[:, None], lo1[:, None], lo2[:, None], lo3[:, None],
             hi0[:, None], hi1[:, None], hi2[:, None], hi3[:, None]]
-    if dtype == tl.bfloat16:
-        w_hi, w_lo = tl.inline_asm_elementwise(_DEQUANT, _DEQUANT_CONSTRAINTS, args,
-                                               dtype=(tl.bfloat16, tl.bfloat16), is_pure=True,
-                                               pack=4)
-    else:
-        w_hi, w_lo = tl.inline_asm_elementwise(_DEQUANT, _DEQUANT_CONSTRAINTS, args,
-                                               dtype=(tl.float16, tl.float16), is_pure=True,
-                                               pack=4)
+    w_hi, w_lo = tl.inline_asm_elementwise(_DEQUANT, _DEQUANT_CONSTRAINTS, args,
+                                           dtype=(dtype.value, dtype.value), is_pure=True, pack=4)
     return w_hi, w_lo
 
 
@@ -643,9 +637,6 @@ def linear4bit_lora(x: torch.Tensor, w: Packed4bit, *, bias: torch.Tensor | None
     looked up by register byte permutes, else by memory gathers, the same values), PREFETCH,
     LAST_REDUCES (default True: with split K, each tile's last split sums the partials in the
     same launch; False: a second launch does)."""
-    if x.dim() != 2 or x.shape[1] != w.shape[1]:
-        raise ValueError(f"x has shape {tuple(x.shape)}, expected (M, {w.shape[1]}) for weight "
-                         f"{w.shape}")
     return linear4bit_lora_group(x, [LinearPart(w, bias, lora_a, lora_b, scaling)],
                                  config=config)[0]
 
