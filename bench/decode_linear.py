@@ -160,28 +160,36 @@ def graph_ms(fns, device):
     return {k: (v / len(calls) if k in ("ms", "p20", "p80") else v) for k, v in t.items()}, None
 
 
-def cold_copies(mod, device):
-    """`mod` and deep copies of it, enough that the graph's calls stream more than twice the L2
-    from HBM (as a decode step does: a whole model's weights never stay in L2), at most 256."""
+def cold_sets(mods: list, device) -> list[list]:
+    """`mods` and deep copies of the list, enough sets that a graph cycling through them streams
+    more than twice the L2 from HBM (as a decode step does: a whole model's weights never stay
+    in L2), at most 256."""
     if device.type != "cuda":
-        return [mod]
+        return [mods]
     l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 50 * 2**20)
-    packed = mod.get_base_layer().weight.data.numel()
+    packed = sum(md.get_base_layer().weight.data.numel() for md in mods)
     n = min(256, max(1, -(-2 * l2 // packed)))
-    return [mod] + [copy.deepcopy(mod) for _ in range(n - 1)]
+    return [mods] + [copy.deepcopy(mods) for _ in range(n - 1)]
 
 
-def packed_copies(mod, device) -> list:
-    """(Packed4bit, lora_A weight, lora_B weight) of each of `cold_copies(mod, device)`: what
+def cold_copies(mod, device):
+    """`mod` and its copies of `cold_sets`."""
+    return [st[0] for st in cold_sets([mod], device)]
+
+
+def packed_part(mod):
+    """(Packed4bit, lora_A weight, lora_B weight) of a `make_module` layer: what
     `linear4bit_lora` reads."""
     from trainers.sampling.kernels.linear4bit import Packed4bit
 
-    out = []
-    for c in cold_copies(mod, device):
-        base = c.get_base_layer()
-        out.append((Packed4bit.from_quant_state(base.weight.data, base.weight.quant_state),
-                    c.lora_A["default"].weight, c.lora_B["default"].weight))
-    return out
+    base = mod.get_base_layer()
+    return (Packed4bit.from_quant_state(base.weight.data, base.weight.quant_state),
+            mod.lora_A["default"].weight, mod.lora_B["default"].weight)
+
+
+def packed_copies(mod, device) -> list:
+    """`packed_part` of each of `cold_copies(mod, device)`."""
+    return [packed_part(c) for c in cold_copies(mod, device)]
 
 
 def layer_summary(results, groups=()) -> list[dict]:
@@ -219,16 +227,12 @@ def grouped(shapes, rows, rank, device) -> list[dict]:
     from trainers.sampling.kernels.linear4bit import decode_linears
 
     out = []
-    l2 = (getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 50 * 2**20)
-          if device.type == "cuda" else 0)
     for model, layers in shapes.items():
         for name, members in GROUPS.items():
             if not all(mb in layers for mb in members):
                 continue
             mods = [make_module(*layers[mb], rank, device) for mb in members]
-            packed = sum(md.get_base_layer().weight.data.numel() for md in mods)
-            sets = [mods] + [copy.deepcopy(mods) for _ in range(
-                min(255, -(-2 * l2 // packed) - 1) if l2 else 0)]
+            sets = cold_sets(mods, device)
             k = layers[members[0]][1]
             for m in rows:
                 x = torch.randn(m, k, device=device).to(torch.bfloat16)
@@ -264,7 +268,7 @@ def sweep_configs(k, blocksize=64, lookups=(True,), prefetch=(False,), stages=(1
 
 def _time_configs(calls, configs, device) -> list[tuple[float, dict]]:
     """[(graph-replay ms, config)] of `calls(config)` (one call per copy of the weights) for each
-    config, fastest first; the first config's time is also returned first in the record."""
+    config, in the order of `configs`."""
     times = []
     for cfg in configs:
         fns = calls(cfg)
@@ -287,18 +291,13 @@ def _record(times, base: dict, floor_ms: float | None) -> dict:
     return rec
 
 
-def _num_sms(device) -> int:
-    return (torch.cuda.get_device_properties(device).multi_processor_count
-            if device.type == "cuda" else 1)
-
-
 def sweep(shapes, rows, rank, device, bw, grid: dict):
     """Graph-replay ms of linear4bit_lora under every config of `sweep_configs`, per shape and
     M (every config's time in the record); prints the chosen config (pick_config) and the
     fastest."""
     import triton
 
-    from trainers.sampling.kernels.linear4bit import linear4bit_lora, pick_config
+    from trainers.sampling.kernels.linear4bit import _num_sms, linear4bit_lora, pick_config
 
     out = []
     for model, layers in shapes.items():
@@ -332,7 +331,12 @@ def sweep_groups(shapes, rows, rank, device, grid: dict):
     decode step runs them), over copies of each set of modules streaming 2x the L2."""
     import triton
 
-    from trainers.sampling.kernels.linear4bit import LinearPart, linear4bit_lora_group, pick_config
+    from trainers.sampling.kernels.linear4bit import (
+        LinearPart,
+        _num_sms,
+        linear4bit_lora_group,
+        pick_config,
+    )
 
     out = []
     for model, layers in shapes.items():
@@ -340,16 +344,16 @@ def sweep_groups(shapes, rows, rank, device, grid: dict):
             if not all(mb in layers for mb in members):
                 continue
             mods = [make_module(*layers[mb], rank, device) for mb in members]
-            sets = [packed_copies(md, device) for md in mods]  # per member, its copies
-            n_sets = min(len(c) for c in sets)
-            parts = [[LinearPart(cw, None, ca, cb, 2.0) for cw, ca, cb in
-                      (c[i] for c in sets)] for i in range(n_sets)]
+            sets = cold_sets(mods, device)
+            parts = [[LinearPart(w, None, a, b, 2.0) for w, a, b in map(packed_part, st)]
+                     for st in sets]
             ns, k = [layers[mb][0] for mb in members], layers[members[0]][1]
+            bs = parts[0][0].weight.blocksize
             for m in rows:
                 x = torch.randn(m, k, device=device).to(torch.bfloat16)
                 bm = min(64, max(16, triton.next_power_of_2(m)))
-                chosen = pick_config(m, ns, k, 64, _num_sms(device))
-                configs = [chosen] + [{"BLOCK_M": bm, **c} for c in sweep_configs(k, 64, **grid)]
+                chosen = pick_config(m, ns, k, bs, _num_sms(device))
+                configs = [chosen] + [{"BLOCK_M": bm, **c} for c in sweep_configs(k, bs, **grid)]
 
                 def calls(cfg, x=x, parts=parts):
                     return [functools.partial(linear4bit_lora_group, x, ps, config=cfg)
