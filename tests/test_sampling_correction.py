@@ -11,7 +11,9 @@ and every quantity TRL derives has a value computed here by hand from s alone:
     metrics:           mean / max of |s| over the completion tokens; min / mean / max of ρ
     loss ("grpo", on-policy, β = 0, so the clipped ratio is 1): mean_b(−A_b Σ_t ρ_bt m_bt / Σ m_b)
 
-Covered: all four modes, through `_generate_and_score_completions` and `_compute_loss`; the
+Covered: all four modes, through `_generate_and_score_completions` and `_compute_loss`, with ρ
+from TRL's old-policy pass (num_iterations = 2, where TRL runs that pass) and from the loss's
+policy pass (num_iterations = 1, the default, where scoring runs no forward at all); the
 gate closed afterwards; with the switch off, TRL's outputs and metrics exactly as with TRL's own
 sampling (no log-probs, no correction); a call the loop did not serve gets no correction.
 
@@ -61,11 +63,11 @@ def _reward(completions, **kwargs):
 
 
 def _trainer(tok, tmp_path, *, mode="token_truncate", correction=None, sampler="auto",
-             loop=None):
+             loop=None, num_iterations=1):
     args = trl.GRPOConfig(
         output_dir=str(tmp_path), report_to="none", use_cpu=True, bf16=False,
         per_device_train_batch_size=4, num_generations=2, max_completion_length=NEW,
-        save_strategy="no", seed=0, beta=0.0, loss_type="grpo",
+        save_strategy="no", seed=0, beta=0.0, loss_type="grpo", num_iterations=num_iterations,
         generation_kwargs={"do_sample": False}, vllm_importance_sampling_mode=mode,
         vllm_importance_sampling_clip_min=C_MIN, vllm_importance_sampling_clip_max=C_MAX)
     kw = {} if correction is None else {"sampler_importance_sampling_correction": correction}
@@ -101,10 +103,31 @@ def _hand_ratio(mode, s, m):
     return rho * ((rho >= C_MIN) & (rho <= C_MAX))
 
 
+class _PassCounter:
+    """Counts the trainer's log-prob passes (`_lce_logps_and_entropies`)."""
+
+    def __init__(self, tr):
+        self.calls = 0
+        inner = tr._lce_logps_and_entropies
+
+        def counted(*args, **kwargs):
+            self.calls += 1
+            return inner(*args, **kwargs)
+
+        tr._lce_logps_and_entropies = counted
+
+
+def _sampling_metrics(tr):
+    return {k: v[-1] for k, v in tr._metrics["train"].items() if k.startswith("sampling/")}
+
+
+@pytest.mark.parametrize("source", ["old_pass", "loss_pass"])
 @pytest.mark.parametrize("mode", ["token_truncate", "token_mask", "sequence_truncate",
                                   "sequence_mask"])
-def test_loop_logprobs_drive_trls_correction(tok, tmp_path, mode):
-    tr = _trainer(tok, tmp_path, mode=mode)
+def test_loop_logprobs_drive_trls_correction(tok, tmp_path, mode, source):
+    tr = _trainer(tok, tmp_path, mode=mode, num_iterations=2 if source == "old_pass" else 1)
+    assert tr._lce_correction.defers() is (source == "loss_pass")
+    passes = _PassCounter(tr)
     out = _score(tr)
     loop = tr._lce_samplers.loop
     assert loop.stats.calls == 1 and tr._lce_samplers.served["loop"] == 1  # our path ran
@@ -117,17 +140,8 @@ def test_loop_logprobs_drive_trls_correction(tok, tmp_path, mode):
     # TRL padded our log-probs into sampling_per_token_logps
     torch.testing.assert_close(out["sampling_per_token_logps"], _padded(ret.logprobs, T),
                                rtol=0, atol=0)
-    # its old-policy pass recomputed the exact log-probs: δ = −s
     s = torch.tensor([[shift(b, t) for t in range(T)] for b in range(B)]) * m
-    exact = out["sampling_per_token_logps"] - s
-    torch.testing.assert_close(out["old_per_token_logps"] * m, exact * m, rtol=0,
-                               atol=LOGP_ATOL)
-
     rho = _hand_ratio(mode, s, m)
-    torch.testing.assert_close(out["importance_sampling_ratio"], rho, rtol=RATIO_RTOL,
-                               atol=0)
-
-    metrics = {k: v[-1] for k, v in tr._metrics["train"].items() if k.startswith("sampling/")}
     valid = m.bool()
     flat = rho.flatten() if mode.startswith("sequence") else rho[valid]
     expect = {
@@ -137,10 +151,20 @@ def test_loop_logprobs_drive_trls_correction(tok, tmp_path, mode):
         "sampling/importance_sampling_ratio/mean": flat.mean().item(),
         "sampling/importance_sampling_ratio/max": flat.max().item(),
     }
-    assert metrics.keys() == expect.keys()
-    for k, v in expect.items():
-        assert metrics[k] == pytest.approx(v, rel=RATIO_RTOL, abs=LOGP_ATOL), k
 
+    if source == "old_pass":
+        assert passes.calls == 1  # TRL's old-policy pass
+        # it recomputed the exact log-probs: δ = −s
+        exact = out["sampling_per_token_logps"] - s
+        torch.testing.assert_close(out["old_per_token_logps"] * m, exact * m, rtol=0,
+                                   atol=LOGP_ATOL)
+        torch.testing.assert_close(out["importance_sampling_ratio"], rho, rtol=RATIO_RTOL,
+                                   atol=0)
+        metrics = _sampling_metrics(tr)
+    else:
+        assert passes.calls == 0  # scoring ran no forward (β = 0)
+        assert not {"old_per_token_logps", "importance_sampling_ratio"} & out.keys()
+        assert not _sampling_metrics(tr)
     # the gate is closed again
     assert tr.use_vllm is False and tr.vllm_importance_sampling_correction is True
 
@@ -151,9 +175,65 @@ def test_loop_logprobs_drive_trls_correction(tok, tmp_path, mode):
     hand = (-(A[:, None] * rho * m).sum(-1) / m.sum(-1)).mean()
     torch.testing.assert_close(loss.detach(), hand, rtol=RATIO_RTOL, atol=1e-6)
     assert tr.use_vllm is False
-    without = tr._compute_loss(tr.model, {k: v for k, v in out.items()
-                                          if k != "importance_sampling_ratio"})
+    if source == "loss_pass":
+        assert passes.calls == 1  # the loss's policy pass, which ρ came from
+        assert "importance_sampling_ratio" not in out  # added to the loss's own inputs
+        metrics = _sampling_metrics(tr)
+    assert metrics.keys() == expect.keys()
+    for k, v in expect.items():
+        assert metrics[k] == pytest.approx(v, rel=RATIO_RTOL, abs=LOGP_ATOL), k
+
+    drop = {"importance_sampling_ratio", "sampling_per_token_logps"}
+    without = tr._compute_loss(tr.model, {k: v for k, v in out.items() if k not in drop})
     assert not torch.allclose(without, loss, rtol=1e-3), "the ratio must change the loss"
+
+
+@pytest.mark.parametrize("mode", ["token_truncate", "token_mask", "sequence_truncate",
+                                  "sequence_mask"])
+def test_ratio_from_the_loss_pass_masks_and_skips_nans(tok, tmp_path, mode):
+    """ρ from the loss's policy pass on a batch with padding, tool tokens and a NaN sampling
+    log-prob: they get δ = 0 and stay out of the metrics, whatever their log-probs hold."""
+    tr = _trainer(tok, tmp_path, mode=mode)
+    g = torch.Generator().manual_seed(0)
+    B, T = 4, 7
+    completion_mask = torch.ones(B, T, dtype=torch.long)
+    completion_mask[1, 4:] = 0
+    completion_mask[3, 2:] = 0
+    tool_mask = torch.ones(B, T, dtype=torch.long)
+    tool_mask[2, 1:3] = 0
+    policy = -torch.rand(B, T, generator=g) * 3
+    sampling = policy + (torch.rand(B, T, generator=g) - 0.5) * 0.6  # |δ| ≤ 0.3
+    sampling[0, 5] = float("nan")
+    m = completion_mask * tool_mask
+    sampling[m == 0] += 50.0  # what masked positions hold must not matter
+    inputs = {"completion_mask": completion_mask, "tool_mask": tool_mask,
+              "sampling_per_token_logps": sampling}
+    with tr._lce_correction.loss(inputs):
+        assert tr.use_vllm is True
+        tr._lce_correction.policy_logprobs(policy.clone().requires_grad_())
+    assert tr.use_vllm is False
+
+    known = (m == 1) & ~sampling.isnan()
+    delta = torch.where(known, policy.double() - sampling.double(), 0.0)
+    log_rho = delta.sum(-1, keepdim=True) if mode.startswith("sequence") else delta
+    rho = log_rho.exp()
+    rho = rho.clamp(C_MIN, C_MAX) if mode.endswith("truncate") else rho * (
+        (rho >= C_MIN) & (rho <= C_MAX))
+    got = inputs["importance_sampling_ratio"]
+    assert not got.requires_grad
+    torch.testing.assert_close(got.double(), rho, rtol=1e-6, atol=0)
+    flat = rho.flatten() if mode.startswith("sequence") else rho[m == 1]
+    expect = {
+        "sampling/sampling_logp_difference/mean": delta.abs()[known].mean().item(),
+        "sampling/sampling_logp_difference/max": delta.abs()[known].max().item(),
+        "sampling/importance_sampling_ratio/min": flat.min().item(),
+        "sampling/importance_sampling_ratio/mean": flat.mean().item(),
+        "sampling/importance_sampling_ratio/max": flat.max().item(),
+    }
+    metrics = _sampling_metrics(tr)
+    assert metrics.keys() == expect.keys()
+    for k, v in expect.items():
+        assert metrics[k] == pytest.approx(v, rel=1e-6), k
 
 
 def test_switch_off_leaves_trls_behaviour(tok, tmp_path):

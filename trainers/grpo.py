@@ -5,7 +5,7 @@ on-policy samples from our decode loop. Change one import and nothing else:
 
 `_get_per_token_logps_and_entropies(model, input_ids, attention_mask, K, ...)` is the one
 log-prob method TRL calls (the loss's policy pass with entropy, old policy, reference), and the
-only one overridden. Per row chunk of `batch_size` sequences:
+only log-prob method overridden. Per row chunk of `batch_size` sequences:
 
     h = backbone(input_ids)[:, -K-1:-1]          (B, K, H)   K = logits_to_keep
     y = input_ids[:, -K:], −100 where attention_mask is 0
@@ -113,7 +113,16 @@ class GRPOTrainer(OnPolicySamplingMixin, FusedHeadMixin, trl.GRPOTrainer):
             return None
         return self._lce_packing_for(model)
 
-    def _get_per_token_logps_and_entropies(
+    def _get_per_token_logps_and_entropies(self, *args, **kwargs):
+        """(logps (B, K) fp32, entropies (B, K) or None, aux_loss or None), as TRL's method
+        returns them: 0 at positions whose attention_mask is 0. In a loss whose
+        importance-sampling ratio waits for its policy log-probs, these are they
+        (`trainers.sampling.correction`)."""
+        out = self._lce_logps_and_entropies(*args, **kwargs)
+        self._lce_correction.policy_logprobs(out[0])
+        return out
+
+    def _lce_logps_and_entropies(
         self,
         model,
         input_ids,
@@ -124,8 +133,6 @@ class GRPOTrainer(OnPolicySamplingMixin, FusedHeadMixin, trl.GRPOTrainer):
         compute_aux_loss=False,
         **multimodal_inputs,
     ):
-        """(logps (B, K) fp32, entropies (B, K) or None, aux_loss or None), as TRL's method
-        returns them: 0 at positions whose attention_mask is 0."""
         if self._lce_falls_back(self._lce_fallback_reason(model, multimodal_inputs)):
             return super()._get_per_token_logps_and_entropies(
                 model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size,
@@ -213,5 +220,6 @@ class GRPOTrainer(OnPolicySamplingMixin, FusedHeadMixin, trl.GRPOTrainer):
             return super()._generate_and_score_completions(inputs)
 
     def _compute_loss(self, model, inputs):
+        inputs = dict(inputs)  # a deferred ratio is added to this loss's inputs only
         with self._lce_correction.loss(inputs):
             return super()._compute_loss(model, inputs)

@@ -15,18 +15,30 @@ with the metrics `sampling/sampling_logp_difference/{mean,max}` (|δ| over valid
 `_clip_min` and `_clip_max` choose the mode and the bounds. TRL computes all of it in
 `_generate_and_score_completions` (and applies ρ in `_compute_loss`) from the log-probs
 `_generate_single_turn` returns, behind the test `self.use_vllm and
-self.vllm_importance_sampling_correction`; no method computes ρ on its own, and the loss code
-is not reproduced here. So, when our decode loop served a call and the switch
-`sampler_importance_sampling_correction` is on (default True, TRL's default for vLLM):
+self.vllm_importance_sampling_correction`; TRL has no method that computes ρ on its own, and
+the loss code is not reproduced here. So, when our decode loop served a call and the switch
+`sampler_importance_sampling_correction` is on (default True, TRL's default for vLLM),
+`_generate_single_turn` returns the loop's log-probs (TRL then pads them into
+`sampling_per_token_logps`, as vLLM's), and the trainer's two instance attributes `use_vllm`
+and `vllm_importance_sampling_correction` read True (`_Gate`: saved and restored, also on an
+exception) where TRL then needs them:
 
-- `_generate_single_turn` returns the loop's log-probs (TRL then pads them into
-  `sampling_per_token_logps`, as vLLM's);
-- from the end of `_generate` to the end of that `_generate_and_score_completions`, and around
-  a `_compute_loss` whose inputs carry the ratio ρ, the trainer's two instance attributes
-  `use_vllm` and `vllm_importance_sampling_correction` read True (`_Gate`: saved and restored,
-  also on an exception). After `_generate` TRL reads `use_vllm` only for the correction (the
-  old-policy pass it needs, ρ, the metrics, the outputs), and in `_compute_loss` only to apply
-  ρ; sampling itself never runs with the gate open.
+- **ρ from TRL's old-policy pass**, where an optimizer step can fall between a generation and
+  the losses on its samples (`gradient_accumulation_steps` not a multiple of
+  `steps_per_generation · num_iterations`, so TRL runs that pass anyway): from the end of
+  `_generate` to the end of that `_generate_and_score_completions`, and around a
+  `_compute_loss` whose inputs carry ρ. After `_generate` TRL reads `use_vllm` only for the
+  correction (the old-policy pass, ρ, the metrics, the outputs), and in `_compute_loss` only
+  to apply ρ; sampling itself never runs with the gate open.
+- **ρ from the loss's policy pass** otherwise (the default: one iteration per generation): TRL
+  skips its old-policy pass, which would run only for ρ, as the loss's own policy pass
+  computes the same log-probs with the same weights. The gate stays closed while scoring (TRL
+  skips ρ and the metrics, and still returns `sampling_per_token_logps`). In `_compute_loss`
+  the policy log-probs, detached, are the old ones: right after that pass (`policy_logprobs`)
+  ρ is computed by the formulas above (`sampler_ratio`) into the loss's inputs and the metrics
+  are logged, once per loss micro-batch; the gate is open around the loss, which then applies
+  ρ as it applies one from scoring. TRL's ratio to the old policy is exactly 1, as in TRL
+  without vLLM. One forward pass less per generation batch.
 
 Otherwise `_generate_single_turn` returns what TRL's regular path returns (no log-probs), and
 TRL's behaviour is unchanged: a call served by FastSampler or TRL's generate, the switch off,
@@ -50,8 +62,31 @@ log-probs (one logged line at construction).
 from __future__ import annotations
 
 import contextlib
+import math
+
+import torch
+from trl.trainer.utils import nanmax, nanmin
 
 TOKEN_MODES = ("token_truncate", "token_mask")
+SEQUENCE_MODES = ("sequence_truncate", "sequence_mask")
+
+
+def sampler_ratio(old_logps: torch.Tensor, sampling_logps: torch.Tensor, mask: torch.Tensor,
+                  mode: str, clip_min: float | None, clip_max: float | None) -> torch.Tensor:
+    """ρ of the module docstring: (B, T) for the token_* modes, (B, 1) for sequence_*. A NaN
+    sampling log-prob (a turn no sampler scored) contributes δ = 0."""
+    delta = torch.nan_to_num((old_logps - sampling_logps) * mask, nan=0.0)
+    if mode in SEQUENCE_MODES:
+        delta = delta.sum(-1, keepdim=True)
+    elif mode not in TOKEN_MODES:
+        raise ValueError(f"vllm_importance_sampling_mode must be one of "
+                         f"{TOKEN_MODES + SEQUENCE_MODES}, got {mode!r}")
+    ratio = delta.exp()
+    if mode.endswith("_truncate"):
+        return torch.clamp(ratio, min=clip_min, max=clip_max)
+    lo = -math.inf if clip_min is None else clip_min
+    hi = math.inf if clip_max is None else clip_max
+    return ratio.masked_fill((ratio < lo) | (ratio > hi), 0.0)
 
 
 class _Gate:
@@ -90,6 +125,18 @@ class SamplerCorrection:
         self._gate = _Gate(trainer)
         self._fed: bool | None = None  # this call feeds log-probs; None before its first turn
         self._scoring = False
+        self._loss_inputs: dict | None = None  # a loss whose ρ waits for its policy pass
+
+    @property
+    def _trainer(self):
+        return self._gate._trainer
+
+    def defers(self) -> bool:
+        """True where TRL skips its old-policy pass: ρ then comes from the loss's policy pass
+        (module docstring)."""
+        t = self._trainer
+        every = t.args.steps_per_generation * t.num_iterations
+        return t.args.gradient_accumulation_steps % every == 0
 
     def start_call(self) -> None:
         self._fed = None
@@ -114,7 +161,7 @@ class SamplerCorrection:
 
     def end_call(self) -> None:
         fed, self._fed = self._fed, None
-        if fed and self._scoring:
+        if fed and self._scoring and not self.defers():
             self._gate.open()
 
     @contextlib.contextmanager
@@ -129,14 +176,61 @@ class SamplerCorrection:
             self._gate.close()
 
     @contextlib.contextmanager
-    def loss(self, inputs):
-        """Around `_compute_loss`: the gate is open when the inputs carry our ratio ρ."""
-        trainer = self._gate._trainer
-        if trainer.use_vllm or "importance_sampling_ratio" not in inputs:
+    def loss(self, inputs: dict):
+        """Around `_compute_loss`: the gate is open when the inputs carry our ratio ρ, or carry
+        our sampling log-probs without ρ (a deferred ρ: `policy_logprobs` adds it to `inputs`,
+        which must be the dict the loss reads)."""
+        trainer = self._trainer
+        has_ratio = "importance_sampling_ratio" in inputs
+        if trainer.use_vllm or not (has_ratio or "sampling_per_token_logps" in inputs):
             yield
             return
+        self._loss_inputs = None if has_ratio else inputs
         self._gate.open()
         try:
             yield
         finally:
+            self._loss_inputs = None
             self._gate.close()
+
+    def policy_logprobs(self, logps: torch.Tensor) -> None:
+        """After the loss's policy pass: a deferred ρ from these log-probs (detached) as the
+        old policy's, into the loss's inputs, and TRL's sampling/* metrics."""
+        inputs, self._loss_inputs = self._loss_inputs, None
+        if inputs is None:
+            return
+        t = self._trainer
+        mask = inputs["completion_mask"]
+        if "tool_mask" in inputs:
+            mask = mask * inputs["tool_mask"]
+        old, sampling = logps.detach(), inputs["sampling_per_token_logps"]
+        ratio = sampler_ratio(old, sampling, mask, t.vllm_importance_sampling_mode,
+                              t.vllm_importance_sampling_clip_min,
+                              t.vllm_importance_sampling_clip_max)
+        inputs["importance_sampling_ratio"] = ratio
+        self._log_metrics(old, sampling, mask.bool(), ratio)
+
+    def _log_metrics(self, old, sampling, valid, ratio) -> None:
+        """TRL's sampling/* metrics: |δ| over the valid tokens whose sampling log-prob is known,
+        and ρ over the valid tokens (token_* modes) or the rows (sequence_* modes)."""
+        t = self._trainer
+        gather = t.accelerator.gather
+        zero = torch.zeros((), device=old.device)
+        delta = (old - sampling).abs()
+        delta = delta[valid & ~delta.isnan()]
+        flat = ratio.flatten() if t.vllm_importance_sampling_mode in SEQUENCE_MODES else ratio[valid]
+        metrics = t._metrics["train" if t.model.training else "eval"]
+
+        def stat(values, fn):
+            return fn(values) if values.numel() else zero
+
+        metrics["sampling/sampling_logp_difference/mean"].append(
+            gather(stat(delta, torch.mean)).mean().item())
+        metrics["sampling/sampling_logp_difference/max"].append(
+            gather(stat(delta, torch.max)).max().item())
+        metrics["sampling/importance_sampling_ratio/min"].append(
+            nanmin(gather(stat(flat, torch.min))).item())
+        metrics["sampling/importance_sampling_ratio/mean"].append(
+            gather(stat(flat, torch.mean)).nanmean().item())
+        metrics["sampling/importance_sampling_ratio/max"].append(
+            nanmax(gather(stat(flat, torch.max))).item())
