@@ -8,7 +8,9 @@ and M = 1, 8, 64, 256 rows of bf16 x:
     bnb+peft  the same PEFT module's forward (bitsandbytes gemv_4bit at M = 1, dequantize to a
               bf16 copy + cuBLAS above; PEFT's two LoRA GEMMs, scale and add)
     grouped   q/k/v and gate/up through `decode_linears` (one launch each, as the decode step
-              runs them); the per-layer line adds o and down
+              runs them); the per-layer line adds o and down. For gate/up also the MLP's
+              silu(gate) · up: the grouped launch then torch's silu and mul (three launches),
+              and `decode_silu_mul` (one launch; on the GPU checked bit for bit against the three)
     floor     bytes that must move ÷ HBM bandwidth: packed weight N·K/2 + absmax (N·K/64 uint8
               + fp32 second-level scales) + A, B (r·(K + N)·2) + x and y; the bandwidth is
               measured in the same run by a 1 GiB device-to-device copy (read + write)
@@ -208,13 +210,21 @@ def layer_summary(results, groups=()) -> list[dict]:
             rec = {"model": model, "M": m, "floor_ms": floor, "ours_ms": ours,
                    "bnb_peft_ms": ref, "ours_over_floor": ours / floor, "speedup": ref / ours}
             gs = [g for g in groups if g["model"] == model and g["M"] == m]
+            grouped = ""
             if len(gs) == len(GROUPS):
-                rec["ours_grouped_ms"] = sum(g["ours_graph"]["ms"] for g in gs) + sum(
-                    c * best(r, "ours") for r in rs for c in [REST_OF_LAYER.get(r["layer"], 0)])
+                rest = sum(c * best(r, "ours") for r in rs
+                           for c in [REST_OF_LAYER.get(r["layer"], 0)])
+                rec["ours_grouped_ms"] = sum(g["ours_graph"]["ms"] for g in gs) + rest
+                grouped = (f", grouped {rec['ours_grouped_ms']:.4f} ms "
+                           f"({rec['ours_grouped_ms'] / floor:.2f}x)")
+                glu = [g["silu_mul_graph"] for g in gs if "silu_mul_graph" in g]
+                if glu:  # the MLP's silu · mul too: unfused (3 launches) vs in the gate/up one
+                    others = sum(g["ours_graph"]["ms"] for g in gs if "silu_mul_graph" not in g)
+                    for key in ("unfused", "fused"):
+                        rec[f"ours_layer_silu_mul_{key}_ms"] = others + rest + glu[0][key]["ms"]
+                    grouped += (f"; with silu·mul {rec['ours_layer_silu_mul_unfused_ms']:.4f}"
+                                f" ms unfused, {rec['ours_layer_silu_mul_fused_ms']:.4f} fused")
             out.append(rec)
-            grouped = (f", grouped {rec['ours_grouped_ms']:.4f} ms "
-                       f"({rec['ours_grouped_ms'] / floor:.2f}x)" if "ours_grouped_ms" in rec
-                       else "")
             print(f"{model:5} one decoder layer's projections, M={m:3}: floor {floor:.4f} ms, "
                   f"ours {ours:.4f} ms ({ours / floor:.2f}x floor){grouped}, bnb+peft "
                   f"{ref:.4f} ms ({ref / ours:.2f}x ours)")
@@ -224,7 +234,11 @@ def layer_summary(results, groups=()) -> list[dict]:
 def grouped(shapes, rows, rank, device) -> list[dict]:
     """Graph-replay ms of `decode_linears` on each GROUPS set of modules (one launch), checked
     against each module's forward first, over enough copies of the set to stream 2x the L2."""
-    from trainers.sampling.kernels.linear4bit import decode_linears
+    from trainers.sampling.kernels.linear4bit import decode_linears, decode_silu_mul
+
+    def unfused(x, mods):
+        g, u = decode_linears(x, mods)
+        return torch.nn.functional.silu(g) * u
 
     out = []
     for model, layers in shapes.items():
@@ -244,8 +258,25 @@ def grouped(shapes, rows, rank, device) -> list[dict]:
                     g = g or bc.time_ms(functools.partial(decode_linears, x, mods), device)
                 rec = {"model": model, "group": name, "members": list(members), "M": m,
                        "ours_graph": g, "ours_graph_na": why}
+                msg = ""
+                if name == "gate/up":
+                    with torch.no_grad():
+                        # bit for bit on the GPU (libdevice's expf, as torch's); the
+                        # interpreter's exp is numpy's (the CPU tests bound it)
+                        if device.type == "cuda" and not torch.equal(
+                                decode_silu_mul(x, *mods), unfused(x, mods)):
+                            raise AssertionError("decode_silu_mul is not silu(gate) * up")
+                        rec["silu_mul_graph"] = {
+                            key: graph_ms([functools.partial(fn, x, st) for st in sets],
+                                          device)[0] or bc.time_ms(
+                                              functools.partial(fn, x, mods), device)
+                            for key, fn in (("unfused", unfused),
+                                            ("fused", lambda x, st: decode_silu_mul(x, *st)))}
+                    t = rec["silu_mul_graph"]
+                    msg = (f"; with silu·mul {t['unfused']['ms']:.4f} ms in 3 launches, "
+                           f"{t['fused']['ms']:.4f} in 1")
                 out.append(rec)
-                print(f"{model:5} {name:8} one launch, M={m:3}: {g['ms']:.4f} ms")
+                print(f"{model:5} {name:8} one launch, M={m:3}: {g['ms']:.4f} ms{msg}")
             del mods, sets
             bc.free_memory()
     return out

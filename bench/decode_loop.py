@@ -14,6 +14,8 @@ every row runs to --new. Variants (--variants):
     loop          trainers.sampling.DecodeLoop (hand-captured CUDA graphs, --check-every steps
                   each, one host check per replay), decode attention by masked SDPA
     loop_triton   the same with the Triton split-K decode attention (valid keys only; optional)
+    loop_no_silu_mul  `loop` with the MLP's silu(gate) · up as torch ops after the gate/up
+                  launch (the kernel plan's silu_mul off: an A/B of that fusion; optional)
 
 Each loop variant runs once per --kernels value: "torch" (the modules' own forwards) and "auto"
 (the fused 4-bit + LoRA decode linear for the projections, add_rmsnorm for each residual add +
@@ -41,6 +43,7 @@ Writes bench/results/decode_loop_<GPU>[_8b][tag].json and prints a table.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import math
 import statistics
@@ -52,7 +55,7 @@ import torch
 from bench import common as bc
 from bench import e2e_common as E
 
-VARIANTS = ("hf_eager", "fast_sampler", "loop", "loop_triton")
+VARIANTS = ("hf_eager", "fast_sampler", "loop", "loop_triton", "loop_no_silu_mul")
 DEFAULT_VARIANTS = ("hf_eager", "fast_sampler", "loop")
 
 
@@ -115,10 +118,24 @@ class Variant:
         if self.sampler is None:
             return self.model.generate(input_ids=ids, attention_mask=mask,
                                        generation_config=copy.deepcopy(config))
-        out = self.sampler.generate(self.model, ids, mask, config)
+        with _silu_mul_off() if self.name == "loop_no_silu_mul" else contextlib.nullcontext():
+            out = self.sampler.generate(self.model, ids, mask, config)
         if out is None:
             raise RuntimeError(f"{self.name} off: {self.sampler.disabled_reason}")
         return out
+
+
+@contextlib.contextmanager
+def _silu_mul_off():
+    """The kernel plans made inside (once per loop, at its first call) fuse no silu · mul."""
+    from trainers.sampling import kernel_plan
+
+    real = kernel_plan._is_silu
+    kernel_plan._is_silu = lambda act: False
+    try:
+        yield
+    finally:
+        kernel_plan._is_silu = real
 
 
 def sync(device):

@@ -28,7 +28,7 @@ def compile_kernel(fn, types: dict, consts: dict, **options):
     return kernel
 
 
-def _compile_linear(nested, split, lora, lora_fp32, bs, prmt, xdt, segs=1):
+def _compile_linear(nested, split, lora, lora_fp32, bs, prmt, xdt, segs=1, glu=False):
     types = {"x_ptr": f"*{xdt}", "y_ptr": f"*{xdt}", "part_ptr": "*fp32", "count_ptr": "*i32"}
     for i in range(3):  # each segment's arguments (a grouped launch's projections)
         types.update({f"w_{i}": "*u8", f"code_{i}": "*fp32",
@@ -37,7 +37,7 @@ def _compile_linear(nested, split, lora, lora_fp32, bs, prmt, xdt, segs=1):
                       f"a_{i}": "*fp32" if lora_fp32 else f"*{xdt}", f"b_{i}": f"*{xdt}",
                       f"bias_{i}": f"*{xdt}", f"scaling_{i}": "fp32"})
     consts = {"SEGS": segs, "BS": bs, "BS2": 256, "NESTED": nested, "HAS_LORA": lora,
-              "LORA_FP32": lora_fp32, "HAS_BIAS": True, "SPLIT": split, "LAST_REDUCES": split,
+              "LORA_FP32": lora_fp32, "HAS_BIAS": True, "SPLIT": split, "LAST_REDUCES": split, "GLU": glu,
               "BLOCK_M": 16, "BLOCK_N": 64 if bs == 64 else 128, "BLOCK_R": 16, "PRMT": prmt,
               "PREFETCH": prmt, "INTERP": False}
     compile_kernel(L._linear4bit_lora_kernel, types, consts, enable_fp_fusion=False,
@@ -57,6 +57,8 @@ def main():
         _compile_linear(nested, True, True, False, 64, prmt, xdt)
     for segs in (2, 3):  # grouped launches (q/k/v, gate/up)
         _compile_linear(True, True, True, False, 64, True, "bf16", segs)
+    for bs, xdt in ((64, "bf16"), (128, "bf16"), (64, "fp16")):  # gate/up with silu · mul
+        _compile_linear(True, True, True, False, bs, True, xdt, 2, glu=True)
     compile_kernel(L._split_k_reduce_kernel,
                    {"part_ptr": "*fp32", "bias_ptr": "*bf16", "y_ptr": "*bf16"},
                    {"HAS_BIAS": True, "BLOCK_M": 16, "BLOCK_N": 64, "INTERP": False})

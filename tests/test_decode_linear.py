@@ -270,6 +270,88 @@ def test_grouped_launch_gpu(split_k, block_n, prefetch, last):
     test_grouped_launch_is_each_projection_alone(3, split_k, block_n, prefetch, last, "cuda")
 
 
+def _silu_mul_outputs(g, u):
+    """The values round(silu(g) · u) may take for bf16 g, u when silu's fp32 exp is any within
+    2 ulps (libdevice's on the GPU, numpy's in the interpreter): s = g / (1 + exp(−g)) in fp32
+    is within 1.5 · 2⁻²² relative of the exact (exp 2 · 2⁻²³, the add and the division 2⁻²⁴
+    each), so round(s) to bf16 lies between the roundings of s·(1 ∓ 2⁻²¹) (rounding is
+    monotone); the product of two bf16 values is exact in fp32 and rounded once.
+    Returns (low, high) outputs, equal where no rounding boundary lies within reach."""
+    s64 = g.double() / (1 + torch.exp(-g.double()))
+    reach = s64.abs() * 2.0**-21
+    outs = [((s64 + d).float().bfloat16().float() * u.float()).bfloat16()
+            for d in (-reach, reach)]
+    return outs[0], outs[1]
+
+
+@pytest.mark.parametrize("split_k,block_n,prefetch,last", GROUP_CONFIGS)
+@pytest.mark.parametrize("bias", [False, True])
+def test_silu_mul_launch_is_torchs_silu_mul(split_k, block_n, prefetch, last, bias,
+                                            device="cpu"):
+    """silu(gate) · up from the gate/up launch against torch's `F.silu(gate) * up` on the
+    grouped launch's two outputs (the same tiles): bit for bit on the GPU and where the second
+    launch reduces; in the interpreter each value is one `_silu_mul_outputs` allows, and most
+    are unambiguous. N = 96 (a partial last tile), K split or not, tile counters reset."""
+    from trainers.sampling.kernels.linear4bit import (
+        LinearPart,
+        linear4bit_lora_group,
+        linear4bit_lora_silu_mul,
+    )
+
+    k, m, n = 256, 5, 96
+    parts = []
+    for i in range(2):
+        packed, qs = _quantize(n, k, quant_type="nf4", double=True, seed=30 + i, device=device)
+        _, a, b, bias_i = _inputs(m, n, k, 8, seed=40 + i, device=device)
+        parts.append(LinearPart(Packed4bit.from_quant_state(packed, qs),
+                                bias_i if bias else None, a, b, 0.5 + i))
+    x = _inputs(m, 8, k, 8, seed=4, device=device)[0]
+    cfg = {"BLOCK_M": 16, "BLOCK_N": block_n, "SPLIT_K": split_k, "PREFETCH": prefetch,
+           "LAST_REDUCES": last}
+    h = linear4bit_lora_silu_mul(x, *parts, config=cfg)
+    g, u = linear4bit_lora_group(x, parts, config=cfg)
+    assert h.shape == (m, n) and h.dtype == x.dtype
+    assert g.abs().max() > 2 and (g < -1).any(), "gate values where silu is far from linear"
+    if device == "cuda" or not last:
+        assert torch.equal(h, torch.nn.functional.silu(g) * u)
+    else:
+        low, high = _silu_mul_outputs(g.cpu(), u.cpu())
+        assert ((h == low) | (h == high)).all(), (h - low).abs().max()
+        assert (low != high).float().mean() < 0.02
+    if last:
+        assert not linear4bit._COUNTERS[x.device].any(), "tile counters left nonzero"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("split_k,block_n,prefetch,last", GROUP_CONFIGS)
+def test_silu_mul_launch_gpu(split_k, block_n, prefetch, last):
+    """The same on the GPU, compiled: bit for bit torch's silu · mul (libdevice's expf)."""
+    test_silu_mul_launch_is_torchs_silu_mul(split_k, block_n, prefetch, last, True, "cuda")
+
+
+def test_silu_mul_modules():
+    """decode_silu_mul(x, gate, up) of PEFT 4-bit LoRA modules is torch's silu · mul of
+    decode_linears' two outputs (within `_silu_mul_outputs`); a gate and up of different
+    out_features are refused with the reason."""
+    from trainers.sampling.kernels.linear4bit import (
+        decode_linears,
+        decode_silu_mul,
+        silu_mul_modules_reason,
+    )
+
+    k = 256
+    gate, up = (_lora_module(160, k, seed=7 + i) for i in range(2))
+    x = _inputs(8, 128, k, 16)[0][:, None] * 4  # (B, 1, K), gate values past ±2
+    assert silu_mul_modules_reason(gate, up, x.dtype) is None
+    h = decode_silu_mul(x, gate, up)
+    g, u = decode_linears(x, [gate, up])
+    assert h.shape == g.shape == (8, 1, 160) and h.dtype == x.dtype
+    low, high = _silu_mul_outputs(g, u)
+    assert ((h == low) | (h == high)).all()
+    assert "output features" in silu_mul_modules_reason(gate, _lora_module(96, k), x.dtype)
+
+
 def test_grouped_modules_match_their_forward():
     """decode_linears(x, [q, k, v]) of PEFT 4-bit LoRA modules: each output within the bf16
     contract of the module's own forward; projections that cannot share a launch (another

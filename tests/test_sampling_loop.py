@@ -579,11 +579,12 @@ def nf4_lora(tok, family, seed=0):
 def kernels_on_cpu(monkeypatch):
     """kernels="auto" on CPU (the Triton interpreter), a count of the kernels' calls, and of
     the projections they computed ("projections": one per decode_linear, one per module of a
-    grouped decode_linears)."""
+    grouped decode_linears, two per decode_silu_mul)."""
     from trainers.sampling import kernel_plan, model_step
 
     monkeypatch.setattr(kernel_plan, "KERNEL_DEVICES", ("cuda", "cpu"))
-    names = ("decode_linear", "decode_linears", "add_rmsnorm", "rope_cache_write")
+    names = ("decode_linear", "decode_linears", "decode_silu_mul", "add_rmsnorm",
+             "rope_cache_write")
     calls = dict.fromkeys(names + ("projections",), 0)
     for name in names:
         real = getattr(model_step, name)
@@ -594,6 +595,8 @@ def kernels_on_cpu(monkeypatch):
                 calls["projections"] += 1
             elif _name == "decode_linears":
                 calls["projections"] += len(a[1])
+            elif _name == "decode_silu_mul":
+                calls["projections"] += 2
             return _real(*a, **kw)
 
         monkeypatch.setattr(model_step, name, counted)
@@ -624,6 +627,7 @@ def test_kernel_forward_equals_the_modules(tok, family, kernels_on_cpu):
     plan = make_plan(base, "auto", "cpu", batch=3)
     assert len(plan.fused) == 14 and plan.norms, plan.line
     assert len(plan.groups) == 4 and "4 q/k/v or gate/up groups" in plan.line, plan.line
+    assert len(plan.silu_mul) == 2 and "(2 gate/up with silu · mul)" in plan.line, plan.line
     # above FUSED_LINEAR_MAX_ROWS the projections stay with bitsandbytes; norms and RoPE fuse
     wide = make_plan(base, "auto", "cpu", batch=FUSED_LINEAR_MAX_ROWS + 1)
     assert not wide.fused and wide.norms and wide.rope, wide.line
@@ -646,7 +650,8 @@ def test_kernel_forward_equals_the_modules(tok, family, kernels_on_cpu):
                 z.append(step.decode(cache, tokens[t], lengths + t))
         runs[name] = torch.stack(z, 1)  # (B, 3, V)
     assert kernels_on_cpu["projections"] == 2 * 14  # two decode steps, 2 layers x 7
-    assert kernels_on_cpu["decode_linears"] == 2 * 4  # q/k/v and gate/up in one launch each
+    assert kernels_on_cpu["decode_linears"] == 2 * 2  # q/k/v in one launch
+    assert kernels_on_cpu["decode_silu_mul"] == 2 * 2  # gate/up and silu · mul in one launch
     assert kernels_on_cpu["add_rmsnorm"] == 3 * 5  # prefill and decodes, 2 x 2 + final
     err = (runs["kernels"] - runs["torch"]).abs().amax(-1)  # (B, 3)
     bound = _kernel_logit_bound(runs["torch"], base.config.num_hidden_layers)
@@ -934,6 +939,7 @@ def test_gpu_greedy_and_replay_after_optimizer_step(quant, attention, kernels, f
         assert plan.norms and plan.rope and f"28 of 28 projections through decode_linear " \
             f"({packed} by" in plan.line, plan.line
         assert len(plan.groups) == (8 if packed else 0), plan.line  # q/k/v, gate/up x 4
+        assert len(plan.silu_mul) == (4 if packed else 0), plan.line
     ref = hf_completions(model, ids, mask, gc)
     gaps = _greedy_gap(model, ids, mask, out.token_ids, ref)
     print(f"\n{quant} {attention}: rows diverging from eager (row, step, eager logit gap, "

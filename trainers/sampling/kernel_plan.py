@@ -8,7 +8,9 @@
                  forward; transformers' modules otherwise
     groups       the projections of one input, q/k/v and gate/up of each layer, in one launch
                  of the fused kernel (`decode_linears`) where all of them take it and
-                 `linear4bit.group_modules_reason` accepts them together
+                 `linear4bit.group_modules_reason` accepts them together; a gate/up group whose
+                 MLP's act_fn is SiLU also forms silu(gate) · up in that launch
+                 (`decode_silu_mul`) where `linear4bit.silu_mul_modules_reason` accepts it
     rope         each decode step's RoPE of q and k (after Qwen3's q_norm / k_norm, fused) with
                  the write of k and v into the cache: `rope_cache_write`, one launch per layer,
                  when the rotary dim is the head dim and any q/k norm is LlamaRMSNorm's forward
@@ -29,6 +31,7 @@ from __future__ import annotations
 import dataclasses
 
 import torch
+from transformers import activations
 
 from .kernels import linear4bit
 from .kernels._interp import interpreting
@@ -50,6 +53,7 @@ class KernelPlan:
     fused: frozenset = frozenset()  # id() of the projection modules decode_linear serves
     split_mlp: frozenset = frozenset()  # id() of the LlamaMLP-style MLPs run projection by projection
     groups: frozenset = frozenset()  # tuples of the id()s of projections run in one launch
+    silu_mul: frozenset = frozenset()  # id() of MLPs whose gate/up launch forms silu(gate)·up
     norms: bool = False  # residual add + RMSNorm by add_rmsnorm
     rope: bool = False  # decode steps: (q/k norm +) RoPE + cache write by rope_cache_write
     line: str = "kernels off (kernels='torch')"
@@ -106,6 +110,14 @@ def _mlp_ok(mlp) -> bool:
         type(mlp).__name__ in ("LlamaMLP", "Qwen2MLP", "Qwen3MLP", "MistralMLP")
 
 
+# transformers' SiLU activations: forward = F.silu
+SILU = tuple(c for c in (torch.nn.SiLU, getattr(activations, "SiLUActivation", None)) if c)
+
+
+def _is_silu(act) -> bool:
+    return type(act) in SILU
+
+
 def make_plan(base, kernels: str, device_type: str, batch: int = 1) -> KernelPlan:
     """The plan for transformers causal LM `base` (its PEFT layers included) on `device_type`,
     decoding `batch` rows per step."""
@@ -117,7 +129,7 @@ def make_plan(base, kernels: str, device_type: str, batch: int = 1) -> KernelPla
         return KernelPlan(line=f"kernels off (the model is on {device_type!r}; they run on "
                                f"{' / '.join(KERNEL_DEVICES)})")
     fused, split_mlp, first_reason, total, packed = set(), set(), None, 0, 0
-    groups, group_reason = set(), None
+    groups, group_reason, silu_mul = set(), None, set()
     dtype = base.model.embed_tokens.weight.dtype  # the projections' input dtype
     rows_reason = (None if batch <= FUSED_LINEAR_MAX_ROWS else
                    f"batch {batch} > {FUSED_LINEAR_MAX_ROWS} rows, the most the fused kernel is "
@@ -146,6 +158,9 @@ def make_plan(base, kernels: str, device_type: str, batch: int = 1) -> KernelPla
             reason = linear4bit.group_modules_reason(group, dtype)
             if reason is None:
                 groups.add(tuple(id(m) for m in group))
+                if names[0] == "gate_proj" and _is_silu(layer.mlp.act_fn) and \
+                        linear4bit.silu_mul_modules_reason(*group, dtype) is None:
+                    silu_mul.add(id(layer.mlp))
             else:
                 group_reason = group_reason or f"layer {i} {'/'.join(names)}: {reason}"
     norm_reason = _norm_reason(base)
@@ -155,6 +170,7 @@ def make_plan(base, kernels: str, device_type: str, batch: int = 1) -> KernelPla
         line += f", the rest as module calls (first: {first_reason})"
     if groups or group_reason:
         line += f"; {len(groups)} q/k/v or gate/up groups in one launch each"
+        line += f" ({len(silu_mul)} gate/up with silu · mul)" if silu_mul else ""
         line += "" if group_reason is None else f" (not grouped: {group_reason})"
     line += ("; residual add + RMSNorm by add_rmsnorm" if norm_reason is None
              else f"; RMSNorm by the modules ({norm_reason})")
@@ -165,4 +181,4 @@ def make_plan(base, kernels: str, device_type: str, batch: int = 1) -> KernelPla
     if not fused:
         split_mlp = set()  # nothing to gain from running the MLP piecewise
     return KernelPlan(frozenset(fused), frozenset(split_mlp), frozenset(groups),
-                      norm_reason is None, rope_reason is None, line)
+                      frozenset(silu_mul), norm_reason is None, rope_reason is None, line)

@@ -28,7 +28,8 @@ Logits are the head's output in the model dtype, then fp32, as HF's `generate` t
 
 With a `kernel_plan.KernelPlan`, decode steps run the planned projections through
 `decode_linear` (an MLP of LlamaMLP's form as down(act(gate(x)) · up(x)), projection by
-projection; q/k/v and gate/up in one launch each where the plan groups them, `decode_linears`),
+projection; q/k/v and gate/up in one launch each where the plan groups them, `decode_linears`,
+with silu(gate) · up formed in the gate/up launch where the plan says so, `decode_silu_mul`),
 and both forwards fuse each residual add with the RMSNorm that follows it
 (`add_rmsnorm`): the residual stream then carries the last block's output `delta` not yet added
 to `h`, and the next norm (a layer's input norm, or the final norm) adds it. With the plan's
@@ -45,7 +46,7 @@ import torch.nn.functional as F
 
 from .decode_attention import decode_attention
 from .kernel_plan import TORCH, KernelPlan
-from .kernels.linear4bit import decode_linear, decode_linears
+from .kernels.linear4bit import decode_linear, decode_linears, decode_silu_mul
 from .kernels.rmsnorm import add_rmsnorm
 from .kernels.rope import norm_params, rope_cache_write
 
@@ -157,8 +158,12 @@ class ModelStep:
 
     def _mlp(self, mlp, x, fused):
         if fused and id(mlp) in self.plan.split_mlp:  # LlamaMLP's forward, piece by piece
-            gate, up = self._projs((mlp.gate_proj, mlp.up_proj), x, fused)
-            return self._proj(mlp.down_proj, mlp.act_fn(gate) * up, fused)
+            if id(mlp) in self.plan.silu_mul:
+                h = decode_silu_mul(x, mlp.gate_proj, mlp.up_proj)
+            else:
+                gate, up = self._projs((mlp.gate_proj, mlp.up_proj), x, fused)
+                h = mlp.act_fn(gate) * up
+            return self._proj(mlp.down_proj, h, fused)
         return mlp(x)
 
     def _add_norm(self, delta, h, norm):

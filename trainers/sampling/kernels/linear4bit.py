@@ -47,6 +47,7 @@ import functools
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 from ..kernels._interp import dot, interpreting, to_dtype
 
@@ -148,6 +149,23 @@ def _sum_splits(acc, part_ptr, offs, mask, splits, stride_ps):
 
 
 @triton.jit
+def _silu_mul(g, u, dtype: tl.constexpr, INTERP: tl.constexpr):
+    """round(silu(round(g)) · round(u)) from the fp32 sums g, u: what torch gives for
+    `F.silu(gate) * up` on the projections' rounded outputs. torch's silu forms
+    x / (1 + exp(−x)) in fp32 (libdevice's expf, an IEEE division) and rounds; the product of two
+    16-bit values is exact in fp32 and rounded once. (The interpreter has no libdevice: its exp
+    is numpy's, within the same 2 ulps.)"""
+    g = to_dtype(g, dtype, INTERP).to(tl.float32)
+    u = to_dtype(u, dtype, INTERP).to(tl.float32)
+    if INTERP:
+        e = tl.exp(-g)
+    else:
+        e = libdevice.exp(-g)
+    s = to_dtype(tl.math.div_rn(g, 1.0 + e), dtype, INTERP).to(tl.float32)
+    return to_dtype(s * u, dtype, INTERP)
+
+
+@triton.jit
 def _split_k_reduce_kernel(
     part_ptr, bias_ptr, y_ptr, M, N, SPLIT_K, stride_ps, stride_pm, stride_ym,
     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, INTERP: tl.constexpr,
@@ -232,7 +250,7 @@ def _linear4bit_lora_kernel(
     stride_xm, stride_ar, stride_bn, stride_ym, stride_ps, stride_pm,
     SEGS: tl.constexpr, BS: tl.constexpr, BS2: tl.constexpr, NESTED: tl.constexpr,
     HAS_LORA: tl.constexpr, LORA_FP32: tl.constexpr, HAS_BIAS: tl.constexpr,
-    SPLIT: tl.constexpr, LAST_REDUCES: tl.constexpr, BLOCK_M: tl.constexpr,
+    SPLIT: tl.constexpr, LAST_REDUCES: tl.constexpr, GLU: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
     PRMT: tl.constexpr, PREFETCH: tl.constexpr, INTERP: tl.constexpr,
 ):
@@ -263,6 +281,10 @@ def _linear4bit_lora_kernel(
     rounded weight bit for bit. PREFETCH issues the next block's loads (packed bytes, x and A
     columns, the scale) before this block's math, so their latency hides behind it; the scale
     is a gather indexed by a loaded byte (double quant), so its own loads go two blocks ahead.
+
+    GLU (two segments of one N, gate then up, SPLIT): the output is y (M, N) = silu(gate) · up
+    (`_silu_mul`). The gate tile and the up tile of the same columns share one arrival counter;
+    the last of their 2 · SPLIT_K programs sums each one's partials and writes the product.
     """
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)  # the n-tile over all segments
@@ -361,16 +383,35 @@ def _linear4bit_lora_kernel(
             # reads the others' partials after its acquire.
             tl.debug_barrier()
             splits = tl.num_programs(2)
-            tile = pid_m * tl.num_programs(1) + pid_n
+            if GLU:  # the gate and up tiles of these columns: one counter, 2 · splits arrivals
+                tile = pid_m * TILE_1 + pid_n - tile0
+                arrivals = 2 * splits
+            else:
+                tile = pid_m * tl.num_programs(1) + pid_n
+                arrivals = splits
             arrived = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
-            if arrived == splits - 1:
-                acc = _sum_splits(tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32), part_ptr,
-                                  part_offs, mask, splits, stride_ps)
-                if HAS_BIAS:
-                    acc += tl.load(bias_ptr + offs_n, mask=n_ok,
-                                   other=0.0).to(tl.float32)[:, None]
-                tl.store(y_ptr + offs_m[None, :] * stride_ym + cols[:, None],
-                         to_dtype(acc, y_ptr.dtype.element_ty, INTERP), mask=mask)
+            if arrived == arrivals - 1:
+                if GLU:
+                    gate_offs = offs_m[None, :] * stride_pm + offs_n[:, None]
+                    g = _sum_splits(tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32), part_ptr,
+                                    gate_offs, mask, splits, stride_ps)
+                    u = _sum_splits(tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32), part_ptr,
+                                    gate_offs + COL_1, mask, splits, stride_ps)
+                    if HAS_BIAS:
+                        g += tl.load(bias_0 + offs_n, mask=n_ok,
+                                     other=0.0).to(tl.float32)[:, None]
+                        u += tl.load(bias_1 + offs_n, mask=n_ok,
+                                     other=0.0).to(tl.float32)[:, None]
+                    tl.store(y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None],
+                             _silu_mul(g, u, y_ptr.dtype.element_ty, INTERP), mask=mask)
+                else:
+                    acc = _sum_splits(tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32), part_ptr,
+                                      part_offs, mask, splits, stride_ps)
+                    if HAS_BIAS:
+                        acc += tl.load(bias_ptr + offs_n, mask=n_ok,
+                                       other=0.0).to(tl.float32)[:, None]
+                    tl.store(y_ptr + offs_m[None, :] * stride_ym + cols[:, None],
+                             to_dtype(acc, y_ptr.dtype.element_ty, INTERP), mask=mask)
                 tl.atomic_xchg(count_ptr + tile, 0, sem="relaxed", scope="gpu")
     else:
         if HAS_BIAS:
@@ -546,12 +587,8 @@ def group_reason(parts: list[LinearPart]) -> str | None:
     return None
 
 
-def linear4bit_lora_group(x: torch.Tensor, parts: list[LinearPart], *,
-                          config: dict | None = None) -> list[torch.Tensor]:
-    """[y_s (M, N_s)] for each part, in one launch (`group_reason` says which parts can share
-    it): y_s = x @ round(W_s)ᵀ + bias_s + scaling_s · (x @ A_sᵀ) @ B_sᵀ, each exactly as
-    `linear4bit_lora` computes it alone. The outputs are column slices of one (M, Σ N_s)
-    buffer."""
+def _checked(x: torch.Tensor, parts: list[LinearPart]) -> tuple[torch.Tensor, list]:
+    """x with unit column stride and the checked parts; ValueError naming the argument."""
     if x.dim() != 2:
         raise ValueError(f"x has shape {tuple(x.shape)}, expected (M, K)")
     if x.dtype not in (torch.bfloat16, torch.float16):
@@ -561,7 +598,36 @@ def linear4bit_lora_group(x: torch.Tensor, parts: list[LinearPart], *,
         raise ValueError(f"parts: {reason}")
     many = len(parts) > 1
     parts = [_check_part(x, p, f"parts[{i}]." if many else "") for i, p in enumerate(parts)]
-    x = x if x.stride(1) == 1 else x.contiguous()
+    return (x if x.stride(1) == 1 else x.contiguous()), parts
+
+
+def linear4bit_lora_group(x: torch.Tensor, parts: list[LinearPart], *,
+                          config: dict | None = None) -> list[torch.Tensor]:
+    """[y_s (M, N_s)] for each part, in one launch (`group_reason` says which parts can share
+    it): y_s = x @ round(W_s)ᵀ + bias_s + scaling_s · (x @ A_sᵀ) @ B_sᵀ, each exactly as
+    `linear4bit_lora` computes it alone. The outputs are column slices of one (M, Σ N_s)
+    buffer."""
+    x, parts = _checked(x, parts)
+    return _launch(x, parts, config, glu=False)
+
+
+def linear4bit_lora_silu_mul(x: torch.Tensor, gate: LinearPart, up: LinearPart, *,
+                             config: dict | None = None) -> torch.Tensor:
+    """silu(y_gate) · y_up (M, N) in one launch, y_gate and y_up each as
+    `linear4bit_lora_group(x, [gate, up])` gives them (rounded to x's dtype), then torch's
+    `F.silu(y_gate) * y_up` on them (`_silu_mul`; bit for bit on the GPU, whose expf is
+    libdevice's as torch's is). Neither projection's output is written to memory."""
+    if gate.weight.shape[0] != up.weight.shape[0]:
+        raise ValueError(f"gate has {gate.weight.shape[0]} output features and up "
+                         f"{up.weight.shape[0]}: silu(gate) · up needs the same number")
+    x, parts = _checked(x, [gate, up])
+    return _launch(x, parts, config, glu=True)[0]
+
+
+def _launch(x: torch.Tensor, parts: list[LinearPart], config: dict | None,
+            glu: bool) -> list[torch.Tensor]:
+    """The kernel over checked parts: [y_s] (`linear4bit_lora_group`), or with `glu` (two
+    parts of one N) [silu(y_0) · y_1]."""
     m, k = x.shape
     ns = [p.weight.shape[0] for p in parts]
     first = parts[0]
@@ -575,15 +641,17 @@ def linear4bit_lora_group(x: torch.Tensor, parts: list[LinearPart], *,
         raise ValueError("config PRMT=True (the code looked up by PTX byte permutes) needs the "
                          "GPU compiler; Triton's interpreter runs PRMT=False")
     per, split_k = split_steps(k // bs, cfg["SPLIT_K"])
+    split = split_k > 1 or glu  # partials in fp32, summed by a tile's last program
     bn = cfg["BLOCK_N"]
     tiles = [triton.cdiv(n, bn) for n in ns]
     cols = [sum(ns[:i]) for i in range(len(ns))]
-    y = torch.empty(m, sum(ns), device=x.device, dtype=x.dtype)  # (M, Σ N_s)
+    y = torch.empty(m, ns[0] if glu else sum(ns), device=x.device, dtype=x.dtype)
     part_buf = (torch.empty(split_k, m, sum(ns), device=x.device, dtype=torch.float32)
-                if split_k > 1 else y)  # (SPLIT_K, M, Σ N_s)
+                if split else y)  # (SPLIT_K, M, Σ N_s)
     grid = (triton.cdiv(m, cfg["BLOCK_M"]), sum(tiles), split_k)
-    counts = (_tile_counters(x.device, grid[0] * grid[1])
-              if split_k > 1 and cfg.get("LAST_REDUCES", True) else None)
+    counters = grid[0] * (tiles[0] if glu else grid[1])  # a GLU pair of tiles shares one
+    counts = (_tile_counters(x.device, counters)
+              if split and cfg.get("LAST_REDUCES", True) else None)
     seg_args, seg_ns, seg_scalings = [], [], []
     for i in range(MAX_GROUP):
         p = parts[min(i, len(parts) - 1)]  # absent segments repeat the last (never selected)
@@ -604,10 +672,11 @@ def linear4bit_lora_group(x: torch.Tensor, parts: list[LinearPart], *,
         m, k, r, per,
         x.stride(0), first.lora_a.stride(0) if has_lora else 0,
         first.lora_b.stride(0) if has_lora else 0, y.stride(0),
-        part_buf.stride(0) if split_k > 1 else 0, part_buf.stride(1) if split_k > 1 else 0,
+        part_buf.stride(0) if split else 0, part_buf.stride(1) if split else 0,
         SEGS=len(parts), BS=bs, BS2=first.weight.blocksize2, NESTED=first.weight.nested,
         HAS_LORA=has_lora, LORA_FP32=has_lora and first.lora_a.dtype != x.dtype,
-        HAS_BIAS=has_bias, SPLIT=split_k > 1, LAST_REDUCES=counts is not None,
+        HAS_BIAS=has_bias, SPLIT=split, LAST_REDUCES=counts is not None,
+        GLU=glu and counts is not None,
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=bn, BLOCK_R=max(16, triton.next_power_of_2(r)),
         PRMT=prmt, PREFETCH=cfg.get("PREFETCH", False), INTERP=interp,
         # no FMA contraction: the double-quant scale code2·absmax2 + offset is then formed with
@@ -615,15 +684,20 @@ def linear4bit_lora_group(x: torch.Tensor, parts: list[LinearPart], *,
         enable_fp_fusion=False, num_warps=cfg.get("num_warps", 4),
         num_stages=cfg.get("num_stages", 1),
     )
-    outs = [y[:, c:c + n] for c, n in zip(cols, ns)]
-    if split_k > 1 and counts is None:
+    if glu and counts is not None:
+        return [y]
+    out = torch.empty(m, sum(ns), device=x.device, dtype=x.dtype) if glu else y
+    outs = [out[:, c:c + n] for c, n in zip(cols, ns)]
+    if split and counts is None:
         bm, rbn = cfg["BLOCK_M"], 64
-        for c, n, p, out in zip(cols, ns, parts, outs):
+        for c, n, p, o in zip(cols, ns, parts, outs):
             seg_part = part_buf[:, :, c:c + n]
             _split_k_reduce_kernel[(triton.cdiv(m, bm), triton.cdiv(n, rbn))](
-                seg_part, p.bias if has_bias else y, out, m, n, split_k, seg_part.stride(0),
-                seg_part.stride(1), out.stride(0), HAS_BIAS=has_bias, BLOCK_M=bm,
+                seg_part, p.bias if has_bias else y, o, m, n, split_k, seg_part.stride(0),
+                seg_part.stride(1), o.stride(0), HAS_BIAS=has_bias, BLOCK_M=bm,
                 BLOCK_N=rbn, INTERP=interp)
+    if glu:  # no counters (first capture): the same function by torch's ops
+        return [torch.nn.functional.silu(outs[0]) * outs[1]]
     return outs
 
 
@@ -775,6 +849,30 @@ def decode_linears(x: torch.Tensor, modules) -> list[torch.Tensor]:
     parts, cd = _group_parts(modules, x.dtype, x.device)
     ys = linear4bit_lora_group(x.reshape(-1, x.shape[-1]).to(cd), parts)
     return [y.to(x.dtype).reshape(*x.shape[:-1], y.shape[1]) for y in ys]
+
+
+def silu_mul_modules_reason(gate, up, x_dtype: torch.dtype) -> str | None:
+    """Why `decode_silu_mul(x, gate, up)` cannot compute silu(gate(x)) · up(x) for x of
+    x_dtype as the modules do (one launch of the fused kernel), or None."""
+    reason = group_modules_reason((gate, up), x_dtype)
+    if reason is not None:
+        return reason
+    (g, u), cd = _group_parts((gate, up), x_dtype, _resolve_lora(gate).base.weight.device)
+    if cd != x_dtype:  # the modules' silu · mul would act on outputs cast back to x_dtype
+        return f"compute dtype {cd} is not the input's {x_dtype}"
+    if g.weight.shape[0] != u.weight.shape[0]:
+        return f"gate has {g.weight.shape[0]} output features and up {u.weight.shape[0]}"
+    return None
+
+
+def decode_silu_mul(x: torch.Tensor, gate: torch.nn.Module, up: torch.nn.Module) -> torch.Tensor:
+    """F.silu(gate(x)) * up(x) in one launch (`linear4bit_lora_silu_mul`) for the 4-bit
+    projections `silu_mul_modules_reason` accepts; each projection within the kernel's bound of
+    its module, and the silu · mul torch's on them. Raises UnsupportedLinear (a ValueError)
+    with the reason otherwise."""
+    (g, u), _ = _group_parts((gate, up), x.dtype, x.device)
+    h = linear4bit_lora_silu_mul(x.reshape(-1, x.shape[-1]), g, u)
+    return h.reshape(*x.shape[:-1], h.shape[1])
 
 
 def decode_linear(x: torch.Tensor, module: torch.nn.Module) -> torch.Tensor:
