@@ -16,6 +16,8 @@ every row runs to --new. Variants (--variants):
     loop_triton   the same with the Triton split-K decode attention (valid keys only; optional)
     loop_no_silu_mul  `loop` with the MLP's silu(gate) · up as torch ops after the gate/up
                   launch (the kernel plan's silu_mul off: an A/B of that fusion; optional)
+    loop_torch_sample `loop` with the sampling step's reductions by torch's ops (the kernel
+                  plan's sample off: an A/B of `race_sample`; optional)
 
 Each loop variant runs once per --kernels value: "torch" (the modules' own forwards) and "auto"
 (the fused 4-bit + LoRA decode linear for the projections, add_rmsnorm for each residual add +
@@ -45,6 +47,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import dataclasses
 import math
 import statistics
 import time
@@ -55,7 +58,11 @@ import torch
 from bench import common as bc
 from bench import e2e_common as E
 
-VARIANTS = ("hf_eager", "fast_sampler", "loop", "loop_triton", "loop_no_silu_mul")
+VARIANTS = ("hf_eager", "fast_sampler", "loop", "loop_triton", "loop_no_silu_mul",
+            "loop_torch_sample")
+# the lab variants' kernel plans: `loop`'s without one piece
+PLAN_WITHOUT = {"loop_no_silu_mul": {"silu_mul": frozenset()},
+                "loop_torch_sample": {"sample": False}}
 DEFAULT_VARIANTS = ("hf_eager", "fast_sampler", "loop")
 
 
@@ -118,7 +125,8 @@ class Variant:
         if self.sampler is None:
             return self.model.generate(input_ids=ids, attention_mask=mask,
                                        generation_config=copy.deepcopy(config))
-        with _silu_mul_off() if self.name == "loop_no_silu_mul" else contextlib.nullcontext():
+        without = PLAN_WITHOUT.get(self.name)
+        with _plans_without(without) if without else contextlib.nullcontext():
             out = self.sampler.generate(self.model, ids, mask, config)
         if out is None:
             raise RuntimeError(f"{self.name} off: {self.sampler.disabled_reason}")
@@ -126,16 +134,17 @@ class Variant:
 
 
 @contextlib.contextmanager
-def _silu_mul_off():
-    """The kernel plans made inside (once per loop, at its first call) fuse no silu · mul."""
-    from trainers.sampling import kernel_plan
+def _plans_without(fields: dict):
+    """The kernel plans made inside (once per loop and batch, at its first call) with `fields`
+    replaced (a piece turned off)."""
+    from trainers.sampling import loop
 
-    real = kernel_plan._is_silu
-    kernel_plan._is_silu = lambda act: False
+    real = loop.make_plan
+    loop.make_plan = lambda *a, **kw: dataclasses.replace(real(*a, **kw), **fields)
     try:
         yield
     finally:
-        kernel_plan._is_silu = real
+        loop.make_plan = real
 
 
 def sync(device):

@@ -14,6 +14,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from trainers.sampling.kernels import linear4bit as L
+from trainers.sampling.kernels import race as S
 from trainers.sampling.kernels import rmsnorm as R
 from trainers.sampling.kernels import rope as P
 
@@ -78,6 +79,18 @@ def main():
                         "eps_k": "fp32"},
                        {"NORM": norm, "BLOCK_G": 8, "BLOCK_HALF": 64, "INTERP": False},
                        num_warps=1, enable_fp_fusion=False)
+    compile_kernel(S._chunk_lse_kernel, {"z_ptr": "*fp32", "m_ptr": "*fp32", "s_ptr": "*fp32"},
+                   {"BLOCK": S.BLOCK}, num_warps=8)
+    for sample in (False, True):
+        compile_kernel(S._chunk_race_kernel,
+                       {"z_ptr": "*fp32", "e_ptr": "*fp32", "m_ptr": "*fp32", "s_ptr": "*fp32",
+                        "best_ptr": "*fp32", "idx_ptr": "*i32"},
+                       {"SAMPLE": sample, "BLOCK": S.BLOCK, "S_BLOCK": 32, "INTERP": False},
+                       num_warps=8)
+    compile_kernel(S._pick_kernel,
+                   {"z_ptr": "*fp32", "m_ptr": "*fp32", "s_ptr": "*fp32", "best_ptr": "*fp32",
+                    "idx_ptr": "*i32", "y_ptr": "*i64", "lp_ptr": "*fp32"},
+                   {"S_BLOCK": 32}, num_warps=1)
     print("all compiled")
     return 0
 

@@ -11,6 +11,8 @@
                  `linear4bit.group_modules_reason` accepts them together; a gate/up group whose
                  MLP's act_fn is SiLU also forms silu(gate) · up in that launch
                  (`decode_silu_mul`) where `linear4bit.silu_mul_modules_reason` accepts it
+    sample       the sampling step's reductions over the vocabulary (log-sum-exp, the race or
+                 the argmax, the token's log-prob): `race_sample`, split over programs
     rope         each decode step's RoPE of q and k (after Qwen3's q_norm / k_norm, fused) with
                  the write of k and v into the cache: `rope_cache_write`, one launch per layer,
                  when the rotary dim is the head dim and any q/k norm is LlamaRMSNorm's forward
@@ -56,11 +58,12 @@ class KernelPlan:
     silu_mul: frozenset = frozenset()  # id() of MLPs whose gate/up launch forms silu(gate)·up
     norms: bool = False  # residual add + RMSNorm by add_rmsnorm
     rope: bool = False  # decode steps: (q/k norm +) RoPE + cache write by rope_cache_write
+    sample: bool = False  # the sampling reductions by race_sample
     line: str = "kernels off (kernels='torch')"
 
     @property
     def active(self) -> bool:
-        return bool(self.fused) or self.norms or self.rope
+        return bool(self.fused) or self.norms or self.rope or self.sample
 
 
 TORCH = KernelPlan()
@@ -178,7 +181,8 @@ def make_plan(base, kernels: str, device_type: str, batch: int = 1) -> KernelPla
     has_norms = hasattr(base.model.layers[0].self_attn, "q_norm") if base.model.layers else False
     line += ("; " + ("q/k norm + " if has_norms else "") + "RoPE + cache write by rope_cache_write"
              if rope_reason is None else f"; RoPE by torch ops ({rope_reason})")
+    line += "; sampling reductions by race_sample"
     if not fused:
         split_mlp = set()  # nothing to gain from running the MLP piecewise
     return KernelPlan(frozenset(fused), frozenset(split_mlp), frozenset(groups),
-                      frozenset(silu_mul), norm_reason is None, rope_reason is None, line)
+                      frozenset(silu_mul), norm_reason is None, rope_reason is None, True, line)

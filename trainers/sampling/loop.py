@@ -82,6 +82,12 @@ logger = logging.get_logger(__name__)
 # check allows), still an order below what a broken cache does.
 CHECK_RTOL = {torch.float32: 1e-3}
 CHECK_RTOL_LOW = 0.1
+# the first-call check of the sampling kernels: their log-prob against torch's log_softmax.
+# Both sum exp over V in fp32, in different orders: torch's threads each add V/1024 terms in
+# sequence, then a tree; the kernels tree-sum chunks of 4096, then their S chunks. The relative
+# difference of the sums is at most (V/1024 + log2 V + S + 8) · 2⁻²⁴ < 1e-4 for V <= 2^20, an
+# absolute difference of the log-probs; a broken reduction is off by O(1).
+SAMPLE_LOGP_ATOL = 1e-3
 GRAPHS_PER_STATE = 4  # graphs kept per buffer shape (oldest dropped), model states x options
 MAX_CAPTURES = 16  # more means the model state changes at every call: replays would not pay
 
@@ -364,7 +370,8 @@ class DecodeLoop:
             # slot: where `cur` is written; its slot advanced when it was recorded, so it is
             # one past the last written slot of a live row: cur sits at slot - 1
             z = step_fn.decode(cache, st.cur, st.slot - 1)
-            y, lp = processors.sample(processors.process(z, spec, st.seen[:, :-1]), spec)
+            y, lp = processors.sample(processors.process(z, spec, st.seen[:, :-1]), spec,
+                                  fused=step_fn.plan.sample)
             self._record(st, y, lp, eos, pad)
 
     def _capture(self, step_fn, cache, st, spec, eos, pad):
@@ -466,6 +473,15 @@ class DecodeLoop:
         if not err <= rtol * scale:
             return (f"first-call logits differ from the eager forward: mean |diff| {err:.3g} "
                     f"against mean |logit| {scale:.3g} (tolerance {rtol:g} of it)")
+        if step_fn.plan.sample:  # greedy through the sampling kernels against torch's ops
+            greedy = processors.SamplingSpec(False, 1.0, 0, 1.0, None, 1.0)
+            y, lp = processors.sample(z0, greedy, fused=True)
+            y_ref, lp_ref = processors.sample(z0, greedy)
+            lp_err = (lp - lp_ref).abs().max().item()
+            if not torch.equal(y, y_ref) or not lp_err <= SAMPLE_LOGP_ATOL:
+                return (f"first-call sampling kernels differ from torch's: tokens "
+                        f"{'equal' if torch.equal(y, y_ref) else 'differ'}, max |Δ log p| "
+                        f"{lp_err:.3g} (tolerance {SAMPLE_LOGP_ATOL:g})")
         return None
 
     @torch.no_grad()
@@ -555,7 +571,8 @@ class DecodeLoop:
         if spec.repetition_penalty != 1.0:  # the prompt's ids, padding to the spare column V
             st.seen.scatter_(1, torch.where(pos[None] < lengths[:, None], ids_left, V), True)
         st.slot.copy_(lengths)
-        y, lp = processors.sample(processors.process(z, spec, st.seen[:, :-1]), spec)
+        y, lp = processors.sample(processors.process(z, spec, st.seen[:, :-1]), spec,
+                                  fused=step_fn.plan.sample)
         self._record(st, y, lp, eos, pad)
         if first_call:
             if dev.type == "cuda":

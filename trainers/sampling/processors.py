@@ -29,6 +29,8 @@ import dataclasses
 
 import torch
 
+from .kernels.race import race_sample
+
 # GenerationConfig fields that change which token is drawn or how it is scored, with the value
 # that turns each off; any other value is a configuration this module does not compute.
 NEUTRAL = {
@@ -125,8 +127,13 @@ def process(z: torch.Tensor, spec: SamplingSpec, seen: torch.Tensor | None) -> t
     return z
 
 
-def sample(z: torch.Tensor, spec: SamplingSpec) -> tuple[torch.Tensor, torch.Tensor]:
-    """(y (B,) int64, log_softmax(z')_y (B,) fp32) from processed logits z' (B, V) fp32."""
+def sample(z: torch.Tensor, spec: SamplingSpec, *,
+           fused: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(y (B,) int64, log_softmax(z')_y (B,) fp32) from processed logits z' (B, V) fp32.
+    `fused`: the reductions by `kernels.race.race_sample` (the same draws; module docstring
+    there for how its sums differ)."""
+    if fused:
+        return race_sample(z, torch.empty_like(z).exponential_() if spec.do_sample else None)
     logp = torch.log_softmax(z, dim=-1)
     if spec.do_sample:
         # argmax_j p_j / E_j = argmax_j log p_j - log E_j; E is clamped away from 0 so a dropped
