@@ -349,7 +349,10 @@ def test_silu_mul_modules():
     assert h.shape == g.shape == (8, 1, 160) and h.dtype == x.dtype
     low, high = _silu_mul_outputs(g, u)
     assert ((h == low) | (h == high)).all()
-    assert "output features" in silu_mul_modules_reason(gate, _lora_module(96, k), x.dtype)
+    other = _lora_module(96, k)
+    assert "output features" in silu_mul_modules_reason(gate, other, x.dtype)
+    with pytest.raises(UnsupportedLinear, match="output features"):
+        decode_silu_mul(x, gate, other)
 
 
 def test_grouped_modules_match_their_forward():

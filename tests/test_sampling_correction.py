@@ -117,6 +117,19 @@ class _PassCounter:
         tr._lce_logps_and_entropies = counted
 
 
+def _expected_metrics(deltas, mode, rho, valid):
+    """TRL's sampling/* metrics by hand: |δ| over the tokens counted (`deltas`), ρ over the
+    valid tokens (token_* modes) or the rows (sequence_*)."""
+    flat = rho.flatten() if mode.startswith("sequence") else rho[valid]
+    return {
+        "sampling/sampling_logp_difference/mean": deltas.mean().item(),
+        "sampling/sampling_logp_difference/max": deltas.max().item(),
+        "sampling/importance_sampling_ratio/min": flat.min().item(),
+        "sampling/importance_sampling_ratio/mean": flat.mean().item(),
+        "sampling/importance_sampling_ratio/max": flat.max().item(),
+    }
+
+
 def _sampling_metrics(tr):
     return {k: v[-1] for k, v in tr._metrics["train"].items() if k.startswith("sampling/")}
 
@@ -143,14 +156,7 @@ def test_loop_logprobs_drive_trls_correction(tok, tmp_path, mode, source):
     s = torch.tensor([[shift(b, t) for t in range(T)] for b in range(B)]) * m
     rho = _hand_ratio(mode, s, m)
     valid = m.bool()
-    flat = rho.flatten() if mode.startswith("sequence") else rho[valid]
-    expect = {
-        "sampling/sampling_logp_difference/mean": s.abs()[valid].mean().item(),
-        "sampling/sampling_logp_difference/max": s.abs()[valid].max().item(),
-        "sampling/importance_sampling_ratio/min": flat.min().item(),
-        "sampling/importance_sampling_ratio/mean": flat.mean().item(),
-        "sampling/importance_sampling_ratio/max": flat.max().item(),
-    }
+    expect = _expected_metrics(s.abs()[valid], mode, rho, valid)
 
     if source == "old_pass":
         assert passes.calls == 1  # TRL's old-policy pass
@@ -222,14 +228,7 @@ def test_ratio_from_the_loss_pass_masks_and_skips_nans(tok, tmp_path, mode):
     got = inputs["importance_sampling_ratio"]
     assert not got.requires_grad
     torch.testing.assert_close(got.double(), rho, rtol=1e-6, atol=0)
-    flat = rho.flatten() if mode.startswith("sequence") else rho[m == 1]
-    expect = {
-        "sampling/sampling_logp_difference/mean": delta.abs()[known].mean().item(),
-        "sampling/sampling_logp_difference/max": delta.abs()[known].max().item(),
-        "sampling/importance_sampling_ratio/min": flat.min().item(),
-        "sampling/importance_sampling_ratio/mean": flat.mean().item(),
-        "sampling/importance_sampling_ratio/max": flat.max().item(),
-    }
+    expect = _expected_metrics(delta.abs()[known], mode, rho, m == 1)
     metrics = _sampling_metrics(tr)
     assert metrics.keys() == expect.keys()
     for k, v in expect.items():

@@ -36,7 +36,10 @@ K + r + SPLIT_K terms).
 
 Projections of the same x (q/k/v, gate/up) can share that launch (`linear4bit_lora_group`,
 `decode_linears`): the grid's output tiles run over each projection's rows in turn, and each
-output is bit for bit what the projection gives alone with the same tiles.
+output is bit for bit what the projection gives alone with the same tiles. A gate/up launch can
+also form the MLP's silu(gate) · up itself (`linear4bit_lora_silu_mul`, `decode_silu_mul`): the
+last program of each pair of gate and up tiles sums both and writes torch's silu · mul of the
+two rounded outputs, so neither projection's output goes to memory.
 """
 
 from __future__ import annotations
@@ -851,17 +854,26 @@ def decode_linears(x: torch.Tensor, modules) -> list[torch.Tensor]:
     return [y.to(x.dtype).reshape(*x.shape[:-1], y.shape[1]) for y in ys]
 
 
+def _silu_mul_parts(gate, up, x_dtype: torch.dtype,
+                    device: torch.device) -> tuple[LinearPart, LinearPart]:
+    """The kernel's gate and up parts; UnsupportedLinear with the reason where one launch
+    cannot form silu(gate(x)) · up(x) as the modules do."""
+    (g, u), cd = _group_parts((gate, up), x_dtype, device)
+    if cd != x_dtype:  # the modules' silu · mul would act on outputs cast back to x_dtype
+        raise UnsupportedLinear(f"compute dtype {cd} is not the input's {x_dtype}")
+    if g.weight.shape[0] != u.weight.shape[0]:
+        raise UnsupportedLinear(f"gate has {g.weight.shape[0]} output features and up "
+                                f"{u.weight.shape[0]}")
+    return g, u
+
+
 def silu_mul_modules_reason(gate, up, x_dtype: torch.dtype) -> str | None:
     """Why `decode_silu_mul(x, gate, up)` cannot compute silu(gate(x)) · up(x) for x of
-    x_dtype as the modules do (one launch of the fused kernel), or None."""
-    reason = group_modules_reason((gate, up), x_dtype)
-    if reason is not None:
-        return reason
-    (g, u), cd = _group_parts((gate, up), x_dtype, _resolve_lora(gate).base.weight.device)
-    if cd != x_dtype:  # the modules' silu · mul would act on outputs cast back to x_dtype
-        return f"compute dtype {cd} is not the input's {x_dtype}"
-    if g.weight.shape[0] != u.weight.shape[0]:
-        return f"gate has {g.weight.shape[0]} output features and up {u.weight.shape[0]}"
+    x_dtype (on the weights' device) in one launch of the fused kernel, or None."""
+    try:
+        _silu_mul_parts(gate, up, x_dtype, _resolve_lora(gate).base.weight.device)
+    except ValueError as e:  # UnsupportedLinear included
+        return str(e)
     return None
 
 
@@ -870,7 +882,7 @@ def decode_silu_mul(x: torch.Tensor, gate: torch.nn.Module, up: torch.nn.Module)
     projections `silu_mul_modules_reason` accepts; each projection within the kernel's bound of
     its module, and the silu · mul torch's on them. Raises UnsupportedLinear (a ValueError)
     with the reason otherwise."""
-    (g, u), _ = _group_parts((gate, up), x.dtype, x.device)
+    g, u = _silu_mul_parts(gate, up, x.dtype, x.device)
     h = linear4bit_lora_silu_mul(x.reshape(-1, x.shape[-1]), g, u)
     return h.reshape(*x.shape[:-1], h.shape[1])
 
