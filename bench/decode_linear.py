@@ -27,9 +27,10 @@ GPU (from the project root, `.whl/` filled by ../shared/gpu/wheels.sh and carrie
 
 Tile sweep (graph-replay ms of the kernel over BLOCK_N × num_warps × SPLIT_K):
 `python3 -m bench.decode_linear --sweep --rows 8`; `--gathers` also times every tile with the
-code looked up by memory gathers, `--prefetch` with and without PREFETCH, `--stages 1,2` the
-pipeline depths, `--tiles 64x4,128x4` restricts the (BLOCK_N, num_warps) pairs, `--groups`
-sweeps the q/k/v and gate/up launches instead of the single shapes.
+code looked up by memory gathers, `--prefetch` with and without PREFETCH (`--prefetch-only`:
+with it only), `--stages 1,2` the pipeline depths, `--tiles 64x4,128x4` restricts the
+(BLOCK_N, num_warps) pairs, `--groups` sweeps the q/k/v launch and the gate/up + silu · mul
+launch instead of the single shapes.
 CPU smoke run (Triton's interpreter, tiny shapes): `python -m bench.decode_linear --smoke`.
 Writes bench/results/bench_decode_linear_<GPU>.json and prints the table.
 
@@ -292,7 +293,7 @@ def sweep_configs(k, blocksize=64, lookups=(True,), prefetch=(False,), stages=(1
     block's loads issued before this block's math) in `prefetch`, num_stages in `stages`."""
     for prmt, pf, st in itertools.product(lookups, prefetch, stages):
         for bn, warps in tiles:
-            for split in sorted({2, 4, 8, 16, 32} & set(range(1, k // blocksize + 1))):
+            for split in sorted({1, 2, 4, 8, 16, 32} & set(range(1, k // blocksize + 1))):
                 yield {"BLOCK_N": bn, "SPLIT_K": split, "num_warps": warps, "num_stages": st,
                        "PRMT": prmt, "PREFETCH": pf}
 
@@ -358,16 +359,21 @@ def sweep(shapes, rows, rank, device, bw, grid: dict):
 
 
 def sweep_groups(shapes, rows, rank, device, grid: dict):
-    """The same for the GROUPS launches (`linear4bit_lora_group` over q/k/v and gate/up, as the
-    decode step runs them), over copies of each set of modules streaming 2x the L2."""
+    """The same for the GROUPS launches as the decode step runs them (`linear4bit_lora_group`
+    over q/k/v, `linear4bit_lora_silu_mul` over gate/up), over copies of each set of modules
+    streaming 2x the L2."""
     import triton
 
     from trainers.sampling.kernels.linear4bit import (
         LinearPart,
         _num_sms,
         linear4bit_lora_group,
+        linear4bit_lora_silu_mul,
         pick_config,
     )
+
+    def silu_mul(x, parts, config):
+        return linear4bit_lora_silu_mul(x, *parts, config=config)
 
     out = []
     for model, layers in shapes.items():
@@ -386,9 +392,10 @@ def sweep_groups(shapes, rows, rank, device, grid: dict):
                 chosen = pick_config(m, ns, k, bs, _num_sms(device))
                 configs = [chosen] + [{"BLOCK_M": bm, **c} for c in sweep_configs(k, bs, **grid)]
 
-                def calls(cfg, x=x, parts=parts):
-                    return [functools.partial(linear4bit_lora_group, x, ps, config=cfg)
-                            for ps in parts]
+                fn = silu_mul if name == "gate/up" else linear4bit_lora_group
+
+                def calls(cfg, x=x, parts=parts, fn=fn):
+                    return [functools.partial(fn, x, ps, config=cfg) for ps in parts]
 
                 out.append(_record(_time_configs(calls, configs, device),
                                    {"model": model, "layer": name, "N": sum(ns), "K": k, "M": m},
@@ -515,6 +522,8 @@ def main():
                    help="--sweep: also every tile with the code looked up by memory gathers")
     p.add_argument("--prefetch", action="store_true",
                    help="--sweep: also every tile with PREFETCH (loads one block ahead)")
+    p.add_argument("--prefetch-only", action="store_true",
+                   help="--sweep: PREFETCH on only (as pick_config runs the kernel)")
     p.add_argument("--stages", default="1", help="--sweep: comma list of num_stages")
     p.add_argument("--tiles", default=",".join(f"{b}x{w}" for b, w in TILES),
                    help="--sweep: comma list of BLOCK_NxNUM_WARPS")
@@ -544,7 +553,8 @@ def main():
     if args.sweep:
         gpu = device.type == "cuda"
         grid = {"lookups": (True, False) if args.gathers and gpu else (gpu,),
-                "prefetch": (False, True) if args.prefetch else (False,),
+                "prefetch": ((True,) if args.prefetch_only else
+                             (False, True) if args.prefetch else (False,)),
                 "stages": tuple(int(v) for v in args.stages.split(",")),
                 "tiles": tuple(tuple(int(v) for v in t.split("x")) for t in args.tiles.split(","))}
         res = (sweep_groups(shapes, rows, args.rank, device, grid) if args.groups else

@@ -18,6 +18,8 @@ every row runs to --new. Variants (--variants):
                   launch (the kernel plan's silu_mul off: an A/B of that fusion; optional)
     loop_torch_sample `loop` with the sampling step's reductions by torch's ops (the kernel
                   plan's sample off: an A/B of `race_sample`; optional)
+    loop_2_per_sm `loop` with the decode linear's tile rule at 2 programs per SM
+                  (`linear4bit.PROGRAMS_PER_SM`; an A/B of the rule; optional)
 
 Each loop variant runs once per --kernels value: "torch" (the modules' own forwards) and "auto"
 (the fused 4-bit + LoRA decode linear for the projections, add_rmsnorm for each residual add +
@@ -59,7 +61,7 @@ from bench import common as bc
 from bench import e2e_common as E
 
 VARIANTS = ("hf_eager", "fast_sampler", "loop", "loop_triton", "loop_no_silu_mul",
-            "loop_torch_sample")
+            "loop_torch_sample", "loop_2_per_sm")
 # the lab variants' kernel plans: `loop`'s without one piece
 PLAN_WITHOUT = {"loop_no_silu_mul": {"silu_mul": frozenset()},
                 "loop_torch_sample": {"sample": False}}
@@ -126,7 +128,11 @@ class Variant:
             return self.model.generate(input_ids=ids, attention_mask=mask,
                                        generation_config=copy.deepcopy(config))
         without = PLAN_WITHOUT.get(self.name)
-        with _plans_without(without) if without else contextlib.nullcontext():
+        with contextlib.ExitStack() as stack:
+            if without:
+                stack.enter_context(_plans_without(without))
+            if self.name == "loop_2_per_sm":
+                stack.enter_context(_programs_per_sm(2))
             out = self.sampler.generate(self.model, ids, mask, config)
         if out is None:
             raise RuntimeError(f"{self.name} off: {self.sampler.disabled_reason}")
@@ -145,6 +151,19 @@ def _plans_without(fields: dict):
         yield
     finally:
         loop.make_plan = real
+
+
+@contextlib.contextmanager
+def _programs_per_sm(n: int):
+    """The decode linear's tiles picked inside (at each graph's capture) for n programs per SM."""
+    from trainers.sampling.kernels import linear4bit
+
+    real = linear4bit.PROGRAMS_PER_SM
+    linear4bit.PROGRAMS_PER_SM = n
+    try:
+        yield
+    finally:
+        linear4bit.PROGRAMS_PER_SM = real
 
 
 def sync(device):

@@ -86,6 +86,7 @@ def test_processors_sample_fused_equals_torch_ops():
     assert ((lp - lp_ref).double().abs() <= 2 * _logp_tol(z.double(), lse)).all()
 
 
+@pytest.mark.slow  # 3000 rows: the interpreter runs each row's programs one by one
 def test_frequencies_follow_the_softmax():
     """The kernels' race over fresh draws samples softmax(z): chi-square over V = 6 tokens,
     N = 3000 draws (rows of one logit vector). The statistic has 5 degrees of freedom; the

@@ -483,13 +483,19 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+# the split-K grid's programs per SM (pick_config): at the Llama and Qwen layer shapes only the
+# q/k/v launch depends on it between 2 and 3, and takes 3 (bench/README.md, the group sweep)
+PROGRAMS_PER_SM = 3
+
+
 def pick_config(m: int, n, k: int, blocksize: int, num_sms: int) -> dict:
     """Tiles for M rows of x against weights of `n` output features (an int, or the sequence of
     a grouped call's N_s) and K input features: BLOCK_M covers the decode batch (16 is the
     smallest dot tile); BLOCK_N 64 output columns, 128 when the weights hold 2²⁵ elements or
     more, on 4 warps. The K loop (one absmax block per step) is split over programs so that the
-    grid holds about two programs per SM (the largest power of two that does not pass it) and
-    no program runs more than 32 steps, but every program at least two; at most 32 splits.
+    grid holds about PROGRAMS_PER_SM programs per SM (the largest power of two that does not
+    pass it) and no program runs more than 32 steps, but every program at least two; at most
+    32 splits.
     Each step's loads are issued one step ahead (PREFETCH), in registers: one stage.
     (bench/README.md, the decode linear: the rule against the sweep of every tile.)"""
     ns = [n] if isinstance(n, int) else list(n)
@@ -497,8 +503,8 @@ def pick_config(m: int, n, k: int, blocksize: int, num_sms: int) -> dict:
     block_n = 128 if sum(ns) * k >= 1 << 25 else 64
     blocks = k // blocksize
     mn_progs = triton.cdiv(m, block_m) * sum(triton.cdiv(v, block_n) for v in ns)
-    by_sms = max(1, 2 * num_sms // mn_progs)
-    by_sms = 1 << (by_sms.bit_length() - 1)  # largest power of two <= 2·SMs / programs
+    by_sms = max(1, PROGRAMS_PER_SM * num_sms // mn_progs)
+    by_sms = 1 << (by_sms.bit_length() - 1)  # largest power of two <= 3·SMs / programs
     by_steps = triton.next_power_of_2(triton.cdiv(blocks, 32))
     split = max(1, min(max(by_sms, by_steps), 32, blocks // 2))
     return {"BLOCK_M": block_m, "BLOCK_N": block_n, "SPLIT_K": split, "num_warps": 4,
