@@ -18,9 +18,10 @@ argmax), which at a decode batch leaves most of the GPU idle.
 
 Precision: lse differs from torch's log_softmax only by the order of the fp32 sums (and the
 exp's few ulps): |Δ lse| ≤ (V + S + 4) · 2⁻²⁴ + ulp(lse), so logp is within that plus
-ulp(logp) of the exact fp64 value (tests/test_sampling_race.py); the race's scores are formed
-as torch forms them ((z − lse) − log E, libdevice's logf on the GPU), so the token is torch's
-except where two scores are within that bound of each other.
+ulp(logp) of the exact fp64 value (tests/test_sampling_race.py). The race's scores are
+(z − lse) − log E with libdevice's logf on the GPU (torch's log), where torch forms
+((z − max) − log Σ) − log E: the same up to that bound, so the token is torch's except where
+two scores are within it of each other.
 """
 
 from __future__ import annotations
