@@ -232,6 +232,29 @@ def layer_summary(results, groups=()) -> list[dict]:
     return out
 
 
+def group_sets(shapes, rank, device):
+    """(model, group name, the members' (N, K), modules, cold sets) for each GROUPS launch that
+    `shapes` holds: the modules and enough copies of them to stream 2x the L2 (`cold_sets`).
+    Their memory is freed before the next group's is made, once the caller has dropped its
+    references."""
+    for model, layers in shapes.items():
+        for name, members in GROUPS.items():
+            if not all(mb in layers for mb in members):
+                continue
+            mods = [make_module(*layers[mb], rank, device) for mb in members]
+            sets = cold_sets(mods, device)
+            yield model, name, [layers[mb] for mb in members], mods, sets
+            del mods, sets
+            bc.free_memory()
+
+
+def replay_ms(fn, x, sets, mods, device) -> tuple[dict, str | None]:
+    """(ms, why no graph) of fn(x, set) replayed over the cold sets in a graph, or timed
+    eagerly on `mods` where no graph could be captured."""
+    g, why = graph_ms([functools.partial(fn, x, st) for st in sets], device)
+    return g or bc.time_ms(functools.partial(fn, x, mods), device), why
+
+
 def grouped(shapes, rows, rank, device) -> list[dict]:
     """Graph-replay ms of `decode_linears` on each GROUPS set of modules (one launch), checked
     against each module's forward first, over enough copies of the set to stream 2x the L2."""
@@ -242,44 +265,34 @@ def grouped(shapes, rows, rank, device) -> list[dict]:
         return torch.nn.functional.silu(g) * u
 
     out = []
-    for model, layers in shapes.items():
-        for name, members in GROUPS.items():
-            if not all(mb in layers for mb in members):
-                continue
-            mods = [make_module(*layers[mb], rank, device) for mb in members]
-            sets = cold_sets(mods, device)
-            k = layers[members[0]][1]
-            for m in rows:
-                x = torch.randn(m, k, device=device).to(torch.bfloat16)
+    for model, name, nks, mods, sets in group_sets(shapes, rank, device):
+        k = nks[0][1]
+        for m in rows:
+            x = torch.randn(m, k, device=device).to(torch.bfloat16)
+            with torch.no_grad():
+                for md, y in zip(mods, decode_linears(x, mods)):
+                    check(y, md(x), x, md)
+                g, why = replay_ms(decode_linears, x, sets, mods, device)
+            rec = {"model": model, "group": name, "members": list(GROUPS[name]), "M": m,
+                   "ours_graph": g, "ours_graph_na": why}
+            msg = ""
+            if name == "gate/up":
                 with torch.no_grad():
-                    for md, y in zip(mods, decode_linears(x, mods)):
-                        check(y, md(x), x, md)
-                    g, why = graph_ms([functools.partial(decode_linears, x, st)
-                                       for st in sets], device)
-                    g = g or bc.time_ms(functools.partial(decode_linears, x, mods), device)
-                rec = {"model": model, "group": name, "members": list(members), "M": m,
-                       "ours_graph": g, "ours_graph_na": why}
-                msg = ""
-                if name == "gate/up":
-                    with torch.no_grad():
-                        # bit for bit on the GPU (libdevice's expf, as torch's); the
-                        # interpreter's exp is numpy's (the CPU tests bound it)
-                        if device.type == "cuda" and not torch.equal(
-                                decode_silu_mul(x, *mods), unfused(x, mods)):
-                            raise AssertionError("decode_silu_mul is not silu(gate) * up")
-                        rec["silu_mul_graph"] = {
-                            key: graph_ms([functools.partial(fn, x, st) for st in sets],
-                                          device)[0] or bc.time_ms(
-                                              functools.partial(fn, x, mods), device)
-                            for key, fn in (("unfused", unfused),
-                                            ("fused", lambda x, st: decode_silu_mul(x, *st)))}
-                    t = rec["silu_mul_graph"]
-                    msg = (f"; with silu·mul {t['unfused']['ms']:.4f} ms in 3 launches, "
-                           f"{t['fused']['ms']:.4f} in 1")
-                out.append(rec)
-                print(f"{model:5} {name:8} one launch, M={m:3}: {g['ms']:.4f} ms{msg}")
-            del mods, sets
-            bc.free_memory()
+                    # bit for bit on the GPU (libdevice's expf, as torch's); the
+                    # interpreter's exp is numpy's (the CPU tests bound it)
+                    if device.type == "cuda" and not torch.equal(
+                            decode_silu_mul(x, *mods), unfused(x, mods)):
+                        raise AssertionError("decode_silu_mul is not silu(gate) * up")
+                    rec["silu_mul_graph"] = {
+                        key: replay_ms(fn, x, sets, mods, device)[0]
+                        for key, fn in (("unfused", unfused),
+                                        ("fused", lambda x, st: decode_silu_mul(x, *st)))}
+                t = rec["silu_mul_graph"]
+                msg = (f"; with silu·mul {t['unfused']['ms']:.4f} ms in 3 launches, "
+                       f"{t['fused']['ms']:.4f} in 1")
+            out.append(rec)
+            print(f"{model:5} {name:8} one launch, M={m:3}: {g['ms']:.4f} ms{msg}")
+        del mods, sets  # group_sets frees them
     return out
 
 
@@ -376,32 +389,25 @@ def sweep_groups(shapes, rows, rank, device, grid: dict):
         return linear4bit_lora_silu_mul(x, *parts, config=config)
 
     out = []
-    for model, layers in shapes.items():
-        for name, members in GROUPS.items():
-            if not all(mb in layers for mb in members):
-                continue
-            mods = [make_module(*layers[mb], rank, device) for mb in members]
-            sets = cold_sets(mods, device)
-            parts = [[LinearPart(w, None, a, b, 2.0) for w, a, b in map(packed_part, st)]
-                     for st in sets]
-            ns, k = [layers[mb][0] for mb in members], layers[members[0]][1]
-            bs = parts[0][0].weight.blocksize
-            for m in rows:
-                x = torch.randn(m, k, device=device).to(torch.bfloat16)
-                bm = min(64, max(16, triton.next_power_of_2(m)))
-                chosen = pick_config(m, ns, k, bs, _num_sms(device))
-                configs = [chosen] + [{"BLOCK_M": bm, **c} for c in sweep_configs(k, bs, **grid)]
+    for model, name, nks, mods, sets in group_sets(shapes, rank, device):
+        parts = [[LinearPart(w, None, a, b, 2.0) for w, a, b in map(packed_part, st)]
+                 for st in sets]
+        ns, k = [n for n, _ in nks], nks[0][1]
+        bs = parts[0][0].weight.blocksize
+        fn = silu_mul if name == "gate/up" else linear4bit_lora_group
+        for m in rows:
+            x = torch.randn(m, k, device=device).to(torch.bfloat16)
+            bm = min(64, max(16, triton.next_power_of_2(m)))
+            chosen = pick_config(m, ns, k, bs, _num_sms(device))
+            configs = [chosen] + [{"BLOCK_M": bm, **c} for c in sweep_configs(k, bs, **grid)]
 
-                fn = silu_mul if name == "gate/up" else linear4bit_lora_group
+            def calls(cfg, x=x, parts=parts, fn=fn):
+                return [functools.partial(fn, x, ps, config=cfg) for ps in parts]
 
-                def calls(cfg, x=x, parts=parts, fn=fn):
-                    return [functools.partial(fn, x, ps, config=cfg) for ps in parts]
-
-                out.append(_record(_time_configs(calls, configs, device),
-                                   {"model": model, "layer": name, "N": sum(ns), "K": k, "M": m},
-                                   None))
-            del mods, sets, parts
-            bc.free_memory()
+            out.append(_record(_time_configs(calls, configs, device),
+                               {"model": model, "layer": name, "N": sum(ns), "K": k, "M": m},
+                               None))
+        del mods, sets, parts  # group_sets frees them
     return out
 
 
