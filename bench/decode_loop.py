@@ -54,6 +54,7 @@ import math
 import statistics
 import time
 from pathlib import Path
+from unittest import mock
 
 import torch
 
@@ -127,43 +128,28 @@ class Variant:
         if self.sampler is None:
             return self.model.generate(input_ids=ids, attention_mask=mask,
                                        generation_config=copy.deepcopy(config))
-        without = PLAN_WITHOUT.get(self.name)
-        with contextlib.ExitStack() as stack:
-            if without:
-                stack.enter_context(_plans_without(without))
-            if self.name == "loop_2_per_sm":
-                stack.enter_context(_programs_per_sm(2))
+        with _lab_patch(self.name):
             out = self.sampler.generate(self.model, ids, mask, config)
         if out is None:
             raise RuntimeError(f"{self.name} off: {self.sampler.disabled_reason}")
         return out
 
 
-@contextlib.contextmanager
-def _plans_without(fields: dict):
-    """The kernel plans made inside (once per loop and batch, at its first call) with `fields`
-    replaced (a piece turned off)."""
+def _lab_patch(name: str):
+    """What a lab variant runs under (its graphs are captured inside, so they keep it): `loop`'s
+    kernel plans with PLAN_WITHOUT's fields replaced, or the decode linear's tile rule at 2
+    programs per SM; a null context for every other variant."""
     from trainers.sampling import loop
-
-    real = loop.make_plan
-    loop.make_plan = lambda *a, **kw: dataclasses.replace(real(*a, **kw), **fields)
-    try:
-        yield
-    finally:
-        loop.make_plan = real
-
-
-@contextlib.contextmanager
-def _programs_per_sm(n: int):
-    """The decode linear's tiles picked inside (at each graph's capture) for n programs per SM."""
     from trainers.sampling.kernels import linear4bit
 
-    real = linear4bit.PROGRAMS_PER_SM
-    linear4bit.PROGRAMS_PER_SM = n
-    try:
-        yield
-    finally:
-        linear4bit.PROGRAMS_PER_SM = real
+    if name == "loop_2_per_sm":
+        return mock.patch.object(linear4bit, "PROGRAMS_PER_SM", 2)
+    fields = PLAN_WITHOUT.get(name)
+    if fields is None:
+        return contextlib.nullcontext()
+    real = loop.make_plan
+    return mock.patch.object(
+        loop, "make_plan", lambda *a, **kw: dataclasses.replace(real(*a, **kw), **fields))
 
 
 def sync(device):
