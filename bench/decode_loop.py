@@ -18,6 +18,8 @@ every row runs to --new. Variants (--variants):
                   launch (the kernel plan's silu_mul off: an A/B of that fusion; optional)
     loop_torch_sample `loop` with the sampling step's reductions by torch's ops (the kernel
                   plan's sample off: an A/B of `race_sample`; optional)
+    loop_cublas_head `loop` with the decode step's LM head by the module (cuBLAS) instead of
+                  `head_logits` (the kernel plan's head off; optional)
     loop_2_per_sm `loop` with the decode linear's tile rule at 2 programs per SM
                   (`linear4bit.PROGRAMS_PER_SM`; an A/B of the rule; optional)
 
@@ -62,10 +64,11 @@ from bench import common as bc
 from bench import e2e_common as E
 
 VARIANTS = ("hf_eager", "fast_sampler", "loop", "loop_triton", "loop_no_silu_mul",
-            "loop_torch_sample", "loop_2_per_sm")
+            "loop_torch_sample", "loop_cublas_head", "loop_2_per_sm")
 # the lab variants' kernel plans: `loop`'s without one piece
 PLAN_WITHOUT = {"loop_no_silu_mul": {"silu_mul": frozenset()},
-                "loop_torch_sample": {"sample": False}}
+                "loop_torch_sample": {"sample": False},
+                "loop_cublas_head": {"head": False}}
 DEFAULT_VARIANTS = ("hf_eager", "fast_sampler", "loop")
 
 
@@ -148,8 +151,12 @@ def _lab_patch(name: str):
     if fields is None:
         return contextlib.nullcontext()
     real = loop.make_plan
-    return mock.patch.object(
-        loop, "make_plan", lambda *a, **kw: dataclasses.replace(real(*a, **kw), **fields))
+
+    def plan(*a, **kw):
+        made = real(*a, **kw)
+        return dataclasses.replace(made, **fields, line=f"{made.line} (lab variant {name}: "
+                                                        f"{', '.join(fields)} off)")
+    return mock.patch.object(loop, "make_plan", plan)
 
 
 def sync(device):

@@ -9,6 +9,9 @@ h (B, H) bf16, W (V, H) bf16 (std 0.02, h scaled so the logits have std 2), V = 
                      Python overhead: what a captured decode step sees)
     torch            logits = (h @ Wᵀ).float() / τ, softmax, torch.multinomial, log_softmax gather
     torch greedy     (h @ Wᵀ).float().argmax
+    head_logits (graph)   the decode loop's LM head, (B, V) fp32 logits of bf16 values
+                     (trainers.sampling.kernels.head_logits), captured in a CUDA graph
+    cuBLAS logits (graph) the same logits as the module computes them, (h @ Wᵀ).float(), captured
     floor            V·H·2 bytes ÷ the HBM bandwidth, measured in the same run by a 4 GiB
                      device-to-device copy (read + write: 2 × bytes ÷ time)
 
@@ -40,6 +43,7 @@ from bench import common as bc
 from grpo_lce import linear_sample
 from grpo_lce.kernels import sample_rows
 from grpo_lce.reference import sample_logprobs_ref
+from trainers.sampling.kernels.head_logits import head_logits
 
 V_DEFAULT = 128256  # Llama-3 vocabulary
 
@@ -91,6 +95,16 @@ def graph_call(h, w, device):
     graph.replay()
     torch.cuda.synchronize(device)
     return graph.replay, not torch.equal(first, tok)
+
+
+def graph_replay(fn):
+    """fn captured in a CUDA graph (after two warm-up calls): its replay."""
+    for _ in range(2):
+        fn()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
 
 
 def sweep(h, w, device):
@@ -154,6 +168,10 @@ def main(argv=None) -> int:
         fresh = None
         if device.type == "cuda":
             variants["ours (graph)"], fresh = graph_call(h, w, device)
+            head = torch.nn.Linear(H, a.vocab, bias=False, device="meta")
+            head.weight = torch.nn.Parameter(w, requires_grad=False)
+            variants["head_logits (graph)"] = graph_replay(lambda: head_logits(h, head))
+            variants["cuBLAS logits (graph)"] = graph_replay(lambda: (h @ w.t()).float())
         for name, fn in variants.items():
             t = bc.time_ms(fn, device)
             ratio = t["ms"] / floor_ms if floor_ms else None

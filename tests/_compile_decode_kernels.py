@@ -13,6 +13,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from trainers.sampling.kernels import head_logits as HL
 from trainers.sampling.kernels import linear4bit as L
 from trainers.sampling.kernels import race as S
 from trainers.sampling.kernels import rmsnorm as R
@@ -91,6 +92,11 @@ def main():
                    {"z_ptr": "*fp32", "m_ptr": "*fp32", "s_ptr": "*fp32", "best_ptr": "*fp32",
                     "idx_ptr": "*i32", "y_ptr": "*i64", "lp_ptr": "*fp32"},
                    {"S_BLOCK": 32}, num_warps=1)
+    for dt, even, bb in (("bf16", True, 16), ("bf16", False, 64), ("fp16", True, 32)):
+        compile_kernel(HL._head_logits_kernel, {"x_ptr": f"*{dt}", "w_ptr": f"*{dt}",
+                                                "z_ptr": "*fp32"},
+                       {"EVEN_H": even, "BLOCK_V": HL.BLOCK_V, "BLOCK_B": bb,
+                        "BLOCK_H": HL.BLOCK_H, "INTERP": False}, num_warps=4, num_stages=4)
     print("all compiled")
     return 0
 

@@ -578,8 +578,10 @@ def _varlen_attn_reference(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, win
     assert torch.equal(cu_q, cu_k) and cu_q.dtype == torch.int32
     cu = cu_q.tolist()
     assert max_q == max_k == max(e - s for s, e in zip(cu[:-1], cu[1:], strict=True))
-    if k.shape[1] != q.shape[1]:
-        assert enable_gqa  # the other signature gets k, v already repeated
+    _varlen_attn_reference.kv_heads.append(k.shape[1])
+    if k.shape[1] != q.shape[1]:  # GQA: query head h reads kv head h // G, as FlashAttention
+        if _varlen_attn_reference.refuses_gqa:
+            raise RuntimeError("number of heads in key/value must equal the query's")
         rep = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
     _varlen_attn_reference.seen.append(cu)
@@ -592,14 +594,20 @@ def _varlen_attn_reference(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, win
     return out
 
 
-@pytest.mark.parametrize("signature", ["window_size,enable_gqa", "is_causal"])
-def test_sdpa_varlen_packs_sdpa_models(tok, tmp_path, monkeypatch, signature):
+@pytest.mark.parametrize("signature", ["window_size,enable_gqa", "window_size", "is_causal",
+                                       "window_size,refuses_gqa"])
+def test_sdpa_varlen_packs_sdpa_models(tok, tmp_path, monkeypatch, caplog, signature):
     # trainers.attention on CPU: the CUDA kernel is replaced by its contract in plain sdpa, for the
-    # two varlen_attn signatures torch has had (window_size + enable_gqa, or is_causal only).
-    params = frozenset({"scale", *signature.split(",")})
+    # varlen_attn signatures torch has had (window_size + enable_gqa, window_size only, is_causal
+    # only), and for one whose kernel refuses K and V with fewer heads than Q (then expanded).
+    refuses = signature.endswith("refuses_gqa")
+    params = frozenset({"scale", *signature.split(",")} - {"refuses_gqa"})
     monkeypatch.setattr(attention, "_varlen_attn", lambda: (_varlen_attn_reference, params))
     monkeypatch.setattr(attention, "_kernel_runs", lambda query: True)
+    monkeypatch.setattr(attention, "_native_gqa", [True])
     monkeypatch.setattr(_varlen_attn_reference, "seen", [], raising=False)
+    monkeypatch.setattr(_varlen_attn_reference, "kv_heads", [], raising=False)
+    monkeypatch.setattr(_varlen_attn_reference, "refuses_gqa", refuses, raising=False)
     tr = _trainer(tok, tmp_path, packing="auto")
     lm = unwrap_causal_lm(tr.model)
     ids, mask = _ragged(tok)
@@ -619,6 +627,15 @@ def test_sdpa_varlen_packs_sdpa_models(tok, tmp_path, monkeypatch, signature):
     lens = [mask[b].sum().item() for b in range(B) if COMPLETION_LENS[b] > 0]
     boundaries = torch.tensor([0, *lens]).cumsum(0).tolist()
     assert _varlen_attn_reference.seen == [boundaries] * lm.config.num_hidden_layers
+    # K and V keep their own heads (GQA in the kernel) unless the kernel refused them: one
+    # refused call, one logged line, then every call expanded to the query heads
+    n_layers, heads = lm.config.num_hidden_layers, lm.config.num_attention_heads
+    kv = lm.config.num_key_value_heads
+    assert kv < heads
+    expected = [kv] + [heads] * n_layers if refuses else [kv] * n_layers
+    assert _varlen_attn_reference.kv_heads == expected
+    refusals = [r for r in caplog.records if "refused K and V" in r.getMessage()]
+    assert len(refusals) == (1 if refuses else 0)
     _assert_close(lp, lp_sdpa, atol=LOGP_ATOL, what="logp sdpa_varlen")
     _assert_close(ent, ent_sdpa, atol=LOGP_ATOL, what="entropy sdpa_varlen")
     # gradients flow through the packed call (the reference runs under autograd here)

@@ -49,8 +49,11 @@ from transformers.masking_utils import (
     flex_attention_mask,
     sdpa_mask,
 )
+from transformers.utils import logging
 
 from .models import PeftModel, unwrap_causal_lm, unwrap_model
+
+logger = logging.get_logger(__name__)
 
 IMPL = "grpo_lce_sdpa_varlen"
 # The kinds whose packed calls carry the row boundaries `cu_seq_lens_q/k`, `max_length_q/k`.
@@ -239,8 +242,20 @@ def _block_causal_mask(cu_seqlens: torch.Tensor, T: int, device) -> torch.Tensor
     return mask[None, None]
 
 
+# Whether this process's varlen_attn took K and V with fewer heads than Q without an
+# `enable_gqa` keyword (FlashAttention reads kv head h // G for query head h itself); False
+# after it refused them once: K and V are then expanded to Q's heads.
+_native_gqa = [True]
+
+
 def _varlen(query, key, value, cu_q, cu_k, max_q: int, max_k: int, scaling):
-    """query (1, Hq, T, D), key/value (1, Hkv, T, D) -> (1, T, Hq, D) via varlen_attn."""
+    """query (1, Hq, T, D), key/value (1, Hkv, T, D) -> (1, T, Hq, D) via varlen_attn.
+
+    Grouped-query attention (Hkv < Hq) passes K and V with their own heads: through
+    `enable_gqa` where varlen_attn has it, else as they are (FlashAttention's varlen kernels
+    take Hkv dividing Hq, forward and backward). Expanding them to Hq heads instead would hold
+    two (T, Hq, D) copies per layer in the training pass, which its backward's recompute keeps
+    live at the memory peak; that expansion is the fallback where a kernel refuses them."""
     fn, params = _varlen_attn()
     q, k, v = (t[0].transpose(0, 1).contiguous() for t in (query, key, value))  # (T, H, D)
     kw = {"scale": scaling}
@@ -248,14 +263,23 @@ def _varlen(query, key, value, cu_q, cu_k, max_q: int, max_k: int, scaling):
         kw["window_size"] = (-1, 0)  # causal: every key up to the query, none after
     else:
         kw["is_causal"] = True
+    args = (cu_q.to(torch.int32), cu_k.to(torch.int32), int(max_q), int(max_k))
     if q.shape[1] != k.shape[1]:  # grouped-query attention
         if "enable_gqa" in params:
             kw["enable_gqa"] = True
-        else:
+        elif _native_gqa[0]:
+            try:
+                return fn(q, k, v, *args, **kw).unsqueeze(0)
+            except (RuntimeError, ValueError) as exc:
+                _native_gqa[0] = False
+                logger.warning(f"grpo_lce packing: varlen_attn refused K and V with "
+                               f"{k.shape[1]} heads for {q.shape[1]} query heads "
+                               f"({str(exc).splitlines()[0][:160]}); they are expanded to "
+                               "the query heads from now on")
+        if not kw.get("enable_gqa"):
             group = q.shape[1] // k.shape[1]
             k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-    out = fn(q, k, v, cu_q.to(torch.int32), cu_k.to(torch.int32), int(max_q), int(max_k), **kw)
-    return out.unsqueeze(0)
+    return fn(q, k, v, *args, **kw).unsqueeze(0)
 
 
 def sdpa_varlen_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None,

@@ -13,6 +13,9 @@
                  (`decode_silu_mul`) where `linear4bit.silu_mul_modules_reason` accepts it
     sample       the sampling step's reductions over the vocabulary (log-sum-exp, the race or
                  the argmax, the token's log-prob): `race_sample`, split over programs
+    head         each decode step's LM head: `head_logits`, where `head_logits.head_reason`
+                 accepts the output embeddings (a plain 16-bit nn.Linear without bias), so a
+                 captured step holds no cuBLAS call of its own
     rope         each decode step's RoPE of q and k (after Qwen3's q_norm / k_norm, fused) with
                  the write of k and v into the cache: `rope_cache_write`, one launch per layer,
                  when the rotary dim is the head dim and any q/k norm is LlamaRMSNorm's forward
@@ -37,6 +40,7 @@ from transformers import activations
 
 from .kernels import linear4bit
 from .kernels._interp import interpreting
+from .kernels.head_logits import head_reason
 from .kernels.rmsnorm import rmsnorm_params
 from .kernels.rope import norm_params
 
@@ -59,11 +63,12 @@ class KernelPlan:
     norms: bool = False  # residual add + RMSNorm by add_rmsnorm
     rope: bool = False  # decode steps: (q/k norm +) RoPE + cache write by rope_cache_write
     sample: bool = False  # the sampling reductions by race_sample
+    head: bool = False  # decode steps: the LM head by head_logits
     line: str = "kernels off (kernels='torch')"
 
     @property
     def active(self) -> bool:
-        return bool(self.fused) or self.norms or self.rope or self.sample
+        return bool(self.fused) or self.norms or self.rope or self.sample or self.head
 
 
 TORCH = KernelPlan()
@@ -182,7 +187,10 @@ def make_plan(base, kernels: str, device_type: str, batch: int = 1) -> KernelPla
     line += ("; " + ("q/k norm + " if has_norms else "") + "RoPE + cache write by rope_cache_write"
              if rope_reason is None else f"; RoPE by torch ops ({rope_reason})")
     line += "; sampling reductions by race_sample"
+    head = head_reason(base.get_output_embeddings(), dtype)
+    line += "; LM head by head_logits" if head is None else f"; LM head by the module ({head})"
     if not fused:
         split_mlp = set()  # nothing to gain from running the MLP piecewise
     return KernelPlan(frozenset(fused), frozenset(split_mlp), frozenset(groups),
-                      frozenset(silu_mul), norm_reason is None, rope_reason is None, True, line)
+                      frozenset(silu_mul), norm_reason is None, rope_reason is None, True,
+                      head is None, line)

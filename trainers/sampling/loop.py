@@ -195,26 +195,29 @@ CAPTURE_DEVICES = ("cuda",)  # where `capture` takes effect (tests add "cpu" wit
 
 
 @contextlib.contextmanager
-def _side_stream(device):
-    """Run the block on a side stream (CUDA graph warm-up), or as it is off CUDA."""
-    if device.type != "cuda":
+def _on_stream(stream):
+    """Run the block on `stream` (a CUDA graph's warm-up), or as it is where None (off CUDA)."""
+    if stream is None:
         yield
         return
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
         yield
-    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.current_stream().wait_stream(stream)
 
 
-def _graph_of(run, pool):
-    """`run()` captured as a CUDA graph: `.replay()` runs its kernels on the static buffers.
+def _graph_of(run, pool, stream):
+    """`run()` captured as a CUDA graph on `stream`: `.replay()` runs its kernels on the static
+    buffers.
 
     One memory pool for all graphs: a graph's outputs live in the static state, never in the
     pool, so what one graph leaves there is dead at its end and another may reuse it.
+    One stream for all warm-ups and captures: torch keeps a cuBLAS workspace per (handle,
+    stream) for the life of the process, so a cuBLAS call in a captured step costs one, not one
+    per warm-up stream and another for torch's capture stream.
     thread_local: another thread's CUDA calls (a data loader's pinning) do not break capture."""
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+    with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
         run()
     return graph
 
@@ -248,7 +251,8 @@ class DecodeLoop:
         self._checked: set[tuple] = set()  # (id(model), plan.line) whose first call passed
         self._logged: set[str] = set()
         self._plans: dict[tuple, object] = {}  # (id(model), fingerprint, batch) -> KernelPlan
-        self._pool = None
+        self._pool = None  # the graphs' memory pool and their stream, made at the first capture
+        self._stream = None
 
     # -- policy -----------------------------------------------------------------------------
 
@@ -379,7 +383,9 @@ class DecodeLoop:
         dev = st.cur.device
         saved = [t.clone() for t in st.tensors()]
         rng = torch.cuda.get_rng_state(dev) if dev.type == "cuda" else torch.get_rng_state()
-        with _side_stream(dev):  # warm-up: lazy inits, cuBLAS workspaces, allocator
+        if self._pool is None and dev.type == "cuda":
+            self._pool, self._stream = torch.cuda.graph_pool_handle(), torch.cuda.Stream(dev)
+        with _on_stream(self._stream):  # warm-up: lazy inits, workspaces, allocator
             self._decode_steps(step_fn, cache, st, spec, eos, pad, 1)
         # the warm-up step never happened: state and random stream as before it (its cache
         # writes land in slots the first real step writes again before any query reads them)
@@ -389,10 +395,8 @@ class DecodeLoop:
             torch.cuda.set_rng_state(rng, dev)
         else:
             torch.set_rng_state(rng)
-        if self._pool is None and st.cur.is_cuda:
-            self._pool = torch.cuda.graph_pool_handle()
         graph = _graph_of(functools.partial(self._decode_steps, step_fn, cache, st, spec, eos,
-                                            pad, self.check_every), self._pool)
+                                            pad, self.check_every), self._pool, self._stream)
         if st.cur.is_cuda:
             torch.cuda.synchronize()
         self.stats.captures += 1

@@ -5,8 +5,12 @@ The forward reads the model's own modules at every call: the embedding, each lay
 `k_norm` come with the modules), `post_attention_layernorm` and `mlp`, the final `norm` and the
 LM head. A bitsandbytes 4-bit base layer or a PEFT LoRA wrapper therefore runs as it is, reading
 its weights live, so a replay after an optimizer step sees the updated policy. RoPE is the
-model's own `rotary_emb(x, position_ids)` (Llama-3 scaling included); the attention scale is the
-module's own `scaling` (head_dim ** -0.5).
+model's own `rotary_emb(x, position_ids)` (Llama-3 scaling included), called once per cache size
+over the positions [0, M) (`rope_table`, eager, at the prefill): a token's cos and sin are the
+table's row at its position, the values the module returns for that position (each is one fp32
+product of the position and an inverse frequency, then cos / sin, whatever the call's shape),
+so a decode step reads them with no matmul; the attention scale is the module's own `scaling`
+(head_dim ** -0.5).
 
 Layout: row b's prompt of P_b tokens occupies cache slots [0, P_b), its t-th new token slot
 P_b + t, and the position id of every token is its slot: the positions HF assigns a left-padded
@@ -24,7 +28,9 @@ not in every layer); keys outside a row's valid length are masked, never read in
 With attention="triton" a decode step runs `decode_attention` instead, which reads only each
 row's valid keys. A sliding window w (Mistral, Qwen2 / Qwen3 sliding layers) adds
 the condition q - k < w, as HF's sliding mask does.
-Logits are the head's output in the model dtype, then fp32, as HF's `generate` takes them.
+Logits are the head's output in the model dtype, then fp32, as HF's `generate` takes them; with
+the plan's `head`, a decode step's head is `head_logits` (the same values up to the order of
+the fp32 sums).
 
 With a `kernel_plan.KernelPlan`, decode steps run the planned projections through
 `decode_linear` (an MLP of LlamaMLP's form as down(act(gate(x)) · up(x)), projection by
@@ -41,11 +47,14 @@ without q/k norms is bit for bit).
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.nn.functional as F
 
 from .decode_attention import decode_attention
 from .kernel_plan import TORCH, KernelPlan
+from .kernels.head_logits import head_logits
 from .kernels.linear4bit import decode_linear, decode_linears, decode_silu_mul
 from .kernels.rmsnorm import add_rmsnorm
 from .kernels.rope import norm_params, rope_cache_write
@@ -55,6 +64,9 @@ FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
 # RoPE types whose inverse frequencies are fixed at init; "dynamic" and "longrope" recompute
 # them from the sequence length at every call (a host read of the largest position).
 STATIC_ROPE = ("default", "linear", "llama3", "yarn")
+# rotary_emb module -> {(M, dtype, device): (cos, sin) (M, D)}: kept as long as the model, since
+# a captured graph reads the tables it was captured with
+_ROPE_TABLES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def base_model(model):
@@ -197,13 +209,24 @@ class ModelStep:
                              q_norm=norms and norms[0], k_norm=norms and norms[1])
         return q[:, :, None]
 
-    def _layers(self, h, positions, attend, write, keys, fused=False, qkv_write=None):
-        """Runs every layer: `write(i, k, v)` stores this step's keys and values in layer i's
-        cache; `keys(i)` returns the (K, V) the queries attend to; `attend(q, K, V, window,
-        scale)` the attention output (B, H, S, D). `fused`: the plan's projections run through
-        decode_linear. `qkv_write(i, attn, x, cos, sin)`, if given, replaces the projections,
-        RoPE and `write` (it returns q). Returns (h, delta): the residual stream is h + delta."""
-        cos, sin = self.inner.rotary_emb(h, positions)  # (B, S, D) in the model dtype
+    def rope_table(self, M: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) (M, D) in like's dtype: `rotary_emb` at positions [0, M), computed on the
+        first call for this (M, dtype, device) (module docstring)."""
+        tables = _ROPE_TABLES.setdefault(self.inner.rotary_emb, {})
+        key = (M, like.dtype, like.device)
+        table = tables.get(key)
+        if table is None:
+            cos, sin = self.inner.rotary_emb(like, torch.arange(M, device=like.device)[None])
+            table = tables[key] = (cos[0], sin[0])
+        return table
+
+    def _layers(self, h, cos, sin, attend, write, keys, fused=False, qkv_write=None):
+        """Runs every layer, with RoPE's cos / sin (B or 1, S, D): `write(i, k, v)` stores this
+        step's keys and values in layer i's cache; `keys(i)` returns the (K, V) the queries
+        attend to; `attend(q, K, V, window, scale)` the attention output (B, H, S, D). `fused`:
+        the plan's projections run through decode_linear. `qkv_write(i, attn, x, cos, sin)`, if
+        given, replaces the projections, RoPE and `write` (it returns q). Returns (h, delta):
+        the residual stream is h + delta."""
         delta = None  # the last block's output, not yet added to h
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
@@ -221,8 +244,10 @@ class ModelStep:
             delta = self._mlp(layer.mlp, x, fused)
         return h, delta
 
-    def _logits(self, h, delta):
+    def _logits(self, h, delta, fused=False):
         n, _ = self._add_norm(delta, h, self.inner.norm)
+        if fused and self.plan.head:
+            return head_logits(n, self.head)
         return self.head(n).float()
 
     def prefill(self, cache, ids, lengths):
@@ -254,7 +279,8 @@ class ModelStep:
             return _attention(q, K, V, masks[window], scale)
 
         h = self.inner.embed_tokens(ids)
-        h, delta = self._layers(h, pos[None].expand(B, S), attend, write, keys)
+        cos, sin = self.rope_table(cache.capacity, h)
+        h, delta = self._layers(h, cos[None, :S], sin[None, :S], attend, write, keys)
         last = (torch.arange(B, device=dev), (lengths - 1).clamp(min=0))
         # (B, hidden): only these rows reach the head
         return self._logits(h[last], None if delta is None else delta[last])
@@ -303,6 +329,7 @@ class ModelStep:
             return self._qkv_write(attn, x, cos, sin, cache.k[i], cache.v[i], slots)
 
         h = self.inner.embed_tokens(tokens[:, None])  # (B, 1, hidden)
-        h, delta = self._layers(h, slots[:, None], attend, write, keys, fused=True,
-                                qkv_write=qkv_write if self.plan.rope else None)
-        return self._logits(h[:, 0], None if delta is None else delta[:, 0])
+        cos, sin = self.rope_table(M, h)
+        h, delta = self._layers(h, cos[slots][:, None], sin[slots][:, None], attend, write, keys,
+                                fused=True, qkv_write=qkv_write if self.plan.rope else None)
+        return self._logits(h[:, 0], None if delta is None else delta[:, 0], fused=True)
