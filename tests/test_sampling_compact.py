@@ -113,16 +113,26 @@ def test_greedy_with_compaction_equals_without_and_hf(tok, family, fake_graphs):
 
 
 def test_repetition_penalty_moves_seen_with_its_row(tok, fake_graphs):
-    """The penalty reads each row's seen ids: after a compaction a row must carry its own."""
+    """The penalty reads each row's seen ids: after a compaction a row must carry its own.
+    A first call without the penalty makes the buckets without a seen mask (the state has
+    none until a call needs it); the penalized call then makes it, for the buckets too."""
     model = build(tok, "llama", lora=True)
     ids, mask = batch(tok, TEXTS)
-    gc = config(tok, [mid_eos(model, tok, ids, mask)], new=NEW, repetition_penalty=1.5)
+    eos = [mid_eos(model, tok, ids, mask)]
+    gc = config(tok, eos, new=NEW, repetition_penalty=1.5)
     ref = hf_completions(model, ids, mask, gc)
     plain, compact = loops()
+    unpenalized = config(tok, eos, new=NEW)
+    assert compact.generate(model, ids, mask, unpenalized).token_ids == \
+        hf_completions(model, ids, mask, unpenalized)
+    (state,) = compact._states.values()
+    assert state.seen is None and state.buckets  # compacted, and no mask made
     base = plain.generate(model, ids, mask, gc)
     out = compact.generate(model, ids, mask, gc)
     assert base.token_ids == ref and out.token_ids == ref
-    assert compact.stats.compactions >= 1
+    assert compact.stats.compactions >= 2
+    assert state.seen is not None and all(
+        v.seen.data_ptr() == state.seen.data_ptr() for v in state.buckets.values())
     assert_same(model, ids, mask, out, base)
 
 

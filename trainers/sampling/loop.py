@@ -5,7 +5,8 @@ Device-side state of one call, in static buffers per (cache, vocabulary):
     cur (B,) the last sampled token     slot (B,) where it is written (= its position)
     done (B,) bool                      step (1,) the output column the next token goes to
     out (B, N + k) int64, logp (B, N + k) fp32: the tokens and their log-probs by step
-    seen (B, V + 1) bool: the ids the repetition penalty applies to (column V: padding)
+    seen (B, V + 1) bool: the ids the repetition penalty applies to (column V: padding), made
+        by the first call with a repetition penalty (the others neither read nor write it)
 
 One decode step: logits = decode(cur at slot) → process → sample (y, log p_y);
 y <- pad where done (a finished row emits padding and its slot stops advancing); write y and
@@ -124,7 +125,7 @@ class _State:
     step: torch.Tensor
     out: torch.Tensor
     logp: torch.Tensor
-    seen: torch.Tensor
+    seen: torch.Tensor | None  # None until a call with a repetition penalty (`with_seen`)
     # the full batch: (B,) int64, the original row of each row (compaction permutes the rows);
     # a bucket: None
     orig: torch.Tensor | None = None
@@ -138,7 +139,17 @@ class _State:
     buckets: dict = dataclasses.field(default_factory=dict)  # b -> _State of views of rows [0, b)
 
     def tensors(self):
-        return (self.cur, self.slot, self.done, self.step, self.out, self.logp, self.seen)
+        return tuple(t for t in (self.cur, self.slot, self.done, self.step, self.out, self.logp,
+                                 self.seen) if t is not None)
+
+    def with_seen(self, vocab: int) -> torch.Tensor:
+        """`seen`, made (zeros) on first use, and the bucket views' rows of it."""
+        if self.seen is None:
+            self.seen = torch.zeros(self.cur.shape[0], vocab + 1, dtype=torch.bool,
+                                    device=self.cur.device)
+            for b, view in self.buckets.items():
+                view.seen = self.seen[:b]
+        return self.seen
 
     def leading(self, b: int) -> _State:
         """A state for working rows [0, b): views of cur, slot, done and seen, the shared step,
@@ -147,7 +158,8 @@ class _State:
         if view is None:
             view = self.buckets[b] = _State(
                 cur=self.cur[:b], slot=self.slot[:b], done=self.done[:b], step=self.step,
-                out=self.out, logp=self.logp, seen=self.seen[:b], rows=self.orig[:b])
+                out=self.out, logp=self.logp, seen=None if self.seen is None else self.seen[:b],
+                rows=self.orig[:b])
         return view
 
 
@@ -345,14 +357,14 @@ class DecodeLoop:
                 step=torch.zeros(1, dtype=torch.long, device=device),
                 out=torch.zeros(batch, width, dtype=torch.long, device=device),
                 logp=torch.zeros(batch, width, dtype=torch.float32, device=device),
-                seen=torch.zeros(batch, vocab + 1, dtype=torch.bool, device=device),
-                orig=torch.arange(batch, device=device))
+                seen=None, orig=torch.arange(batch, device=device))
         return state
 
     # -- the steps --------------------------------------------------------------------------
 
-    def _record(self, st, y, lp, eos, pad):
-        """Write token y (B,) and log p_y at column `step`, then advance the row state."""
+    def _record(self, st, y, lp, eos, pad, penalty):
+        """Write token y (B,) and log p_y at column `step`, then advance the row state (and mark
+        y seen, for a repetition penalty)."""
         y = torch.where(st.done, pad, y)
         lp = torch.where(st.done, torch.zeros_like(lp), lp)
         if st.rows is None:
@@ -367,16 +379,19 @@ class DecodeLoop:
         st.done.logical_or_((y[:, None] == eos[None]).any(1))  # (B, E) compare, E EOS ids
         st.cur.copy_(y)
         st.step.add_(1)
-        st.seen.scatter_(1, y[:, None], True)
+        if penalty:
+            st.seen.scatter_(1, y[:, None], True)
 
     def _decode_steps(self, step_fn, cache, st, spec, eos, pad, n):
         for _ in range(n):
             # slot: where `cur` is written; its slot advanced when it was recorded, so it is
             # one past the last written slot of a live row: cur sits at slot - 1
             z = step_fn.decode(cache, st.cur, st.slot - 1)
-            y, lp = processors.sample(processors.process(z, spec, st.seen[:, :-1]), spec,
-                                  fused=step_fn.plan.sample)
-            self._record(st, y, lp, eos, pad)
+            penalty = spec.repetition_penalty != 1.0
+            y, lp = processors.sample(
+                processors.process(z, spec, st.seen[:, :-1] if penalty else None), spec,
+                fused=step_fn.plan.sample)
+            self._record(st, y, lp, eos, pad, penalty)
 
     def _capture(self, step_fn, cache, st, spec, eos, pad):
         t0 = time.perf_counter()
@@ -440,7 +455,8 @@ class DecodeLoop:
             for i in range(kv.shape[0]):  # layer by layer: a (b, H_kv, cols, D) temporary
                 kv[i, :b, :, :cols] = kv[i, idx, :, :cols]
         for t in (st.cur, st.slot, st.done, st.seen, st.orig):  # the right side is a copy
-            t[:b] = t[idx]
+            if t is not None:
+                t[:b] = t[idx]
         self.stats.compactions += 1
         self.stats.compacted_rows += W - b
         self.stats.buckets = sorted(set(self.stats.buckets) | {b})
@@ -571,13 +587,15 @@ class DecodeLoop:
         st.step.zero_()
         st.out.fill_(pad)
         st.logp.zero_()
-        st.seen.zero_()
-        if spec.repetition_penalty != 1.0:  # the prompt's ids, padding to the spare column V
-            st.seen.scatter_(1, torch.where(pos[None] < lengths[:, None], ids_left, V), True)
+        penalty = spec.repetition_penalty != 1.0
+        if penalty:  # the prompt's ids, padding to the spare column V
+            seen = st.with_seen(V)
+            seen.zero_()
+            seen.scatter_(1, torch.where(pos[None] < lengths[:, None], ids_left, V), True)
         st.slot.copy_(lengths)
-        y, lp = processors.sample(processors.process(z, spec, st.seen[:, :-1]), spec,
-                                  fused=step_fn.plan.sample)
-        self._record(st, y, lp, eos, pad)
+        y, lp = processors.sample(processors.process(z, spec, st.seen[:, :-1] if penalty else None),
+                                  spec, fused=step_fn.plan.sample)
+        self._record(st, y, lp, eos, pad, penalty)
         if first_call:
             if dev.type == "cuda":
                 torch.cuda.synchronize()
