@@ -81,8 +81,9 @@ def replay(trace: list[dict], names: list[str]) -> dict:
         live, cur, where = {}, 0, (0, "setup")
         peaks = {}
         for i, e in enumerate(trace):
-            if i in part_at:
+            if i in part_at:  # a marker: not counted (its free finds nothing live)
                 where = part_at[i]
+                continue
             a = e["action"]
             if a == "alloc":
                 live[e["addr"]] = (e["size"], where, e.get("frames", []))
