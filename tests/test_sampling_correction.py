@@ -262,3 +262,51 @@ def test_call_not_served_by_the_loop_gets_no_correction(tok, tmp_path):
     assert tr._lce_samplers.served["compiled"] == 1
     assert not {"importance_sampling_ratio", "sampling_per_token_logps"} & out.keys()
     assert not any(k.startswith("sampling/") for k in tr._metrics["train"])
+
+
+@pytest.mark.parametrize("others", [True, False])
+def test_processes_agree_before_feeding_logprobs(tok, tmp_path, monkeypatch, caplog, others):
+    """Several processes: the first turn of a call asks all of them once (`all_processes`,
+    here answered for another process whose loop did or did not serve) and feeds log-probs only
+    where every process does; a call the loop did not serve asks too (with False), since the
+    others' turns wait for its answer."""
+    from trainers.sampling import correction
+
+    asked = []
+
+    def all_processes(flag, accelerator):
+        asked.append(flag)
+        return flag and others
+
+    monkeypatch.setattr(correction, "all_processes", all_processes)
+    tr = _trainer(tok, tmp_path)
+    with caplog.at_level("WARNING"):
+        out = _score(tr)
+        out2 = _score(tr)
+    assert asked == [True, True]  # one question per generation call
+    assert ("sampling_per_token_logps" in out) == others == ("sampling_per_token_logps" in out2)
+    disagreed = [r for r in caplog.records if "another process's decode loop" in r.getMessage()]
+    assert len(disagreed) == (0 if others else 1)  # logged once
+    assert not tr.use_vllm and tr._lce_correction._gate._saved is None  # the gate closed
+    for unserved in (_trainer(tok, tmp_path, loop=FakeDecodeLoop(unsupported="not this model")),
+                     _trainer(tok, tmp_path, sampler="trl")):  # FastSampler, TRL's generate
+        asked.clear()
+        assert "sampling_per_token_logps" not in _score(unserved)
+        assert asked == [False]
+
+
+def test_all_processes_is_the_minimum_over_processes():
+    """One process answers alone (no collective); several: the minimum of the gathered flags."""
+    from types import SimpleNamespace
+
+    from trainers.sampling.correction import all_processes
+
+    def acc(n, others):
+        return SimpleNamespace(num_processes=n, device="cpu", gather=lambda t: torch.cat(
+            [t, torch.tensor(others, dtype=t.dtype)]))
+
+    assert all_processes(True, SimpleNamespace(num_processes=1)) is True
+    assert all_processes(False, SimpleNamespace(num_processes=1)) is False
+    assert all_processes(True, acc(3, [1, 1])) is True
+    assert all_processes(True, acc(3, [1, 0])) is False
+    assert all_processes(False, acc(2, [1])) is False

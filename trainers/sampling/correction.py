@@ -57,6 +57,13 @@ NaN log-probs, which TRL treats as vLLM's missing ones (δ = 0, left out of the 
 
 VESPO with a sequence_* mode, which TRL refuses for vLLM, gets no correction from our
 log-probs (one logged line at construction).
+
+Several processes (DDP): TRL gathers the correction's metrics across processes, a collective
+that every process must enter, and each process's sampler is chosen on its own (a loop that
+failed its first-call check on one rank's prompts serves there no more). So the first turn of
+each call asks every process whether its own first turn feeds log-probs (`all_processes`, one
+gather of a flag per generation call) and feeds them only where all do; otherwise no process
+does, for that call (one logged line).
 """
 
 from __future__ import annotations
@@ -87,6 +94,15 @@ def sampler_ratio(old_logps: torch.Tensor, sampling_logps: torch.Tensor, mask: t
     lo = -math.inf if clip_min is None else clip_min
     hi = math.inf if clip_max is None else clip_max
     return ratio.masked_fill((ratio < lo) | (ratio > hi), 0.0)
+
+
+def all_processes(flag: bool, accelerator) -> bool:
+    """Whether `flag` holds on every process of `accelerator` (a collective: every process must
+    call it; a single process answers alone)."""
+    if accelerator.num_processes == 1:
+        return flag
+    mine = torch.tensor([int(flag)], device=accelerator.device)
+    return bool(accelerator.gather(mine).min().item())
 
 
 class _Gate:
@@ -126,6 +142,7 @@ class SamplerCorrection:
         self._fed: bool | None = None  # this call feeds log-probs; None before its first turn
         self._scoring = False
         self._loss_inputs: dict | None = None  # a loss whose ρ waits for its policy pass
+        self._disagreed_logged = False
 
     @property
     def _trainer(self):
@@ -141,10 +158,25 @@ class SamplerCorrection:
     def start_call(self) -> None:
         self._fed = None
 
+    def _decide(self, mine: bool) -> bool:
+        """Whether this call feeds log-probs: `mine` (this process's first turn does) on every
+        process (module docstring: several processes)."""
+        t = self._trainer
+        if not self.enabled or t.use_vllm:  # the same on every process: no collective
+            return False
+        fed = all_processes(mine, t.accelerator)
+        if mine and not fed and not self._disagreed_logged:
+            self._disagreed_logged = True
+            t._lce_logger.warning(
+                "grpo_lce: a generation's sampler log-probs are not fed to the importance-sampling "
+                "correction: another process's decode loop did not serve it (no process feeds "
+                "them for such a call).")
+        return fed
+
     def logprobs(self, sample) -> list[list[float]] | None:
         """What `_generate_single_turn` returns as log-probs for a sample our samplers served."""
         if self._fed is None:
-            self._fed = self.enabled and sample.logprobs is not None
+            self._fed = self._decide(sample.logprobs is not None)
         if not self._fed:
             return None
         if sample.logprobs is None:  # a later turn served by FastSampler
@@ -154,7 +186,7 @@ class SamplerCorrection:
     def fallback_logprobs(self, completion_ids, logprobs):
         """The same for a turn TRL's own method served (its `logprobs`: vLLM's, or None)."""
         if self._fed is None:
-            self._fed = False
+            self._fed = self._decide(False)
         if self._fed:
             return [[float("nan")] * len(ids) for ids in completion_ids]
         return logprobs
