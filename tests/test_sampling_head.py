@@ -14,8 +14,8 @@ then cos / sin), so a table row equals `rotary_emb(x, positions)` bit for bit.
 import pytest
 import torch
 import transformers
+from test_decode_rope import MAX_POS, ROPES
 
-from tests.test_decode_rope import MAX_POS, ROPES
 from trainers.sampling.kernels.head_logits import BLOCK_V, head_logits, head_reason
 from trainers.sampling.model_step import STATIC_ROPE, ModelStep
 
@@ -24,11 +24,11 @@ TINY = {torch.bfloat16: 2.0**-133, torch.float16: 2.0**-24}  # subnormal spacing
 
 
 def _head(H, V, dtype, seed, device="cpu"):
+    """A bias-free (V, H) head of std H^-1/2 weights: logits of a few units for inputs of std 2."""
     g = torch.Generator().manual_seed(seed)
     head = torch.nn.Linear(H, V, bias=False)
     head.weight.data = (torch.randn(V, H, generator=g) * H**-0.5).to(dtype)
-    x = (torch.randn(max(1, seed % 97), H, generator=g) * 2).to(dtype)
-    return head.to(device), x.to(device)
+    return head.to(device)
 
 
 def _assert_within_rounding(z, x, w):
@@ -47,7 +47,7 @@ def _assert_within_rounding(z, x, w):
 def test_head_logits_within_rounding_of_fp64(B, H, V, dtype, device="cpu"):
     """Odd batch (70: two row blocks), H not a multiple of the H block (96, 130), V across
     vocabulary tiles; the module's own output within the same bound; shape and dtype."""
-    head, _ = _head(H, V, dtype, seed=V)
+    head = _head(H, V, dtype, seed=V)
     g = torch.Generator().manual_seed(B)
     x = (torch.randn(B, H, generator=g) * 2).to(dtype)
     head, x = head.to(device), x.to(device)
@@ -62,7 +62,7 @@ def test_head_logits_within_rounding_of_fp64(B, H, V, dtype, device="cpu"):
 
 def test_head_logits_reads_strided_rows():
     """x as a row slice of a wider buffer (the decode step passes views)."""
-    head, _ = _head(64, 300, torch.bfloat16, seed=3)
+    head = _head(64, 300, torch.bfloat16, seed=3)
     wide = torch.randn(5, 80).to(torch.bfloat16)
     x = wide[:, 8:72]
     assert x.stride(0) == 80
@@ -70,7 +70,8 @@ def test_head_logits_reads_strided_rows():
 
 
 def test_head_reason_and_errors():
-    head, x = _head(32, 50, torch.bfloat16, seed=1)
+    head = _head(32, 50, torch.bfloat16, seed=1)
+    x = torch.randn(2, 32).to(torch.bfloat16)
     assert head_reason(head, torch.float16) == \
         "the LM head weight is torch.bfloat16 for torch.float16 inputs"
     biased = torch.nn.Linear(32, 50).to(torch.bfloat16)
@@ -124,7 +125,7 @@ def test_gpu_head_logits_at_model_shapes(B, H, dtype):
     """Llama-3.2-1B / 3.1-8B and Qwen2-7B head shapes (V = 128256 / 152064), compiled: within
     rounding of fp64 and of cuBLAS's own output."""
     V = 152064 if H == 3584 else 128256
-    head, _ = _head(H, V, dtype, seed=H, device="cuda")
+    head = _head(H, V, dtype, seed=H, device="cuda")
     x = (torch.randn(B, H, device="cuda") * 2).to(dtype)
     z = head_logits(x, head)
     _assert_within_rounding(z.cpu(), x.cpu(), head.weight.cpu())
