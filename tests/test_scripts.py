@@ -268,7 +268,8 @@ def test_malformed_json_names_file_line_and_error(tmp_path, capsys):
     jsonl.write_text(f"{good}\n{good}\n\n" + '{"prompt": "2+2=", "answer": "4"\n' + good + "\n")
     assert C.json_problem(str(jsonl)) == "line 4: Expecting ',' delimiter (column 33)"
     with pytest.raises(SystemExit) as exc:
-        train_grpo.main(["--dataset", str(jsonl), "--steps", "1"])
+        train_grpo.main(["--dataset", str(jsonl), "--steps", "1", "--output-dir",
+                         str(tmp_path / "out")])  # not the default: the quickstart's run is there
     err = capsys.readouterr().err
     assert exc.value.code == 2 and "Traceback" not in err, err
     assert err.strip().endswith(f"--dataset {jsonl}: line 4: Expecting ',' delimiter (column 33)")
@@ -316,7 +317,8 @@ def test_unknown_hub_id_without_network_fails_fast(tmp_path, monkeypatch, capsys
         C.hub_kwargs("some/unknown", "some/unknown")
     assert time.monotonic() - t0 < 10
     with pytest.raises(SystemExit) as exc:  # passes the script's own pattern, not the hub's
-        train_grpo.main(["--model", "some/un..known", "--steps", "1"])
+        train_grpo.main(["--model", "some/un..known", "--steps", "1", "--output-dir",
+                         str(tmp_path / "out")])
     err = capsys.readouterr().err
     assert exc.value.code == 2 and "nor a valid hub id" in err and "Traceback" not in err, err
 
