@@ -33,7 +33,10 @@ cache persists, as it does between a user's runs).
 Parts and how they are timed (torch.cuda.synchronize at each boundary; a part's peak is
 max_memory_allocated during the part minus the memory the loaded base model takes, so it counts
 the LoRA adapter, its optimizer state and, for grpo_lce, the static KV cache that stays
-allocated between generations; "training peak" is the largest of ref, loss and optimizer):
+allocated between generations; "training peak" is the largest of ref, loss and optimizer;
+"first step" is that of each point's first step, where no system holds optimizer state yet: the
+timed steps of the compiled systems come after their first, whose optimizer step made AdamW's
+state, while the others' one timed step is their first, so only the first steps compare alike):
 
     generation   trainer._generate_single_turn (sampling only); per decode step (the batch's
                  longest completion): wall ms, and the GPU time inside CUDA-graph replays
@@ -396,8 +399,8 @@ def current_points(recs: list[dict]) -> list[dict]:
                                                r.get("prompts", 1), r.get("completions")))
 
 
-def gib(b):
-    return "" if b is None else f"{b / 2**30:.2f}"
+def gib(b, spec=".2f"):
+    return "" if b is None else format(b / 2**30, spec)
 
 
 def decode_split(rec: dict):
@@ -442,8 +445,9 @@ def table(pts: list[dict]) -> str:
     lines = ["| model | batch | L | system | step s | vs TRL | generation s | ms / decode step "
              "| in graphs | outside | score+ref s | loss fwd+bwd s | optimizer s "
              "| generation peak GiB | generation peak total GiB | training peak GiB "
+             "| training peak, first step GiB "
              "| one-time cost | commit |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|" + "---|" * 19]
 
     def batch(r):
         return r.get("batch", r.get("G"))
@@ -454,7 +458,7 @@ def table(pts: list[dict]) -> str:
                                         SYSTEMS.index(r["system"]))):
         if r.get("status") != "ok":
             lines.append(f"| {r['model']} | {batch(r)} | {r['L']} | {LABEL[r['system']]} "
-                         f"| {r['status']} |" + " |" * 12 + f" {r['commit']} |")
+                         f"| {r['status']} |" + " |" * 13 + f" {r['commit']} |")
             continue
         step = median_part(r, "step")
         base = ref.get((r["model"], batch(r), r["L"]))
@@ -470,7 +474,9 @@ def table(pts: list[dict]) -> str:
         cells = [r["model"], batch(r), r["L"], LABEL[r["system"]], f"{step:.2f}",
                  f"{step / base:.2f}x" if base else "", f(parts[0]), f(wall), f(inside),
                  f(outside), *(f(v) for v in parts[1:]), gib(gen_peak), gib(gen_total),
-                 gib(median_part(r, "training", "peak_bytes")), one_time(r), r["commit"]]
+                 gib(median_part(r, "training", "peak_bytes")),
+                 gib(part_value(r["steps"][0], "training", "peak_bytes"), ".3f")
+                 if r.get("steps") else "", one_time(r), r["commit"]]
         lines.append("| " + " | ".join(map(str, cells)) + " |")
     direct = [r for r in pts if r.get("direct")]
     if direct:
