@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
+import tempfile
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -63,8 +63,9 @@ def site(frames: list[dict], depth: int = 2) -> str:
 
 def replay(trace: list[dict], names: list[str]) -> dict:
     """{(last step, part): {"peak": bytes, "live": [(size, (step, part) allocating it, site)]}}
-    from a device trace and the marker names in order. A step starts at each "generation" marker; bytes are the
-    allocator's allocated bytes relative to the start of the recording."""
+    from a device trace and the marker names in order. A step starts at each "generation"
+    marker; bytes are the allocator's allocated bytes relative to the start of the recording.
+    Two passes: the peaks, then the live blocks at the last step's peaks."""
     markers = [i for i, e in enumerate(trace) if e["action"] == "alloc"
                and any(f.get("name") == MARKER for f in e.get("frames", []))]
     if len(markers) != len(names):
@@ -77,9 +78,11 @@ def replay(trace: list[dict], names: list[str]) -> dict:
             step += 1
         part_at[i] = (step, name)
 
-    def walk(stop_at=None):
+    def walk(snap_at=frozenset()):
+        """One pass: each part's (peak bytes, event index), and the live blocks (size,
+        allocating part, frames) at each event index in `snap_at`."""
         live, cur, where = {}, 0, (0, "setup")
-        peaks = {}
+        peaks, snaps = {}, {}
         for i, e in enumerate(trace):
             if i in part_at:  # a marker: not counted (its free finds nothing live)
                 where = part_at[i]
@@ -92,18 +95,16 @@ def replay(trace: list[dict], names: list[str]) -> dict:
                     peaks[where] = (cur, i)
             elif a == "free_completed" and e["addr"] in live:
                 cur -= live.pop(e["addr"])[0]
-            if stop_at is not None and i == stop_at:
-                return live
-        return peaks
+            if i in snap_at:
+                snaps[i] = list(live.values())
+        return peaks, snaps
 
-    out, peaks = {}, walk()
+    peaks, _ = walk()
     last = max(s for s, _ in peaks)
-    for where, (peak, i) in peaks.items():
-        if where[0] != last:
-            continue
-        live = walk(stop_at=i)
-        out[where] = {"peak": peak, "live": [(s, w, site(fr)) for s, w, fr in live.values()]}
-    return out
+    wanted = {where: p for where, p in peaks.items() if where[0] == last}
+    _, snaps = walk({i for _, i in wanted.values()})
+    return {where: {"peak": peak, "live": [(s, w, site(fr)) for s, w, fr in snaps[i]]}
+            for where, (peak, i) in wanted.items()}
 
 
 def summarize(live: list, top: int = 25) -> list[dict]:
@@ -142,8 +143,6 @@ def worker(a) -> int:
     base = torch.cuda.memory_allocated()
     names: list[str] = []
     torch.cuda.memory._record_memory_history(max_entries=4_000_000, stacks="python")
-    import tempfile
-
     from transformers import TrainerCallback
 
     with tempfile.TemporaryDirectory() as out:
@@ -204,8 +203,8 @@ def worker(a) -> int:
 def report_system(rec: dict, system: str) -> str:
     lines = [f"## {system}: {rec['events']} trace events, train {rec['train_s']:.1f} s", ""]
     for part, p in rec["parts"].items():
-        lines += [f"### {part} of the last step: peak {p['peak_bytes'] / 2**30:.3f} GiB above "
-                  "the loaded model", "", "| GiB | blocks | allocated in | site |",
+        lines += [(f"### {part} of the last step: peak {p['peak_bytes'] / 2**30:.3f} GiB "
+                   "above the loaded model"), "", "| GiB | blocks | allocated in | site |",
                   "|---|---|---|---|"]
         lines += [f"| {g['bytes'] / 2**30:.3f} | {g['blocks']} | {g['allocated_in']} | "
                   f"{g['site']} |" for g in p["groups"]]
