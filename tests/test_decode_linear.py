@@ -33,7 +33,7 @@ from peft import LoraConfig
 from peft.tuners.lora.bnb import Linear4bit as LoraLinear4bit
 from peft.tuners.lora.layer import Linear as LoraLinear
 
-from trainers.sampling.kernels import linear4bit
+from trainers.sampling.kernels import arrivals, linear4bit
 from trainers.sampling.kernels._interp import interpreting
 from trainers.sampling.kernels.linear4bit import (
     Packed4bit,
@@ -166,7 +166,7 @@ def test_tile_configs_and_split_k(split_k, block_n, block_m, prefetch, lora, lor
         two = linear4bit_lora(x, Packed4bit.from_quant_state(packed, qs), bias=bias,
                               config={**cfg, "LAST_REDUCES": False}, **kw)
         assert torch.equal(ours, two)
-        assert not linear4bit._COUNTERS[x.device].any(), "tile counters left nonzero"
+        assert not arrivals.COUNTERS[x.device].any(), "tile counters left nonzero"
 
 
 def _lora_module(n, k, *, quant_type="nf4", double=True, bias=True, r=16, alpha=32,
@@ -258,7 +258,7 @@ def test_grouped_launch_is_each_projection_alone(segs, split_k, block_n, prefetc
                                 scaling=p.scaling, config=cfg)
         assert y.shape == alone.shape and torch.equal(y, alone), f"segment {i}"
     if split_k > 1 and last:
-        assert not linear4bit._COUNTERS[x.device].any(), "tile counters left nonzero"
+        assert not arrivals.COUNTERS[x.device].any(), "tile counters left nonzero"
 
 
 @pytest.mark.gpu
@@ -319,7 +319,7 @@ def test_silu_mul_launch_is_torchs_silu_mul(split_k, block_n, prefetch, last, bi
         assert ((h == low) | (h == high)).all(), (h - low).abs().max()
         assert (low != high).float().mean() < 0.02
     if last:
-        assert not linear4bit._COUNTERS[x.device].any(), "tile counters left nonzero"
+        assert not arrivals.COUNTERS[x.device].any(), "tile counters left nonzero"
 
 
 @pytest.mark.gpu
@@ -599,7 +599,7 @@ def test_code_lookups_agree_gpu():
                   for prmt, pf, lr in ((True, True, True), (True, False, True),
                                        (False, False, True), (True, True, False))]
             assert all(torch.equal(ys[0], y) for y in ys[1:]), (n, k, m)
-            assert not linear4bit._COUNTERS[x.device].any()
+            assert not arrivals.COUNTERS[x.device].any()
 
 
 @pytest.mark.gpu

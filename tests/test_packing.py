@@ -59,7 +59,7 @@ from trainers import GRPOTrainer, attention
 from trainers.attention import choose_packing
 from trainers.head import forward_hidden_states, head_logprobs, lm_head_params
 from trainers.models import backbone, unwrap_causal_lm
-from trainers.packing import packed_logprobs, plan_packs, unpack
+from trainers.packing import packed_logprobs, plan_packs, plan_target_packs, unpack
 from trainers.tiny import build_tiny_llama, build_tokenizer
 
 LOGP_ATOL = 2e-5
@@ -166,6 +166,27 @@ def test_plan_packs_refuses_unpackable_masks(tok):
     nothing = mask.clone()
     nothing[:, P:] = 0  # every completion truncated away: no packs, nothing to score
     assert plan_packs(ids, nothing, C, max_tokens=10**6).packs == []
+
+
+def test_plan_if_shorter_leaves_unpadded_batches_padded(tok):
+    # `if_shorter`: an empty plan (the padded pass) exactly when the packs would hold all B · L
+    # tokens; any padding, or an unscored row, is something to remove
+    ids, mask = _ragged(tok)
+    full = torch.ones_like(mask)
+    assert plan_packs(ids, full, C, max_tokens=10**6, if_shorter=True).packs == []
+    assert len(plan_packs(ids, full, C, max_tokens=10**6).packs) == 1  # without: packs
+    ragged = plan_packs(ids, mask, C, max_tokens=10**6, if_shorter=True)
+    assert [p.input_ids.shape[1] for p in ragged.packs] == [N_PACKED]
+    one_pad = full.clone()
+    one_pad[1, 0] = 0  # one left-pad token
+    lens = [p.input_ids.shape[1] for p in plan_packs(ids, one_pad, C, max_tokens=10**6,
+                                                   if_shorter=True).packs]
+    assert lens == [B * (P + C) - 1]
+    targets = ids.clone()
+    targets[2] = -100  # a full mask, but row 2 scores nothing: left out of the packs
+    lens = [p.input_ids.shape[1] for p in plan_target_packs(ids, full, targets, max_tokens=10**6,
+                                                          if_shorter=True).packs]
+    assert lens == [(B - 1) * (P + C)]
 
 
 def test_synthetic_ragged_batch_is_packable():
@@ -425,6 +446,14 @@ def test_flex_attention_packs_under_auto(tok, tmp_path):
             lp_pack, _, _ = tr._get_per_token_logps_and_entropies(tr.model, ids, mask, C)
     assert calls.shapes == [(1, N_PACKED)]
     _assert_close(lp_pack, lp_pad, atol=LOGP_ATOL, what="logp flex")
+    # a batch without padding: "auto" runs it padded (nothing to remove), True packs it
+    full = torch.ones_like(mask)
+    with torch.no_grad():
+        for packing, shapes in (("auto", [(B, P + C)]), (True, [(1, B * (P + C))])):
+            tr.packing = packing
+            with _BackboneCalls(tr.model) as calls:
+                tr._get_per_token_logps_and_entropies(tr.model, ids, full, C)
+            assert calls.shapes == shapes, packing
 
 
 def test_dense_mask_attention_falls_back_to_padded_once(tok, tmp_path, caplog):

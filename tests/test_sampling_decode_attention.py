@@ -71,3 +71,20 @@ def test_gpu_bf16_within_sdpa_error(window):
     err = (out.double().cpu() - ref).abs().max().item()
     sdpa_err = (sdpa.double().cpu() - ref).abs().max().item()
     assert err <= 2 * sdpa_err + 2**-8, (err, sdpa_err)
+
+
+def test_combine_in_launch_is_the_torch_combine(monkeypatch):
+    """The last split's combine (one launch) against the torch ops a call without counters runs
+    (a first call under capture): the same formula, the S-term sums in another order, so within
+    a few fp32 roundings of |o| ≤ max|V|; and the counters are back at zero after the call."""
+    from trainers.sampling import decode_attention as module
+    from trainers.sampling.kernels import arrivals
+
+    q, K, V, last = inputs(torch.float32, "cpu", G=3)
+    fused = decode_attention(q, K, V, last, scale=0.25, window=None)
+    assert not arrivals.COUNTERS[q.device].any(), "arrival counters left nonzero"
+    monkeypatch.setattr(module, "arrival_counters", lambda device, n: None)
+    split = decode_attention(q, K, V, last, scale=0.25, window=None)
+    bound = 8 * 2**-24 * V.nan_to_num().abs().max().item()
+    assert (fused - split).abs().max().item() <= bound
+    assert torch.isfinite(fused).all()

@@ -128,8 +128,10 @@ class PackingOptionsMixin(FusedHeadMixin):
     """The `packing` and `max_packed_tokens` keywords (module docstring).
 
         packing: "auto" (default), True or False — padding-free backbone passes (the trainer's
-            module docstring says which); also settable later as the attribute
-            `trainer.packing` (checked on set, as `max_packed_tokens` is).
+            module docstring says which); "auto" packs a batch that has padding to remove,
+            under attention that packs without a dense mask (`trainers.attention`), True
+            every batch that packs; also settable later as the attribute `trainer.packing`
+            (checked on set, as `max_packed_tokens` is).
         max_packed_tokens: tokens per packed forward; None (default) = the padded call's
             B · L, so a pack never outgrows the batch it replaces.
     """

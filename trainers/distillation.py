@@ -186,17 +186,19 @@ class DistillationTrainer(OnPolicySamplingMixin, PackingOptionsMixin, trl.Distil
     def _lce_pack_plan(self, model, input_ids, attention_mask, K):
         """(packing kind, `trainers.packing.PackPlan` with a (B, K) output) for this model's
         pass, or None for TRL's padded pass (packing off or not chosen for this model, a mask
-        that does not pack, no completion token)."""
+        that does not pack, no completion token, or under "auto" no padding to remove)."""
         kind = self._lce_packing_for(model)
         if kind is None:
             return None
         plan = plan_packs(input_ids, attention_mask, K,
-                          max_tokens=self.max_packed_tokens or input_ids.numel())
+                          max_tokens=self.max_packed_tokens or input_ids.numel(),
+                          if_shorter=self.packing == "auto")
         if plan is None:
             self._lce_packing_note(_UNPACKABLE)
             return None
         if not plan.packs:
-            return None  # no completion token: the padded pass gives TRL's zero-loss graph
+            return None  # no completion token (the padded pass gives TRL's zero-loss graph),
+            # or nothing to remove
         return kind, plan
 
     def _compute_loss(self, unwrapped_student, inputs, num_items_in_batch):

@@ -200,7 +200,7 @@ def _make_forward(lm, trl_forward, options, trainer, amp=None):
         if tr is not None and hasattr(tr, "_lce_packing_kind"):
             kind = tr._lce_packing_kind(self, args, kwargs)
             if kind is not None:
-                pack = (kind, tr.max_packed_tokens, tr._lce_packing_note)
+                pack = (kind, tr.max_packed_tokens, tr.packing == "auto", tr._lce_packing_note)
         with contextlib.nullcontext() if amp is None else amp():
             return fused_outputs(self, args, kwargs, labels=labels, shift_labels=shift_labels,
                                  num_items_in_batch=num_items_in_batch, pack=pack, **options)
@@ -226,8 +226,9 @@ def _fallback_reason(lm, labels, shift_labels, kwargs) -> str | None:
 def fused_outputs(lm, args, kwargs, *, labels, shift_labels, num_items_in_batch, temperature,
                   outputs, pack=None) -> FusedCausalLMOutput:
     """TRL's `FusedCausalLMOutput` for `lm(*args, **kwargs, labels=..., fused_lm_head=True)`,
-    computed by grpo_lce (module docstring). `pack`: (kind, max tokens or None, a function
-    logging a note once) to try the packed backbone pass, or None."""
+    computed by grpo_lce (module docstring). `pack`: (kind, max tokens or None, `if_shorter`
+    (`trainers.packing.plan_target_packs`), a function logging a note once) to try the packed
+    backbone pass, or None."""
     kwargs["use_cache"] = False
     weight, bias = lm_head_params(lm)
     if shift_labels is None:
@@ -253,14 +254,16 @@ def packed_fields(lm, kwargs, y, weight, bias, pack, *, temperature: float, outp
     """The per-token fields (B, L) from packed backbone passes over the valid tokens (module
     docstring, "Packing"), or None for the padded pass (a mask or labels that do not pack, or
     nothing to score)."""
-    kind, max_tokens, note = pack
+    kind, max_tokens, if_shorter, note = pack
     ids, mask = kwargs["input_ids"], kwargs["attention_mask"]
-    plan = plan_target_packs(ids, mask, y, max_tokens=max_tokens or ids.numel())
+    plan = plan_target_packs(ids, mask, y, max_tokens=max_tokens or ids.numel(),
+                             if_shorter=if_shorter)
     if plan is None:
         note(_UNPACKABLE)
         return None
     if not plan.packs:
-        return None  # nothing scored: the padded pass gives the zeros and their graph
+        return None  # nothing scored (the padded pass gives the zeros and their graph), or
+        # nothing to remove
 
     def forward(inputs):  # the backbone on one pack, as the padded pass calls it
         return lm.base_model(**inputs, use_cache=False).last_hidden_state  # (1, T, H)

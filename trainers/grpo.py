@@ -57,7 +57,8 @@ class GRPOTrainer(OnPolicySamplingMixin, FusedHeadMixin, trl.GRPOTrainer):
     win over the config:
 
         packing: "auto" (default), True or False — padding-free log-prob passes (module
-            docstring); also settable later as the attribute `trainer.packing`.
+            docstring; "auto": for batches with padding to remove); also settable later as the
+            attribute `trainer.packing`.
         max_packed_tokens: tokens per packed forward; None (default) = TRL's chunk,
             `batch_size · L`, so a pack never outgrows the padded chunk it replaces.
         fast_generation: True (default) — on CUDA, sample with our samplers (`sampler`);
@@ -157,7 +158,8 @@ class GRPOTrainer(OnPolicySamplingMixin, FusedHeadMixin, trl.GRPOTrainer):
             packed, note = packed_logprobs(
                 model, input_ids, attention_mask, K, kind=kind, weight=weight, bias=bias,
                 max_tokens=self.max_packed_tokens or batch_size * input_ids.size(1),
-                autocast=self.accelerator.autocast, **head_kwargs,
+                autocast=self.accelerator.autocast, if_shorter=self.packing == "auto",
+                **head_kwargs,
             )
             if note is not None:
                 self._lce_packing_note(note)

@@ -67,7 +67,8 @@ class PackPlan:
 
 
 def plan_packs(
-    input_ids: torch.Tensor, attention_mask: torch.Tensor, K: int, *, max_tokens: int
+    input_ids: torch.Tensor, attention_mask: torch.Tensor, K: int, *, max_tokens: int,
+    if_shorter: bool = False,
 ) -> PackPlan | None:
     """Pack the rows of `input_ids` (B, L) greedily, in order, into packs of ≤ `max_tokens`
     tokens, scoring the last K columns (GRPO's log-prob passes: module docstring), with the
@@ -76,7 +77,8 @@ def plan_packs(
     L − K (only the padded path is exact then).
 
     `plan_target_packs` with the targets "token j scored by the hidden state at j − 1, for the
-    valid tokens of the K completion columns", its (B, L) output indices then moved to (B, K).
+    valid tokens of the K completion columns", its (B, L) output indices then moved to (B, K);
+    `if_shorter` as there.
     """
     B, L = input_ids.shape
     if K >= L:  # no prompt column: the first completion token has no hidden state before it
@@ -87,9 +89,10 @@ def plan_packs(
     completion = input_ids[:, L - K:].masked_fill(attention_mask[:, L - K:] == 0, -100)
     targets = input_ids.new_full((B, L), -100)
     targets[:, c0:L - 1] = completion
-    plan = plan_target_packs(input_ids, attention_mask, targets, max_tokens=max_tokens)
-    if plan is None:
-        return None
+    plan = plan_target_packs(input_ids, attention_mask, targets, max_tokens=max_tokens,
+                             if_shorter=if_shorter)
+    if plan is None or not plan.packs:
+        return plan
     # b·L + t  ->  b·K + (t − c0)
     out = plan.out_index
     plan.out_index = torch.div(out, L, rounding_mode="floor") * K + out % L - c0
@@ -99,7 +102,7 @@ def plan_packs(
 
 def plan_target_packs(
     input_ids: torch.Tensor, attention_mask: torch.Tensor, targets: torch.Tensor, *,
-    max_tokens: int,
+    max_tokens: int, if_shorter: bool = False,
 ) -> PackPlan | None:
     """Pack the rows of `input_ids` (B, L) whose `targets` (B, L) score anything, greedily, in
     order, into packs of ≤ `max_tokens` tokens. targets[b, t] is the token the hidden state at
@@ -109,7 +112,10 @@ def plan_target_packs(
     None when a row with a target has valid tokens that are not one contiguous run, or a target
     at a position outside that run (its hidden state would be a padding token's): only the
     padded path is exact then. Rows without a target are left out (padded, they only ever
-    produce zeros).
+    produce zeros). An empty plan (no packs) means the padded pass: nothing is scored, or
+    `if_shorter` is set and the packs would hold all B · L tokens (a batch without padding or an
+    unscored row: packing would remove nothing and only make the position inputs per token,
+    (T, D) RoPE tables against the padded pass's (L, D)).
 
     One host read (the (2, B, L) masks); the index maps are built on the CPU from it and
     copied to the device, a few (T,) int64 tensors per pack.
@@ -134,6 +140,8 @@ def plan_target_packs(
                 s_last[b] <= last[b]:
             return None  # holes in the mask, or a target scored by a padding position
         rows.append(b)
+    if if_shorter and sum(n[b] for b in rows) == B * L:
+        rows = []  # nothing to remove: the padded pass
 
     groups, current, tokens = [], [], 0
     for b in rows:
@@ -214,6 +222,7 @@ def packed_logprobs(
     return_entropy: bool = False,
     entropy_requires_grad: bool = False,
     autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+    if_shorter: bool = False,
 ) -> tuple[tuple[torch.Tensor, torch.Tensor | None] | None, str | None]:
     """((logps (B, K) fp32, entropies (B, K) or None) or None, a note to log once or None) for
     the last K columns of `input_ids` (B, L), from packed forwards of `model` (module docstring).
@@ -225,9 +234,10 @@ def packed_logprobs(
     model call runs inside `autocast()` (the trainer's `accelerator.autocast`). None means
     padded forwards instead: with a note when the mask is not packable (`plan_packs`), without
     one when no row has a completion token (the padded pass computes those zeros, and the
-    autograd graph a loss on them needs).
+    autograd graph a loss on them needs) or, with `if_shorter`, when packing would remove no
+    token (`plan_target_packs`).
     """
-    plan = plan_packs(input_ids, attention_mask, K, max_tokens=max_tokens)
+    plan = plan_packs(input_ids, attention_mask, K, max_tokens=max_tokens, if_shorter=if_shorter)
     if plan is None:
         return None, _UNPACKABLE
     if not plan.packs:

@@ -7,12 +7,15 @@ lo_b = max(0, last_b - w + 1) under a sliding window w, else 0.
     o[b, h, g] = Σ_j softmax_j(q[b, h, g] · K[b, h, j] · scale) V[b, h, j]
 
 The keys [0, M) are cut into S splits of SPLIT_N; program (b·H_kv + h, s) runs the online softmax
-over the valid keys of split s only (a split past last_b returns at once, so the work and the
+over the valid keys of split s only (a split past last_b does no work, so the work and the
 bytes read follow the row's length, not M) and writes its partial max m_s (G,), sum
-l_s = Σ exp(z - m_s) (G,) and acc_s = Σ exp(z - m_s) V (G, D), all fp32. The combine,
-in torch: m = max_s m_s, o = Σ_s e^{m_s - m} acc_s / Σ_s e^{m_s - m} l_s (an empty split has
-m_s = -inf, l_s = 0, acc_s = 0 and weighs 0). Static shapes throughout: capturable.
-reads: the valid keys and values once, q once; writes S·G·(D + 2) fp32 per (b, h).
+l_s = Σ exp(z - m_s) (G,) and acc_s = Σ exp(z - m_s) V (G, D), all fp32. The combine:
+m = max_s m_s, o = Σ_s e^{m_s - m} acc_s / Σ_s e^{m_s - m} l_s (an empty split has m_s = -inf,
+l_s = 0, acc_s = 0 and weighs 0; split s ≤ last_b // SPLIT_N holds a valid key, so m is finite),
+in the same launch: the last of (b, h)'s S programs to arrive (`kernels.arrivals`) reads the S
+partials and writes o; torch ops instead when no counters exist (a first call under capture).
+Static shapes throughout: capturable. Reads: the valid keys and values once, q once; writes
+S·G·(D + 2) fp32 partials per (b, h) and reads them back once.
 """
 
 from __future__ import annotations
@@ -21,19 +24,21 @@ import torch
 import triton
 import triton.language as tl
 
+from .kernels.arrivals import arrival_counters
+
 SPLIT_N = 128  # keys per split
 BLOCK_N = 32  # keys per inner step
 
 
 @triton.jit
 def _decode_attention_split_kernel(
-    q_ptr, k_ptr, v_ptr, last_ptr, m_ptr, l_ptr, acc_ptr,
+    q_ptr, k_ptr, v_ptr, last_ptr, m_ptr, l_ptr, acc_ptr, o_ptr, count_ptr,
     stride_qb, stride_qh, stride_qg,
     stride_kb, stride_kh, stride_km,
     stride_vb, stride_vh, stride_vm,
     HKV, G, S, scale, window,
     D: tl.constexpr, BLOCK_G: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr,
-    HAS_WINDOW: tl.constexpr, IEEE: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, IEEE: tl.constexpr, COMBINE: tl.constexpr,
 ):
     bh = tl.program_id(0)
     s = tl.program_id(1)
@@ -83,7 +88,27 @@ def _decode_attention_split_kernel(
     tl.store(m_ptr + row + offs_g, m_i)
     tl.store(l_ptr + row + offs_g, l_i)
     tl.store(acc_ptr + (row + offs_g[:, None]) * D + offs_d[None, :], acc)
-
+    if COMBINE:
+        # (b, h)'s last split to arrive combines all S (kernels.arrivals): every thread's
+        # partials are stored before the release, the others' are read after the acquire
+        tl.debug_barrier()
+        arrived = tl.atomic_add(count_ptr + bh, 1, sem="acq_rel", scope="gpu")
+        if arrived == S - 1:
+            base = bh * S * BLOCK_G
+            m = tl.full([BLOCK_G], float("-inf"), tl.float32)
+            for t in range(S):
+                m = tl.maximum(m, tl.load(m_ptr + base + t * BLOCK_G + offs_g))
+            den = tl.zeros([BLOCK_G], tl.float32)
+            num = tl.zeros([BLOCK_G, D], tl.float32)
+            for t in range(S):
+                r = base + t * BLOCK_G
+                w = tl.exp(tl.load(m_ptr + r + offs_g) - m)  # e^{m_s - m}: 0 for an empty split
+                den += w * tl.load(l_ptr + r + offs_g)
+                num += w[:, None] * tl.load(acc_ptr + (r + offs_g[:, None]) * D + offs_d[None, :])
+            o = num / den[:, None]
+            tl.store(o_ptr + (bh * G + offs_g[:, None]) * D + offs_d[None, :],
+                     o.to(o_ptr.dtype.element_ty), mask=g_ok[:, None])
+            tl.atomic_xchg(count_ptr + bh, 0, sem="relaxed", scope="gpu")
 
 def decode_attention(q, K, V, last, *, scale: float, window: int | None = None):
     """o (B, H_kv, G, D) in q's dtype for q (B, H_kv, G, D), K / V (B, H_kv, M, D) (last dim
@@ -99,18 +124,22 @@ def decode_attention(q, K, V, last, *, scale: float, window: int | None = None):
     m = torch.empty(B * HKV * S * BLOCK_G, dtype=torch.float32, device=q.device)
     l = torch.empty_like(m)
     acc = torch.empty(B * HKV * S * BLOCK_G, D, dtype=torch.float32, device=q.device)
+    o = torch.empty_like(q)  # (B, H_kv, G, D) contiguous
+    counts = arrival_counters(q.device, B * HKV)
     _decode_attention_split_kernel[(B * HKV, S)](
-        q, K, V, last, m, l, acc,
+        q, K, V, last, m, l, acc, o, counts if counts is not None else o,
         q.stride(0), q.stride(1), q.stride(2),
         K.stride(0), K.stride(1), K.stride(2),
         V.stride(0), V.stride(1), V.stride(2),
         HKV, G, S, scale, window or 0,
         D=D, BLOCK_G=BLOCK_G, SPLIT=SPLIT_N, BLOCK_N=BLOCK_N,
         HAS_WINDOW=window is not None, IEEE=q.dtype == torch.float32,
+        COMBINE=counts is not None,
     )
+    if counts is not None:
+        return o
     m = m.view(B, HKV, S, BLOCK_G)[..., :G]
     l = l.view(B, HKV, S, BLOCK_G)[..., :G]
     acc = acc.view(B, HKV, S, BLOCK_G, D)[..., :G, :]
     w = torch.exp(m - m.amax(2, keepdim=True))  # (B, H_kv, S, G): e^{m_s - m}, 0 if empty
-    o = (w[..., None] * acc).sum(2) / (w * l).sum(2)[..., None]
-    return o.to(q.dtype)
+    return ((w[..., None] * acc).sum(2) / (w * l).sum(2)[..., None]).to(q.dtype)

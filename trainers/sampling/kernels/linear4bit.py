@@ -53,6 +53,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from ..kernels._interp import dot, interpreting, to_dtype
+from .arrivals import arrival_counters
 
 
 def _table_asm(cvt: str) -> str:
@@ -518,27 +519,6 @@ def split_steps(blocks: int, split: int) -> tuple[int, int]:
     return per, triton.cdiv(blocks, per)
 
 
-_COUNTERS: dict = {}  # device -> int32 tile counters, zero between calls
-_RETIRED: list = []  # outgrown counter buffers: captured graphs may still point at them
-
-
-def _tile_counters(device: torch.device, tiles: int) -> torch.Tensor | None:
-    """Zeroed int32 arrival counters for `tiles` output tiles, kept per device (each call's last
-    split per tile resets its counter, so they stay zero between calls). None while a CUDA graph
-    is being captured and no large enough buffer exists yet (allocating it then would tie it to
-    the graph's memory pool): the call then reduces in a second launch. Calls on one device
-    share the buffer, so they must not overlap in time: one stream, as the decode step runs."""
-    buf = _COUNTERS.get(device)
-    if buf is None or buf.numel() < tiles:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None
-        if buf is not None:
-            _RETIRED.append(buf)
-        buf = torch.zeros(max(tiles, 4096), dtype=torch.int32, device=device)
-        _COUNTERS[device] = buf
-    return buf
-
-
 @dataclasses.dataclass(frozen=True)
 class LinearPart:
     """One projection of a grouped call: y_s = x @ round(W)ᵀ + bias + scaling · (x @ Aᵀ) @ Bᵀ."""
@@ -659,7 +639,7 @@ def _launch(x: torch.Tensor, parts: list[LinearPart], config: dict | None,
                 if split else y)  # (SPLIT_K, M, Σ N_s)
     grid = (triton.cdiv(m, cfg["BLOCK_M"]), sum(tiles), split_k)
     counters = grid[0] * (tiles[0] if glu else grid[1])  # a GLU pair of tiles shares one
-    counts = (_tile_counters(x.device, counters)
+    counts = (arrival_counters(x.device, counters)
               if split and cfg.get("LAST_REDUCES", True) else None)
     seg_args, seg_ns, seg_scalings = [], [], []
     for i in range(MAX_GROUP):
