@@ -12,8 +12,9 @@ every row runs to --new. Variants (--variants):
                   cache length it meets, hence a short run keeps the benchmark short
     fast_sampler  trainers.generation.FastSampler (inductor, CUDA graphs "reduce-overhead")
     loop          trainers.sampling.DecodeLoop (hand-captured CUDA graphs, --check-every steps
-                  each, one host check per replay), decode attention by masked SDPA
-    loop_triton   the same with the Triton split-K decode attention (valid keys only; optional)
+                  each, one host check per replay)
+    loop_sdpa_attention `loop` with the decode step's attention by SDPA over the whole masked
+                  cache instead of `decode_attention` (the kernel plan's attention off; optional)
     loop_no_silu_mul  `loop` with the MLP's silu(gate) · up as torch ops after the gate/up
                   launch (the kernel plan's silu_mul off: an A/B of that fusion; optional)
     loop_torch_sample `loop` with the sampling step's reductions by torch's ops (the kernel
@@ -26,7 +27,7 @@ every row runs to --new. Variants (--variants):
 Each loop variant runs once per --kernels value: "torch" (the modules' own forwards) and "auto"
 (the fused 4-bit + LoRA decode linear for the projections, add_rmsnorm for each residual add +
 RMSNorm, rope_cache_write for each layer's RoPE + KV-cache write, race_sample for the sampling
-step's reductions, head_logits for the LM head); the row's `kernels` column says which,
+step's reductions, head_logits for the LM head, decode_attention for the attention); the row's `kernels` column says which,
 `kernel_path` the loop's one-line plan.
 
 Reported: the first call's wall time (compile / capture / first-call check included; Triton
@@ -40,7 +41,7 @@ kernels option against eager `generate`: rows token-identical, and at each first
 eager logit gap between the two tokens in bf16 ulps of the row's max |logit| (a random-init
 model's near-flat rows diverge at rounding-level ties; a broken forward gives gaps of many ulps).
 
-    python -m bench.decode_loop --bases nf4                # batch 8 and 64, all but loop_triton
+    python -m bench.decode_loop --bases nf4                # batch 8 and 64, the default variants
     python -m bench.decode_loop --bases nf4 --variants fast_sampler,loop --kernels auto,torch
     python -m bench.decode_loop --model 8b --bases nf4 --batches 8 --variants loop
     python -m bench.decode_loop --tiny --device cpu        # smoke run, tiny fp32 model
@@ -65,12 +66,13 @@ import torch
 from bench import common as bc
 from bench import e2e_common as E
 
-VARIANTS = ("hf_eager", "fast_sampler", "loop", "loop_triton", "loop_no_silu_mul",
+VARIANTS = ("hf_eager", "fast_sampler", "loop", "loop_sdpa_attention", "loop_no_silu_mul",
             "loop_torch_sample", "loop_cublas_head", "loop_2_per_sm")
 # the lab variants' kernel plans: `loop`'s without one piece
 PLAN_WITHOUT = {"loop_no_silu_mul": {"silu_mul": frozenset()},
                 "loop_torch_sample": {"sample": False},
-                "loop_cublas_head": {"head": False}}
+                "loop_cublas_head": {"head": False},
+                "loop_sdpa_attention": {"attention": False}}
 DEFAULT_VARIANTS = ("hf_eager", "fast_sampler", "loop")
 
 
@@ -125,7 +127,6 @@ class Variant:
             from trainers.sampling import DecodeLoop
 
             self.sampler = DecodeLoop(devices=(device,), check_every=check_every,
-                                      attention="triton" if name == "loop_triton" else "sdpa",
                                       kernels=kernels)
 
     @torch.no_grad()

@@ -20,6 +20,7 @@ import pytest
 import torch
 from test_sampling_loop import (
     PROMPTS,
+    attention_only,
     batch,
     build,
     config,
@@ -231,14 +232,14 @@ def test_sampled_logprobs_under_compaction(tok, fake_graphs):
     assert err.max().item() <= 8 * ref_err + 2e-5, (i, ours[i].item(), r64[i].item(), ref_err)
 
 
-def test_compaction_with_triton_decode_attention(tok, fake_graphs):
-    """attention="triton" (the Triton interpreter on CPU) reads each row's valid keys from the
+def test_compaction_with_triton_decode_attention(tok, fake_graphs, monkeypatch):
+    """decode_attention (the Triton interpreter on CPU) reads each row's valid keys from the
     bucket's leading-row views of the cache; Mistral's sliding window included."""
+    attention_only(monkeypatch)
     model = build(tok, "mistral", lora=True)
     ids, mask = batch(tok, TEXTS)
     gc = config(tok, [mid_eos(model, tok, ids, mask)], new=12)
-    compact = DecodeLoop(devices=("cpu",), check_every=K, attention="triton",
-                         compact_finished=True)
+    compact = DecodeLoop(devices=("cpu",), check_every=K, compact_finished=True)
     out = compact.generate(model, ids, mask, gc)
     assert compact.disabled_reason is None and out is not None
     assert out.token_ids == hf_completions(model, ids, mask, gc)

@@ -54,6 +54,21 @@ def test_matches_fp64_softmax_attention(window, G):
     assert err <= 1e-4, err
 
 
+@pytest.mark.parametrize("window", [None, 50])
+def test_bf16_matches_fp64_within_its_roundings(window):
+    """bf16 q, K, V (the decode step's dtype; on CPU the interpreter's dots are upcast by
+    `_interp.dot`, exact bf16 products as on the GPU): o = Σ_j p_j V_j / Σ_j p_j with each p_j
+    rounded to bf16 for the P·V dot (relative u = 2⁻⁸ each, so at most u · max|V| on o, since
+    the p_j / Σ p weights sum to 1) and o rounded once (u · |o| <= u · max|V|); the fp32 sums
+    add ~M · 2⁻²⁴ relative. Reference: fp64 attention on the same bf16 values."""
+    q, K, V, last = inputs(torch.bfloat16, "cpu", D=32)
+    out = decode_attention(q, K, V, last, scale=0.125, window=window)
+    ref = reference(q, K, V, last, 0.125, window)
+    vmax = V.double().nan_to_num().abs().max().item()
+    err = (out.double() - ref).abs().max().item()
+    assert err <= (2 * 2**-8 + K.shape[2] * 2**-24) * vmax, (err, vmax)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("window", [None, 50])

@@ -153,7 +153,7 @@ def test_greedy_equals_hf_generate(tok, family, lora):
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "mistral"])
 def test_greedy_with_triton_decode_attention(tok, family, monkeypatch):
-    """attention="triton": decode steps read each row's valid keys only (the Triton
+    """The plan's `attention` alone: decode steps read each row's valid keys only (the Triton
     interpreter on CPU), token-identical to HF; Qwen2 / Mistral with sliding windows."""
     from trainers.sampling import model_step
 
@@ -161,15 +161,26 @@ def test_greedy_with_triton_decode_attention(tok, family, monkeypatch):
     real = model_step.decode_attention
     monkeypatch.setattr(model_step, "decode_attention",
                         lambda *a, **kw: calls.append(kw["window"]) or real(*a, **kw))
+    attention_only(monkeypatch)
     model = build(tok, family, lora=True)
     ids, mask = batch(tok)
     gc = config(tok, [len(tok) + 7], new=8)
-    loop = DecodeLoop(devices=("cpu",), check_every=4, attention="triton")
+    loop = DecodeLoop(devices=("cpu",), check_every=4)
     out = loop.generate(model, ids, mask, gc)
     assert loop.disabled_reason is None and out is not None
     assert out.token_ids == hf_completions(model, ids, mask, gc)
     assert len(calls) >= 2 * 7  # 2 layers, every decode step (the kernel ran)
     assert (6 in calls) == (family != "llama")  # the sliding layers passed their window
+
+
+def attention_only(monkeypatch):
+    """The loop's kernel plans reduced to `decode_attention` (the Triton interpreter on CPU):
+    the attention kernel alone, the rest of the step the modules'."""
+    from trainers.sampling import loop as loop_module
+    from trainers.sampling.kernel_plan import KernelPlan
+
+    monkeypatch.setattr(loop_module, "make_plan", lambda *a, **kw: KernelPlan(
+        attention=True, line="attention by decode_attention (test plan)"))
 
 
 def fake_graphs(monkeypatch):
@@ -584,7 +595,7 @@ def kernels_on_cpu(monkeypatch):
 
     monkeypatch.setattr(kernel_plan, "KERNEL_DEVICES", ("cuda", "cpu"))
     names = ("decode_linear", "decode_linears", "decode_silu_mul", "add_rmsnorm",
-             "rope_cache_write", "head_logits")
+             "rope_cache_write", "head_logits", "decode_attention")
     calls = dict.fromkeys(names + ("projections",), 0)
     for name in names:
         real = getattr(model_step, name)
@@ -654,6 +665,7 @@ def test_kernel_forward_equals_the_modules(tok, family, kernels_on_cpu):
     assert kernels_on_cpu["decode_silu_mul"] == 2 * 2  # gate/up and silu · mul in one launch
     assert kernels_on_cpu["add_rmsnorm"] == 3 * 5  # prefill and decodes, 2 x 2 + final
     assert plan.head and kernels_on_cpu["head_logits"] == 2  # the decode steps' heads
+    assert plan.attention and kernels_on_cpu["decode_attention"] == 2 * 2  # decode steps only
     err = (runs["kernels"] - runs["torch"]).abs().amax(-1)  # (B, 3)
     bound = _kernel_logit_bound(runs["torch"], base.config.num_hidden_layers)
     assert (err <= bound).all(), (err, bound)
@@ -914,14 +926,14 @@ def gpu_lora_llama(quant: str, tmp_path, family: str = "llama"):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("quant,attention,kernels,family", [
-    ("bf16", "sdpa", "auto", "llama"), ("nf4", "sdpa", "torch", "llama"),
-    ("nf4", "sdpa", "auto", "llama"), ("nf4", "triton", "auto", "llama"),
-    ("fp4", "sdpa", "auto", "llama"), ("nf4", "sdpa", "auto", "qwen3"),
-    ("nf4", "triton", "auto", "mistral"), ("bf16", "sdpa", "auto", "mistral")])
-def test_gpu_greedy_and_replay_after_optimizer_step(quant, attention, kernels, family, tmp_path):
+@pytest.mark.parametrize("quant,kernels,family", [
+    ("bf16", "auto", "llama"), ("nf4", "torch", "llama"), ("nf4", "auto", "llama"),
+    ("fp4", "auto", "llama"), ("nf4", "auto", "qwen3"), ("nf4", "auto", "mistral"),
+    ("bf16", "torch", "mistral")])
+def test_gpu_greedy_and_replay_after_optimizer_step(quant, kernels, family, tmp_path):
     """Greedy completions of the captured loop against eager `generate` (bf16 / NF4 / FP4 +
-    LoRA; Llama, Qwen3, Mistral with its sliding window; decode kernels on or off), then an
+    LoRA; Llama, Qwen3, Mistral with its sliding window; decode kernels on, attention by
+    decode_attention, or off, attention by SDPA), then an
     optimizer step on the LoRA weights: the replayed graphs (no new capture) give the updated
     policy's greedy tokens (the 4-bit kernel reads the LoRA factors live). One host check per
     k tokens."""
@@ -929,12 +941,12 @@ def test_gpu_greedy_and_replay_after_optimizer_step(quant, attention, kernels, f
     ids, mask = _gpu_prompts(512)
     N, k = 48, 16
     gc = GenerationConfig(max_new_tokens=N, do_sample=False, pad_token_id=0, eos_token_id=[1])
-    loop = DecodeLoop(check_every=k, attention=attention, kernels=kernels)
+    loop = DecodeLoop(check_every=k, kernels=kernels)
     out = loop.generate(model, ids, mask, gc)
     assert loop.disabled_reason is None and out is not None and loop.stats.captures == 1
     assert loop.kernels == kernels  # the kernels passed the first-call check
     (plan,) = loop._plans.values()
-    print(f"\n{family} {quant} {attention} kernels={kernels}: {plan.line}")
+    print(f"\n{family} {quant} kernels={kernels}: {plan.line}")
     if kernels == "auto":
         packed = 28 if quant in ("nf4", "fp4") else 0  # 4 layers x 7 projections
         assert plan.norms and plan.rope and f"28 of 28 projections through decode_linear " \
@@ -942,9 +954,10 @@ def test_gpu_greedy_and_replay_after_optimizer_step(quant, attention, kernels, f
         assert len(plan.groups) == (8 if packed else 0), plan.line  # q/k/v, gate/up x 4
         assert len(plan.silu_mul) == (4 if packed else 0), plan.line
         assert plan.head and "LM head by head_logits" in plan.line, plan.line
+        assert plan.attention and "attention by decode_attention" in plan.line, plan.line
     ref = hf_completions(model, ids, mask, gc)
     gaps = _greedy_gap(model, ids, mask, out.token_ids, ref)
-    print(f"\n{quant} {attention}: rows diverging from eager (row, step, eager logit gap, "
+    print(f"\n{quant} kernels={kernels}: rows diverging from eager (row, step, eager logit gap, "
           f"eager batch variation, max |z|): {gaps}; capture {loop.stats.capture_s:.2f} s, first token "
           f"{loop.stats.first_token_s:.2f} s")
     layers = model.get_base_model().config.num_hidden_layers
@@ -1005,3 +1018,21 @@ def test_gpu_loop_keeps_only_its_cache_and_state(tmp_path):
         kept.append((torch.cuda.memory_allocated() - base - own, own))
         base += own + kept[-1][0]
     assert all(extra < 2**20 for extra, _ in kept), kept
+
+
+def test_attention_plan_needs_a_power_of_two_head_dim(tok):
+    """decode_attention's tiles need a power-of-two head dim >= 16: another head dim keeps the
+    decode step's attention on SDPA, with the reason in the plan's line; kernels="torch" never
+    plans it."""
+    from trainers.sampling import kernel_plan
+
+    odd = build(tok, "llama", head_dim=24)
+    full = build(tok, "llama")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(kernel_plan, "KERNEL_DEVICES", ("cuda", "cpu"))
+        plan = kernel_plan.make_plan(odd, "auto", "cpu")
+        assert not plan.attention and plan.rope and plan.active, plan.line
+        assert "attention by SDPA over the cache (head dim 24 is not a power of two" in plan.line
+        plan = kernel_plan.make_plan(full, "auto", "cpu")
+        assert plan.attention and "; attention by decode_attention;" in plan.line, plan.line
+    assert not kernel_plan.make_plan(full, "torch", "cpu").attention

@@ -24,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .kernels._interp import dot, interpreting
 from .kernels.arrivals import arrival_counters
 
 SPLIT_N = 128  # keys per split
@@ -38,7 +39,7 @@ def _decode_attention_split_kernel(
     stride_vb, stride_vh, stride_vm,
     HKV, G, S, scale, window,
     D: tl.constexpr, BLOCK_G: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr,
-    HAS_WINDOW: tl.constexpr, IEEE: tl.constexpr, COMBINE: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, IEEE: tl.constexpr, COMBINE: tl.constexpr, INTERP: tl.constexpr,
 ):
     bh = tl.program_id(0)
     s = tl.program_id(1)
@@ -68,8 +69,8 @@ def _decode_attention_split_kernel(
                     other=0.0)  # (BLOCK_N, D)
         if IEEE:
             z = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            z = tl.dot(q, tl.trans(k))
+        else:  # 16-bit tiles: products exact in fp32, fp32 sums (`_interp.dot`)
+            z = dot(q, tl.trans(k), INTERP)
         z = tl.where(ok[None, :], z * scale, float("-inf"))  # (BLOCK_G, BLOCK_N) fp32
         # every block holds a valid key (n0 < end), so m_new is finite and alpha = e^{-inf} = 0
         # on the first block
@@ -82,7 +83,7 @@ def _decode_attention_split_kernel(
         if IEEE:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
         else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, INTERP)
         m_i = m_new
     row = (bh * S + s) * BLOCK_G
     tl.store(m_ptr + row + offs_g, m_i)
@@ -134,7 +135,7 @@ def decode_attention(q, K, V, last, *, scale: float, window: int | None = None):
         HKV, G, S, scale, window or 0,
         D=D, BLOCK_G=BLOCK_G, SPLIT=SPLIT_N, BLOCK_N=BLOCK_N,
         HAS_WINDOW=window is not None, IEEE=q.dtype == torch.float32,
-        COMBINE=counts is not None,
+        COMBINE=counts is not None, INTERP=interpreting(),
     )
     if counts is not None:
         return o

@@ -16,6 +16,10 @@
     head         each decode step's LM head: `head_logits`, where `head_logits.head_reason`
                  accepts the output embeddings (a plain 16-bit nn.Linear without bias), so a
                  captured step holds no cuBLAS call of its own
+    attention    each decode step's attention: `decode_attention` (split-K over each row's valid
+                 keys, GQA without expanding K and V, the splits combined in the same launch),
+                 where the head dim is a power of two >= 16; SDPA over the whole masked cache
+                 otherwise
     rope         each decode step's RoPE of q and k (after Qwen3's q_norm / k_norm, fused) with
                  the write of k and v into the cache: `rope_cache_write`, one launch per layer,
                  when the rotary dim is the head dim and any q/k norm is LlamaRMSNorm's forward
@@ -64,11 +68,13 @@ class KernelPlan:
     rope: bool = False  # decode steps: (q/k norm +) RoPE + cache write by rope_cache_write
     sample: bool = False  # the sampling reductions by race_sample
     head: bool = False  # decode steps: the LM head by head_logits
+    attention: bool = False  # decode steps: attention by decode_attention
     line: str = "kernels off (kernels='torch')"
 
     @property
     def active(self) -> bool:
-        return bool(self.fused) or self.norms or self.rope or self.sample or self.head
+        return bool(self.fused) or self.norms or self.rope or self.sample or self.head or \
+            self.attention
 
 
 TORCH = KernelPlan()
@@ -109,6 +115,15 @@ def _rope_reason(base) -> str | None:
                         f"(hidden states {dtype})")
         if norms and norms[0][0].dtype != norms[1][0].dtype:
             return f"layer {i} q_norm and k_norm weights differ in dtype"
+    return None
+
+
+def _attention_reason(base) -> str | None:
+    """Why `decode_attention` cannot serve `base`'s decode steps, or None: its tiles need a
+    power-of-two head dim of at least 16 (Llama, Qwen and Mistral have 64 or 128)."""
+    D = base.model.layers[0].self_attn.head_dim if base.model.layers else 0
+    if D < 16 or D & (D - 1):
+        return f"head dim {D} is not a power of two >= 16"
     return None
 
 
@@ -187,10 +202,13 @@ def make_plan(base, kernels: str, device_type: str, batch: int = 1) -> KernelPla
     line += ("; " + ("q/k norm + " if has_norms else "") + "RoPE + cache write by rope_cache_write"
              if rope_reason is None else f"; RoPE by torch ops ({rope_reason})")
     line += "; sampling reductions by race_sample"
+    attention = _attention_reason(base)
+    line += ("; attention by decode_attention" if attention is None
+             else f"; attention by SDPA over the cache ({attention})")
     head = head_reason(base.get_output_embeddings(), dtype)
     line += "; LM head by head_logits" if head is None else f"; LM head by the module ({head})"
     if not fused:
         split_mlp = set()  # nothing to gain from running the MLP piecewise
     return KernelPlan(frozenset(fused), frozenset(split_mlp), frozenset(groups),
-                      frozenset(silu_mul), norm_reason is None, rope_reason is None, True,
-                      head is None, line)
+                      frozenset(silu_mul), norms=norm_reason is None, rope=rope_reason is None,
+                      sample=True, head=head is None, attention=attention is None, line=line)

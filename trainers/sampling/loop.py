@@ -71,7 +71,7 @@ from ..generation import completion_lengths
 from . import processors
 from .cache import MAX_GROWTHS, KVCache, prompt_room
 from .kernel_plan import KERNELS, TORCH, make_plan
-from .model_step import ATTENTION, ModelStep, base_model, model_reason
+from .model_step import ModelStep, base_model, model_reason
 
 logger = logging.get_logger(__name__)
 
@@ -238,15 +238,12 @@ class DecodeLoop:
     """Samples on-policy completions with our own decode loop (module docstring)."""
 
     def __init__(self, *, devices=("cuda",), check_every: int = 16, capture: bool = True,
-                 max_prompt_length: int | None = None, attention: str = "sdpa",
-                 kernels: str = "auto", compact_finished: bool = False):
+                 max_prompt_length: int | None = None, kernels: str = "auto",
+                 compact_finished: bool = False):
         if kernels not in KERNELS:
             raise ValueError(f"kernels={kernels!r}; choose one of {KERNELS}")
         if check_every < 1:
             raise ValueError(f"check_every must be >= 1, got {check_every}")
-        if attention not in ATTENTION:
-            raise ValueError(f"attention={attention!r}; choose one of {ATTENTION}")
-        self.attention = attention  # a decode step's attention (model_step.ATTENTION)
         self.kernels = kernels  # "auto" | "torch" (kernel_plan); "torch" after a failed check
         self.devices = tuple(devices)
         self.check_every = int(check_every)
@@ -550,7 +547,7 @@ class DecodeLoop:
         shift = (P - lengths)[:, None]
         ids_left = input_ids.gather(1, (pos[None] + shift).clamp(max=P - 1))
         fingerprint = _fingerprint(model)
-        step_fn = ModelStep(model, self.attention, self._plan_for(model, fingerprint, dev, B))
+        step_fn = ModelStep(model, self._plan_for(model, fingerprint, dev, B))
         checked_key = (id(model), step_fn.plan.line)  # each kernel path is checked once
         if checked_key not in self._checked:
             try:
@@ -564,7 +561,7 @@ class DecodeLoop:
                 logger.warning(f"grpo_lce decode loop: kernels off for the run ({mismatch})")
                 self.kernels = "torch"
                 self._plans.clear()
-                step_fn = ModelStep(model, self.attention, TORCH)
+                step_fn = ModelStep(model, TORCH)
                 checked_key = (id(model), TORCH.line)
                 mismatch = self._check(model, step_fn, cache, ids_left, lengths, input_ids,
                                        attention_mask)

@@ -25,7 +25,7 @@ row (cumsum of the mask - 1), so the two forwards compute the same function.
 Attention is SDPA with a mask over the whole cache (a decode step's GQA without expanding K and
 V, `_attention`; a decode step makes the additive mask SDPA would make of the boolean one once,
 not in every layer); keys outside a row's valid length are masked, never read into the result.
-With attention="triton" a decode step runs `decode_attention` instead, which reads only each
+With the plan's `attention` a decode step runs `decode_attention` instead, which reads only each
 row's valid keys. A sliding window w (Mistral, Qwen2 / Qwen3 sliding layers) adds
 the condition q - k < w, as HF's sliding mask does.
 Logits are the head's output in the model dtype, then fp32, as HF's `generate` takes them; with
@@ -59,7 +59,6 @@ from .kernels.linear4bit import decode_linear, decode_linears, decode_silu_mul
 from .kernels.rmsnorm import add_rmsnorm
 from .kernels.rope import norm_params, rope_cache_write
 
-ATTENTION = ("sdpa", "triton")  # decode attention: masked SDPA over M, or decode_attention
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
 # RoPE types whose inverse frequencies are fixed at init; "dynamic" and "longrope" recompute
 # them from the sequence length at every call (a host read of the largest position).
@@ -145,10 +144,7 @@ def _attention(q, K, V, mask, scale):
 class ModelStep:
     """Prefill and decode over `cache` (a `trainers.sampling.cache.KVCache`) for one model."""
 
-    def __init__(self, model, attention: str = "sdpa", plan: KernelPlan = TORCH):
-        if attention not in ATTENTION:
-            raise ValueError(f"attention={attention!r}; choose one of {ATTENTION}")
-        self.attention = attention
+    def __init__(self, model, plan: KernelPlan = TORCH):
         self.plan = plan
         self.base = base_model(model)
         self.inner = self.base.model
@@ -311,7 +307,7 @@ class ModelStep:
 
         def attend(q, K, V, window, scale):
             D = q.shape[-1]
-            if self.attention == "triton" and D >= 16 and not D & (D - 1):  # valid keys only
+            if self.plan.attention:  # valid keys only (kernel_plan checked D)
                 Hkv, G = K.shape[1], q.shape[1] // K.shape[1]
                 o = decode_attention(q.reshape(B, Hkv, G, D), K, V, slots,
                                      scale=scale, window=window)
