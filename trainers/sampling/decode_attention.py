@@ -27,8 +27,11 @@ import triton.language as tl
 from .kernels._interp import dot, interpreting
 from .kernels.arrivals import arrival_counters
 
-SPLIT_N = 128  # keys per split
-BLOCK_N = 32  # keys per inner step
+SPLIT_N = 256  # keys per split
+# keys per inner step: the longer step where few (b, h) pairs leave most SMs idle, so each
+# program's latency is the launch's; the shorter where many programs share the SMs (the launch
+# grid's measured choice, bench/README.md)
+BLOCK_N_FEW, BLOCK_N_MANY, FEW_PAIRS = 64, 32, 64
 
 
 @triton.jit
@@ -111,31 +114,37 @@ def _decode_attention_split_kernel(
                      o.to(o_ptr.dtype.element_ty), mask=g_ok[:, None])
             tl.atomic_xchg(count_ptr + bh, 0, sem="relaxed", scope="gpu")
 
-def decode_attention(q, K, V, last, *, scale: float, window: int | None = None):
+def decode_attention(q, K, V, last, *, scale: float, window: int | None = None,
+                     config: dict | None = None):
     """o (B, H_kv, G, D) in q's dtype for q (B, H_kv, G, D), K / V (B, H_kv, M, D) (last dim
-    contiguous), last (B,) int: the module docstring's attention over keys lo_b..last_b."""
+    contiguous), last (B,) int: the module docstring's attention over keys lo_b..last_b.
+    `config` (benchmarks): SPLIT_N, BLOCK_N, num_warps (defaults: SPLIT_N, BLOCK_N_FEW for at
+    most FEW_PAIRS (b, h) pairs else BLOCK_N_MANY, 4 warps) and COMBINE (default True; False
+    combines by torch ops, as a first call under capture does)."""
     B, HKV, G, D = q.shape
+    cfg = {"SPLIT_N": SPLIT_N, "BLOCK_N": BLOCK_N_FEW if B * HKV <= FEW_PAIRS else BLOCK_N_MANY,
+           "num_warps": 4, "COMBINE": True, **(config or {})}
     M = K.shape[2]
     if K.stride(-1) != 1 or V.stride(-1) != 1 or D & (D - 1) or D < 16:
         raise ValueError(f"decode_attention needs contiguous rows and a power-of-2 head dim "
                          f">= 16, got K strides {K.stride()}, D={D}")
     q = q.contiguous()
-    S = triton.cdiv(M, SPLIT_N)
+    S = triton.cdiv(M, cfg["SPLIT_N"])
     BLOCK_G = max(16, triton.next_power_of_2(G))
     m = torch.empty(B * HKV * S * BLOCK_G, dtype=torch.float32, device=q.device)
     l = torch.empty_like(m)
     acc = torch.empty(B * HKV * S * BLOCK_G, D, dtype=torch.float32, device=q.device)
     o = torch.empty_like(q)  # (B, H_kv, G, D) contiguous
-    counts = arrival_counters(q.device, B * HKV)
+    counts = arrival_counters(q.device, B * HKV) if cfg["COMBINE"] else None
     _decode_attention_split_kernel[(B * HKV, S)](
         q, K, V, last, m, l, acc, o, counts if counts is not None else o,
         q.stride(0), q.stride(1), q.stride(2),
         K.stride(0), K.stride(1), K.stride(2),
         V.stride(0), V.stride(1), V.stride(2),
         HKV, G, S, scale, window or 0,
-        D=D, BLOCK_G=BLOCK_G, SPLIT=SPLIT_N, BLOCK_N=BLOCK_N,
+        D=D, BLOCK_G=BLOCK_G, SPLIT=cfg["SPLIT_N"], BLOCK_N=cfg["BLOCK_N"],
         HAS_WINDOW=window is not None, IEEE=q.dtype == torch.float32,
-        COMBINE=counts is not None, INTERP=interpreting(),
+        COMBINE=counts is not None, INTERP=interpreting(), num_warps=cfg["num_warps"],
     )
     if counts is not None:
         return o
