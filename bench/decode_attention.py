@@ -138,14 +138,11 @@ def main(argv=None) -> int:
             print(f"  sweep best: {best['ms'] * 1e3:.1f} µs at SPLIT_N {best['SPLIT_N']}, "
                   f"BLOCK_N {best['BLOCK_N']}, {best['num_warps']} warps", flush=True)
         bc.free_memory()
-    tag = bc.gpu_short_name(device) + a.tag
-    out = Path(a.out_dir)
-    bc.write_json(out / f"decode_attention_{tag}.json", res)
-    head = (f"decode attention, bf16 cache of {a.slots} slots; {env.get('gpu')}, torch "
-            f"{env['torch']}, triton {env.get('triton')}, commit {env['commit']}; HBM copy "
-            f"{bw / 1e9:.0f} GB/s; graph replays, × the floor in brackets\n\n")
-    (out / f"decode_attention_{tag}.md").write_text(head + "\n".join(lines) + "\n")
-    print(f"wrote {out / f'decode_attention_{tag}.json'}")
+    stem = Path(a.out_dir) / f"decode_attention_{bc.gpu_short_name(device)}{a.tag}"
+    bc.write_report(stem, f"decode attention, bf16 cache of {a.slots} slots; {env.get('gpu')}, "
+                    f"torch {env['torch']}, triton {env.get('triton')}, commit {env['commit']}; "
+                    f"HBM copy {bw / 1e9:.0f} GB/s; graph replays, × the floor in brackets\n\n"
+                    + "\n".join(lines) + "\n", res)
     return 0
 
 
