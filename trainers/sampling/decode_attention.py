@@ -114,6 +114,7 @@ def _decode_attention_split_kernel(
                      o.to(o_ptr.dtype.element_ty), mask=g_ok[:, None])
             tl.atomic_xchg(count_ptr + bh, 0, sem="relaxed", scope="gpu")
 
+
 def decode_attention(q, K, V, last, *, scale: float, window: int | None = None,
                      config: dict | None = None):
     """o (B, H_kv, G, D) in q's dtype for q (B, H_kv, G, D), K / V (B, H_kv, M, D) (last dim
