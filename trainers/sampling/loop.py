@@ -68,6 +68,7 @@ import torch
 from transformers.utils import logging
 
 from ..generation import completion_lengths
+from ..models import BaseTunerLayer
 from . import processors
 from .cache import MAX_GROWTHS, KVCache, prompt_room
 from .kernel_plan import KERNELS, TORCH, make_plan
@@ -175,21 +176,20 @@ def _eos_ids(config) -> list[int]:
     return [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])]
 
 
-def _peft_switches(model) -> tuple:
-    """The adapter choices PEFT makes in Python at every forward (captured graphs bake them)."""
-    out = []
-    for m in model.modules():
-        if hasattr(m, "active_adapters") and hasattr(m, "disable_adapters") and \
-                hasattr(m, "scaling"):
-            out.append((bool(m.disable_adapters), tuple(m.active_adapters),
-                        tuple(getattr(m, "merged_adapters", ())),
-                        tuple(sorted(m.scaling.items()))))
-    return tuple(out)
-
-
 def _fingerprint(model) -> int:
-    return hash((tuple(m.training for m in model.modules()),
-                 tuple(p.data_ptr() for p in model.parameters()), _peft_switches(model)))
+    """What a captured graph bakes in, hashed: every module's train / eval mode, every
+    parameter's address, and the adapter choices PEFT makes in Python at every forward (which
+    adapters are active, disabled or merged, their scalings). One pass over the modules: it runs
+    at every call, over thousands of modules at 8B."""
+    modes, switches = [], []
+    for m in model.modules():
+        modes.append(m.training)
+        if isinstance(m, BaseTunerLayer) and hasattr(m, "scaling"):
+            switches.append((bool(m.disable_adapters), tuple(m.active_adapters),
+                             tuple(getattr(m, "merged_adapters", ())),
+                             tuple(sorted(m.scaling.items()))))
+    return hash((tuple(modes), tuple(p.data_ptr() for p in model.parameters()),
+                 tuple(switches)))
 
 
 def _resolve_config(model, generation_config):
