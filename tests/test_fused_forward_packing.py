@@ -222,6 +222,25 @@ def test_what_stays_padded(tok, caplog):
     assert "not one contiguous run" in lines[3]
 
 
+def test_auto_packs_only_batches_with_padding_to_remove(tok):
+    # FlexAttention packs under "auto" (CPU without grad): a batch with no padding and every
+    # row scored runs padded (packing removes nothing); padding, or a row with no label, packs
+    model = _patched(tiny_model(tok, peft=False))
+    _lm(model).set_attn_implementation("flex_attention")
+    tr = _Trainer(model, packing="auto")
+    ids, mask, labels = _right_padded(tok)
+    B, L = ids.shape
+    full = torch.ones_like(mask)
+    every_row = ids.masked_fill(torch.arange(L)[None] < 2, -100)  # labels past a 2-token prompt
+    no_label = every_row.clone()
+    no_label[1] = -100
+    with torch.no_grad(), BackboneCalls(model.base_model) as calls, fused_head_ran(tr):
+        for m, y in ((full, every_row), (mask, labels), (full, no_label)):
+            model(input_ids=ids, attention_mask=m, labels=y, fused_lm_head=True)
+    assert calls.shapes == [(B, L), (1, int(mask[(labels != -100).any(1)].sum())),
+                            (1, (B - 1) * L)]
+
+
 def test_packing_options_are_checked(tok):
     model = _patched(tiny_model(tok, peft=False))
     with pytest.raises(ValueError, match="packing must be True, False or 'auto'"):

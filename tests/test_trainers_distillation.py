@@ -43,6 +43,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import logging
+import types
 
 import pytest
 import torch
@@ -308,6 +309,26 @@ def test_what_stays_padded(tok, tmp_path, caplog):
     with pytest.raises(ValueError, match="packing must be True, False or 'auto'"):
         DistillationTrainer(model=s_model, teacher_model=t_model, args=args,
                             train_dataset=_prompts(), processing_class=tok, packing="yes")
+
+
+def test_auto_pack_plan_needs_padding_to_remove():
+    # the student / teacher pack plan under a kind that packs: "auto" leaves a batch without
+    # padding to the padded pass (None), packs one with a pad token; True packs both
+    ids = torch.randint(5, 50, (3, 10), generator=torch.Generator().manual_seed(0))
+    full = torch.ones_like(ids)
+    padded = full.clone()
+    padded[0, 0] = 0  # one left-pad token
+    trainer = types.SimpleNamespace(packing="auto", max_packed_tokens=None,
+                                    _lce_packing_for=lambda model: "varlen",
+                                    _lce_packing_note=lambda message: None)
+
+    def pack_lengths(mask):
+        out = DistillationTrainer._lce_pack_plan(trainer, None, ids, mask, 4)
+        return None if out is None else [p.input_ids.shape[1] for p in out[1].packs]
+
+    assert pack_lengths(full) is None and pack_lengths(padded) == [29]
+    trainer.packing = True
+    assert pack_lengths(full) == [30] and pack_lengths(padded) == [29]
 
 
 @pytest.mark.gpu
