@@ -27,8 +27,8 @@ every row runs to --new. Variants (--variants):
 Each loop variant runs once per --kernels value: "torch" (the modules' own forwards) and "auto"
 (the fused 4-bit + LoRA decode linear for the projections, add_rmsnorm for each residual add +
 RMSNorm, rope_cache_write for each layer's RoPE + KV-cache write, race_sample for the sampling
-step's reductions, head_logits for the LM head, decode_attention for the attention); the row's `kernels` column says which,
-`kernel_path` the loop's one-line plan.
+step's reductions, head_logits for the LM head, decode_attention for the attention); the row's
+`kernels` column says which, `kernel_path` the loop's one-line plan.
 
 Reported: the first call's wall time (compile / capture / first-call check included; Triton
 compiles once per process, in the greedy check that runs first, and caches on disk), the loop's time from its first call to its first sampled token and its capture
