@@ -36,7 +36,9 @@ the LoRA adapter, its optimizer state and, for grpo_lce, the static KV cache tha
 allocated between generations; "training peak" is the largest of ref, loss and optimizer;
 "first step" is that of each point's first step, where no system holds optimizer state yet: the
 timed steps of the compiled systems come after their first, whose optimizer step made AdamW's
-state, while the others' one timed step is their first, so only the first steps compare alike):
+state, while the others' one timed step is their first, so only the first steps compare alike;
+"over TRL + KV cache" is a decode-loop point's first-step training peak minus TRL's at the same
+point and minus the KV caches the loop holds, issue 27's memory target):
 
     generation   trainer._generate_single_turn (sampling only); per decode step (the batch's
                  longest completion): wall ms, and the GPU time inside CUDA-graph replays
@@ -324,7 +326,8 @@ def worker(a) -> int:
                     if loop is not None or samplers.loop_off is not None:
                         rec["loop"] = {**(vars(loop.stats) if loop is not None else {}),
                                        "off": samplers.loop_off or getattr(
-                                           loop, "disabled_reason", None)}
+                                           loop, "disabled_reason", None),
+                                       "cache_bytes": loop.cache_bytes() if loop else None}
                 if a.completions == "synthetic":
                     rec["direct"] = direct_training_phase(tr, a.generations, L, V, a.device)
                 rec["status"] = "ok"
@@ -403,6 +406,22 @@ def gib(b, spec=".2f"):
     return "" if b is None else format(b / 2**30, spec)
 
 
+def first_peak(rec: dict):
+    """The training peak of a point's first step (bytes above the model), or None."""
+    return part_value(rec["steps"][0], "training", "peak_bytes") if rec.get("steps") else None
+
+
+def over_trl_and_cache(rec: dict, trl: dict | None):
+    """MiB by which a decode-loop point's first-step training peak exceeds TRL's at the same
+    point plus the loop's KV caches (issue 27's memory target), or None where either is not
+    recorded."""
+    cache = (rec.get("loop") or {}).get("cache_bytes")
+    ours, theirs = first_peak(rec), None if trl is None else first_peak(trl)
+    if cache is None or ours is None or theirs is None:
+        return None
+    return (ours - theirs - cache) / 2**20
+
+
 def decode_split(rec: dict):
     """(wall, inside graphs, outside) ms per decode step, medians over the timed steps, from
     the generation part's time and the "decode" record (None where not measured)."""
@@ -445,20 +464,21 @@ def table(pts: list[dict]) -> str:
     lines = ["| model | batch | L | system | step s | vs TRL | generation s | ms / decode step "
              "| in graphs | outside | score+ref s | loss fwd+bwd s | optimizer s "
              "| generation peak GiB | generation peak total GiB | training peak GiB "
-             "| training peak, first step GiB "
+             "| training peak, first step GiB | first step over TRL + KV cache MiB "
              "| one-time cost | commit |",
-             "|" + "---|" * 19]
+             "|" + "---|" * 20]
 
     def batch(r):
         return r.get("batch", r.get("G"))
 
-    ref = {(r["model"], batch(r), r["L"]): median_part(r, "step") for r in pts
+    trl = {(r["model"], batch(r), r["L"]): r for r in pts
            if r["system"] == "trl" and r.get("status") == "ok"}
+    ref = {k: median_part(r, "step") for k, r in trl.items()}
     for r in sorted(pts, key=lambda r: (r["model"], batch(r) or 0, r["L"],
                                         SYSTEMS.index(r["system"]))):
         if r.get("status") != "ok":
             lines.append(f"| {r['model']} | {batch(r)} | {r['L']} | {LABEL[r['system']]} "
-                         f"| {r['status']} |" + " |" * 13 + f" {r['commit']} |")
+                         f"| {r['status']} |" + " |" * 14 + f" {r['commit']} |")
             continue
         step = median_part(r, "step")
         base = ref.get((r["model"], batch(r), r["L"]))
@@ -475,8 +495,8 @@ def table(pts: list[dict]) -> str:
                  f"{step / base:.2f}x" if base else "", f(parts[0]), f(wall), f(inside),
                  f(outside), *(f(v) for v in parts[1:]), gib(gen_peak), gib(gen_total),
                  gib(median_part(r, "training", "peak_bytes")),
-                 gib(part_value(r["steps"][0], "training", "peak_bytes"), ".3f")
-                 if r.get("steps") else "", one_time(r), r["commit"]]
+                 gib(first_peak(r), ".3f"), f(over_trl_and_cache(r, trl.get(
+                     (r["model"], batch(r), r["L"]))), "+.2f"), one_time(r), r["commit"]]
         lines.append("| " + " | ".join(map(str, cells)) + " |")
     direct = [r for r in pts if r.get("direct")]
     if direct:

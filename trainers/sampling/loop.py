@@ -270,6 +270,11 @@ class DecodeLoop:
             self._logged.add(message)
             logger.warning(f"grpo_lce decode loop: {message}")
 
+    def cache_bytes(self) -> int:
+        """Bytes of the KV caches this loop holds now (kept between calls, one per batch size and
+        completion length)."""
+        return sum(cache.nbytes() for cache in self._caches.values())
+
     def disable(self, reason: str) -> None:
         if self.disabled_reason is None:
             self.disabled_reason = reason
