@@ -364,9 +364,13 @@ class DecodeLoop:
 
     # -- the steps --------------------------------------------------------------------------
 
-    def _record(self, st, y, lp, eos, pad, penalty):
-        """Write token y (B,) and log p_y at column `step`, then advance the row state (and mark
-        y seen, for a repetition penalty)."""
+    def _sample_record(self, st, z, spec, eos, pad, fused):
+        """Process logits z (B, V) and sample token y (B,) with log p_y (`processors`; `fused`:
+        the plan's sampling kernel), write them at column `step`, then advance the row state.
+        With a repetition penalty, `seen` is read for the processing and y is marked in it."""
+        penalty = spec.repetition_penalty != 1.0
+        y, lp = processors.sample(processors.process(z, spec, st.seen[:, :-1] if penalty else None),
+                                  spec, fused=fused)
         y = torch.where(st.done, pad, y)
         lp = torch.where(st.done, torch.zeros_like(lp), lp)
         if st.rows is None:
@@ -389,11 +393,7 @@ class DecodeLoop:
             # slot: where `cur` is written; its slot advanced when it was recorded, so it is
             # one past the last written slot of a live row: cur sits at slot - 1
             z = step_fn.decode(cache, st.cur, st.slot - 1)
-            penalty = spec.repetition_penalty != 1.0
-            y, lp = processors.sample(
-                processors.process(z, spec, st.seen[:, :-1] if penalty else None), spec,
-                fused=step_fn.plan.sample)
-            self._record(st, y, lp, eos, pad, penalty)
+            self._sample_record(st, z, spec, eos, pad, step_fn.plan.sample)
 
     def _capture(self, step_fn, cache, st, spec, eos, pad):
         t0 = time.perf_counter()
@@ -589,15 +589,12 @@ class DecodeLoop:
         st.step.zero_()
         st.out.fill_(pad)
         st.logp.zero_()
-        penalty = spec.repetition_penalty != 1.0
-        if penalty:  # the prompt's ids, padding to the spare column V
+        if spec.repetition_penalty != 1.0:  # the prompt's ids, padding to the spare column V
             seen = st.with_seen(V)
             seen.zero_()
             seen.scatter_(1, torch.where(pos[None] < lengths[:, None], ids_left, V), True)
         st.slot.copy_(lengths)
-        y, lp = processors.sample(processors.process(z, spec, st.seen[:, :-1] if penalty else None),
-                                  spec, fused=step_fn.plan.sample)
-        self._record(st, y, lp, eos, pad, penalty)
+        self._sample_record(st, z, spec, eos, pad, step_fn.plan.sample)
         if first_call:
             if dev.type == "cuda":
                 torch.cuda.synchronize()
