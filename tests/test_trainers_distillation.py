@@ -43,7 +43,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import logging
-import types
 
 import pytest
 import torch
@@ -57,6 +56,7 @@ from peft import LoraConfig
 
 from grpo_lce.reference import divergence_ref
 from trainers import DistillationTrainer
+from trainers.base import FusedHeadMixin
 from trainers.distillation import _seam_missing_reason
 from trainers.tiny import build_tiny_llama, build_tiny_qwen2, build_tokenizer
 
@@ -318,9 +318,17 @@ def test_auto_pack_plan_needs_padding_to_remove():
     full = torch.ones_like(ids)
     padded = full.clone()
     padded[0, 0] = 0  # one left-pad token
-    trainer = types.SimpleNamespace(packing="auto", max_packed_tokens=None,
-                                    _lce_packing_for=lambda model: "varlen",
-                                    _lce_packing_note=lambda message: None)
+    class Stub:  # the trainer's packing state and rule, with a kind that packs
+        packing, max_packed_tokens = "auto", None
+        _lce_pack_if_shorter = FusedHeadMixin._lce_pack_if_shorter
+
+        def _lce_packing_for(self, model):
+            return "varlen"
+
+        def _lce_packing_note(self, message):
+            pass
+
+    trainer = Stub()
 
     def pack_lengths(mask):
         out = DistillationTrainer._lce_pack_plan(trainer, None, ids, mask, 4)

@@ -26,7 +26,8 @@ TRL's `__init__` runs (DPO, KTO, RLOO, distillation; GRPO also reads them from i
 `_lce_packing_for(model)` is the one packing decision per model
 (`trainers.attention.PackingDecisions`), its note logged once per trainer
 (`_lce_packing_note`); a trainer adds only its per-call vetoes. `_lce_settle_attention(model)`
-makes the decision without a note, for sampling, before a decode step is captured.
+makes the decision without a note, for sampling, before a decode step is captured;
+`_lce_pack_if_shorter` says whether a batch packs only where packing removes tokens ("auto").
 """
 
 from __future__ import annotations
@@ -116,6 +117,12 @@ class FusedHeadMixin:
         if note is not None:
             self._lce_packing_note(note)
         return kind
+
+    @property
+    def _lce_pack_if_shorter(self) -> bool:
+        """Whether a batch packs only where packing removes tokens (`trainers.packing.
+        plan_target_packs`'s `if_shorter`): under "auto"; True packs every batch that packs."""
+        return self.packing == "auto"
 
     def _lce_settle_attention(self, model) -> None:
         """Make `model`'s packing decision now, logging nothing: it may switch the attention

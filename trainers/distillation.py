@@ -192,7 +192,7 @@ class DistillationTrainer(OnPolicySamplingMixin, PackingOptionsMixin, trl.Distil
             return None
         plan = plan_packs(input_ids, attention_mask, K,
                           max_tokens=self.max_packed_tokens or input_ids.numel(),
-                          if_shorter=self.packing == "auto")
+                          if_shorter=self._lce_pack_if_shorter)
         if plan is None:
             self._lce_packing_note(_UNPACKABLE)
             return None

@@ -200,7 +200,7 @@ def _make_forward(lm, trl_forward, options, trainer, amp=None):
         if tr is not None and hasattr(tr, "_lce_packing_kind"):
             kind = tr._lce_packing_kind(self, args, kwargs)
             if kind is not None:
-                pack = (kind, tr.max_packed_tokens, tr.packing == "auto", tr._lce_packing_note)
+                pack = (kind, tr.max_packed_tokens, tr._lce_pack_if_shorter, tr._lce_packing_note)
         with contextlib.nullcontext() if amp is None else amp():
             return fused_outputs(self, args, kwargs, labels=labels, shift_labels=shift_labels,
                                  num_items_in_batch=num_items_in_batch, pack=pack, **options)

@@ -158,7 +158,7 @@ class GRPOTrainer(OnPolicySamplingMixin, FusedHeadMixin, trl.GRPOTrainer):
             packed, note = packed_logprobs(
                 model, input_ids, attention_mask, K, kind=kind, weight=weight, bias=bias,
                 max_tokens=self.max_packed_tokens or batch_size * input_ids.size(1),
-                autocast=self.accelerator.autocast, if_shorter=self.packing == "auto",
+                autocast=self.accelerator.autocast, if_shorter=self._lce_pack_if_shorter,
                 **head_kwargs,
             )
             if note is not None:
