@@ -41,6 +41,9 @@ from grpo_lce._dispatch import HAS_TRITON, interpreting
 # tl.dot N; rows past B masked); larger batches take several row blocks, which read the same W
 # tile from L2. bench/sample.py --sweep times the alternatives.
 SAMPLE_CONFIG = dict(BLOCK_V=128, BLOCK_B=64, BLOCK_H=128, TILES=1, num_warps=4, num_stages=4)
+# up to 16 rows (one 16-row block): two vocabulary tiles per program on 8 warps, three stages,
+# the sweep's best at batch 8 for H = 2048 and 4096 (bench/README.md, linear_sample)
+SMALL_BATCH_CONFIG = dict(TILES=2, num_warps=8, num_stages=3)
 # Under Triton's interpreter (CPU tests) each program costs a fixed amount of Python: few,
 # large programs (BLOCK_B up to 1024 rows, `launch_config`).
 INTERPRET_CONFIG = dict(BLOCK_V=64, BLOCK_B=1024, BLOCK_H=64, TILES=4, num_warps=4,
@@ -189,6 +192,8 @@ def launch_config(device: torch.device, B: int) -> dict:
         cfg["BLOCK_B"] = min(cfg["BLOCK_B"], max(16, triton.next_power_of_2(B)))
         if cfg["BLOCK_B"] == 64:  # a (128, 64) fp32 tile and its noise: twice the threads
             cfg["num_warps"] = 8
+        elif cfg["BLOCK_B"] == 16:
+            cfg.update(SMALL_BATCH_CONFIG)
         return cfg
     cfg = dict(INTERPRET_CONFIG)
     cfg["BLOCK_B"] = min(cfg["BLOCK_B"], max(16, triton.next_power_of_2(B)))

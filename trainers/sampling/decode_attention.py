@@ -12,10 +12,13 @@ bytes read follow the row's length, not M) and writes its partial max m_s (G,), 
 l_s = Σ exp(z - m_s) (G,) and acc_s = Σ exp(z - m_s) V (G, D), all fp32. The combine:
 m = max_s m_s, o = Σ_s e^{m_s - m} acc_s / Σ_s e^{m_s - m} l_s (an empty split has m_s = -inf,
 l_s = 0, acc_s = 0 and weighs 0; split s ≤ last_b // SPLIT_N holds a valid key, so m is finite),
-in the same launch: the last of (b, h)'s S programs to arrive (`kernels.arrivals`) reads the S
-partials and writes o; torch ops instead when no counters exist (a first call under capture).
+in the same launch: only the splits lo_b // SPLIT_N .. last_b // SPLIT_N hold keys; where that is
+one split, its program writes o = acc_s / l_s itself (no partials, no counter), else each of
+them stores its partials and the last to arrive (`kernels.arrivals`) reads them and writes o;
+torch ops over all S splits instead when no counters exist (a first call under capture).
 Static shapes throughout: capturable. Reads: the valid keys and values once, q once; writes
-S·G·(D + 2) fp32 partials per (b, h) and reads them back once.
+G·(D + 2) fp32 partials per split holding keys (none where one split holds them all) and reads
+them back once.
 """
 
 from __future__ import annotations
@@ -89,30 +92,43 @@ def _decode_attention_split_kernel(
             acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, INTERP)
         m_i = m_new
     row = (bh * S + s) * BLOCK_G
-    tl.store(m_ptr + row + offs_g, m_i)
-    tl.store(l_ptr + row + offs_g, l_i)
-    tl.store(acc_ptr + (row + offs_g[:, None]) * D + offs_d[None, :], acc)
+    out = o_ptr + (bh * G + offs_g[:, None]) * D + offs_d[None, :]
     if COMBINE:
-        # (b, h)'s last split to arrive combines all S (kernels.arrivals): every thread's
-        # partials are stored before the release, the others' are read after the acquire
-        tl.debug_barrier()
-        arrived = tl.atomic_add(count_ptr + bh, 1, sem="acq_rel", scope="gpu")
-        if arrived == S - 1:
-            base = bh * S * BLOCK_G
-            m = tl.full([BLOCK_G], float("-inf"), tl.float32)
-            for t in range(S):
-                m = tl.maximum(m, tl.load(m_ptr + base + t * BLOCK_G + offs_g))
-            den = tl.zeros([BLOCK_G], tl.float32)
-            num = tl.zeros([BLOCK_G, D], tl.float32)
-            for t in range(S):
-                r = base + t * BLOCK_G
-                w = tl.exp(tl.load(m_ptr + r + offs_g) - m)  # e^{m_s - m}: 0 for an empty split
-                den += w * tl.load(l_ptr + r + offs_g)
-                num += w[:, None] * tl.load(acc_ptr + (r + offs_g[:, None]) * D + offs_d[None, :])
-            o = num / den[:, None]
-            tl.store(o_ptr + (bh * G + offs_g[:, None]) * D + offs_d[None, :],
-                     o.to(o_ptr.dtype.element_ty), mask=g_ok[:, None])
-            tl.atomic_xchg(count_ptr + bh, 0, sem="relaxed", scope="gpu")
+        # the splits first..final hold the keys lo..last; the others did no work and leave
+        first = lo // SPLIT
+        final = last // SPLIT
+        if final == first:  # one split holds them all: o = acc / l (the combine's value)
+            if s == first:
+                tl.store(out, (acc / l_i[:, None]).to(o_ptr.dtype.element_ty),
+                         mask=g_ok[:, None])
+        elif (s >= first) & (s <= final):
+            tl.store(m_ptr + row + offs_g, m_i)
+            tl.store(l_ptr + row + offs_g, l_i)
+            tl.store(acc_ptr + (row + offs_g[:, None]) * D + offs_d[None, :], acc)
+            # (b, h)'s last split to arrive combines them (kernels.arrivals): every thread's
+            # partials are stored before the release, the others' are read after the acquire
+            tl.debug_barrier()
+            arrived = tl.atomic_add(count_ptr + bh, 1, sem="acq_rel", scope="gpu")
+            if arrived == final - first:
+                base = bh * S * BLOCK_G
+                m = tl.full([BLOCK_G], float("-inf"), tl.float32)
+                for t in range(first, final + 1):
+                    m = tl.maximum(m, tl.load(m_ptr + base + t * BLOCK_G + offs_g))
+                den = tl.zeros([BLOCK_G], tl.float32)
+                num = tl.zeros([BLOCK_G, D], tl.float32)
+                for t in range(first, final + 1):
+                    r = base + t * BLOCK_G
+                    w = tl.exp(tl.load(m_ptr + r + offs_g) - m)  # e^{m_s - m}
+                    den += w * tl.load(l_ptr + r + offs_g)
+                    num += w[:, None] * tl.load(acc_ptr + (r + offs_g[:, None]) * D
+                                                + offs_d[None, :])
+                tl.store(out, (num / den[:, None]).to(o_ptr.dtype.element_ty),
+                         mask=g_ok[:, None])
+                tl.atomic_xchg(count_ptr + bh, 0, sem="relaxed", scope="gpu")
+    else:  # the caller's torch ops combine all S splits, empty ones included (m = -inf, l = 0)
+        tl.store(m_ptr + row + offs_g, m_i)
+        tl.store(l_ptr + row + offs_g, l_i)
+        tl.store(acc_ptr + (row + offs_g[:, None]) * D + offs_d[None, :], acc)
 
 
 def decode_attention(q, K, V, last, *, scale: float, window: int | None = None,
