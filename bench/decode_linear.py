@@ -29,8 +29,9 @@ Tile sweep (graph-replay ms of the kernel over BLOCK_N × num_warps × SPLIT_K):
 `python3 -m bench.decode_linear --sweep --rows 8`; `--gathers` also times every tile with the
 code looked up by memory gathers, `--prefetch` with and without PREFETCH (`--prefetch-only`:
 with it only), `--stages 1,2` the pipeline depths, `--tiles 64x4,128x4` restricts the
-(BLOCK_N, num_warps) pairs, `--groups` sweeps the q/k/v launch and the gate/up + silu · mul
-launch instead of the single shapes.
+(BLOCK_N, num_warps) pairs, `--maxnreg 0,128` caps the registers per thread (0: none),
+`--groups` sweeps the q/k/v launch and the gate/up + silu · mul launch instead of the single
+shapes.
 CPU smoke run (Triton's interpreter, tiny shapes): `python -m bench.decode_linear --smoke`.
 Writes bench/results/bench_decode_linear_<GPU>.json and prints the table.
 
@@ -300,15 +301,16 @@ TILES = ((64, 4), (128, 4), (128, 8), (256, 8))  # (BLOCK_N, num_warps) that --s
 
 
 def sweep_configs(k, blocksize=64, lookups=(True,), prefetch=(False,), stages=(1,),
-                  tiles=TILES):
+                  tiles=TILES, maxnreg=(None,)):
     """The grid `--sweep` times: (BLOCK_N, num_warps) in `tiles` × SPLIT_K, for each code lookup
     in `lookups` (PRMT True: register byte permutes; False: memory gathers), PREFETCH (the next
-    block's loads issued before this block's math) in `prefetch`, num_stages in `stages`."""
-    for prmt, pf, st in itertools.product(lookups, prefetch, stages):
+    block's loads issued before this block's math) in `prefetch`, num_stages in `stages`, the
+    register cap in `maxnreg` (None: the compiler's choice)."""
+    for prmt, pf, st, reg in itertools.product(lookups, prefetch, stages, maxnreg):
         for bn, warps in tiles:
-            for split in sorted({1, 2, 4, 8, 16, 32} & set(range(1, k // blocksize + 1))):
+            for split in sorted({1, 2, 4, 8, 16, 32, 64} & set(range(1, k // blocksize + 1))):
                 yield {"BLOCK_N": bn, "SPLIT_K": split, "num_warps": warps, "num_stages": st,
-                       "PRMT": prmt, "PREFETCH": pf}
+                       "PRMT": prmt, "PREFETCH": pf, "maxnreg": reg}
 
 
 def _time_configs(calls, configs, device) -> list[tuple[float, dict]]:
@@ -531,6 +533,8 @@ def main():
     p.add_argument("--prefetch-only", action="store_true",
                    help="--sweep: PREFETCH on only (as pick_config runs the kernel)")
     p.add_argument("--stages", default="1", help="--sweep: comma list of num_stages")
+    p.add_argument("--maxnreg", default="0",
+                   help="--sweep: comma list of register caps per thread (0: none)")
     p.add_argument("--tiles", default=",".join(f"{b}x{w}" for b, w in TILES),
                    help="--sweep: comma list of BLOCK_NxNUM_WARPS")
     p.add_argument("--groups", action="store_true",
@@ -562,6 +566,7 @@ def main():
                 "prefetch": ((True,) if args.prefetch_only else
                              (False, True) if args.prefetch else (False,)),
                 "stages": tuple(int(v) for v in args.stages.split(",")),
+                "maxnreg": tuple(int(v) or None for v in args.maxnreg.split(",")),
                 "tiles": tuple(tuple(int(v) for v in t.split("x")) for t in args.tiles.split(","))}
         res = (sweep_groups(shapes, rows, args.rank, device, grid) if args.groups else
                sweep(shapes, rows, args.rank, device, bw, grid))

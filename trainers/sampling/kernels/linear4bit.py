@@ -672,6 +672,7 @@ def _launch(x: torch.Tensor, parts: list[LinearPart], config: dict | None,
         # the same two roundings as bitsandbytes' (a product, then an add)
         enable_fp_fusion=False, num_warps=cfg.get("num_warps", 4),
         num_stages=cfg.get("num_stages", 1),
+        **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}),
     )
     if glu and counts is not None:
         return [y]
@@ -699,7 +700,8 @@ def linear4bit_lora(x: torch.Tensor, w: Packed4bit, *, bias: torch.Tensor | None
     num_warps, num_stages (default `pick_config`), PRMT (default: on the GPU; the code table
     looked up by register byte permutes, else by memory gathers, the same values), PREFETCH,
     LAST_REDUCES (default True: with split K, each tile's last split sums the partials in the
-    same launch; False: a second launch does)."""
+    same launch; False: a second launch does), maxnreg (a cap on registers per thread, for more
+    programs per SM; default none)."""
     return linear4bit_lora_group(x, [LinearPart(w, bias, lora_a, lora_b, scaling)],
                                  config=config)[0]
 
