@@ -400,7 +400,7 @@ def sweep_groups(shapes, rows, rank, device, grid: dict):
         for m in rows:
             x = torch.randn(m, k, device=device).to(torch.bfloat16)
             bm = min(64, max(16, triton.next_power_of_2(m)))
-            chosen = pick_config(m, ns, k, bs, _num_sms(device))
+            chosen = pick_config(m, ns, k, bs, _num_sms(device), glu=name == "gate/up")
             configs = [chosen] + [{"BLOCK_M": bm, **c} for c in sweep_configs(k, bs, **grid)]
 
             def calls(cfg, x=x, parts=parts, fn=fn):

@@ -489,7 +489,7 @@ def _num_sms(device: torch.device) -> int:
 PROGRAMS_PER_SM = 3
 
 
-def pick_config(m: int, n, k: int, blocksize: int, num_sms: int) -> dict:
+def pick_config(m: int, n, k: int, blocksize: int, num_sms: int, glu: bool = False) -> dict:
     """Tiles for M rows of x against weights of `n` output features (an int, or the sequence of
     a grouped call's N_s) and K input features: BLOCK_M covers the decode batch (16 is the
     smallest dot tile); BLOCK_N 64 output columns, 128 when the weights hold 2²⁵ elements or
@@ -498,16 +498,21 @@ def pick_config(m: int, n, k: int, blocksize: int, num_sms: int) -> dict:
     pass it) and no program runs more than 32 steps, but every program at least two; at most
     32 splits.
     Each step's loads are issued one step ahead (PREFETCH), in registers: one stage.
+    A gate/up + silu · mul launch (`glu`) of at most 16 rows takes BLOCK_N 64 and at least two
+    splits whatever its size: its partials are written and summed by a last program anyway.
     (bench/README.md, the decode linear: the rule against the sweep of every tile.)"""
+    small_glu = glu and m <= 16
     ns = [n] if isinstance(n, int) else list(n)
     block_m = min(64, max(16, triton.next_power_of_2(m)))
-    block_n = 128 if sum(ns) * k >= 1 << 25 else 64
+    block_n = 128 if sum(ns) * k >= 1 << 25 and not small_glu else 64
     blocks = k // blocksize
     mn_progs = triton.cdiv(m, block_m) * sum(triton.cdiv(v, block_n) for v in ns)
     by_sms = max(1, PROGRAMS_PER_SM * num_sms // mn_progs)
     by_sms = 1 << (by_sms.bit_length() - 1)  # largest power of two <= 3·SMs / programs
     by_steps = triton.next_power_of_2(triton.cdiv(blocks, 32))
     split = max(1, min(max(by_sms, by_steps), 32, blocks // 2))
+    if small_glu:
+        split = max(split, min(2, blocks))
     return {"BLOCK_M": block_m, "BLOCK_N": block_n, "SPLIT_K": split, "num_warps": 4,
             "num_stages": 1, "PREFETCH": True}
 
@@ -623,7 +628,7 @@ def _launch(x: torch.Tensor, parts: list[LinearPart], config: dict | None,
     has_lora, has_bias = first.lora_a is not None, first.bias is not None
     r = first.lora_a.shape[0] if has_lora else 0
     bs = first.weight.blocksize
-    cfg = config or pick_config(m, ns, k, bs, _num_sms(x.device))
+    cfg = config or pick_config(m, ns, k, bs, _num_sms(x.device), glu=glu)
     interp = interpreting()
     prmt = cfg.get("PRMT", not interp)
     if prmt and interp:
