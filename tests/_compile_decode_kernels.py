@@ -20,11 +20,19 @@ from trainers.sampling.kernels import rmsnorm as R
 from trainers.sampling.kernels import rope as P
 
 TARGET = GPUTarget("cuda", 90, 32)
+# the decode linear's sizes and strides at every Llama / Qwen / Mistral layer shape
+LINEAR_DIV16 = ("N_0", "N_1", "N_2", "K", "COL_1", "COL_2", "stride_xm", "stride_ar",
+                "stride_bn", "stride_ym", "stride_ps", "stride_pm")
 
 
-def compile_kernel(fn, types: dict, consts: dict, **options):
+def compile_kernel(fn, types: dict, consts: dict, div16=(), **options):
+    """`fn` for sm_90 as a launch specializes it: every pointer 16-byte aligned (torch's
+    allocations are), and the integer arguments named in `div16` multiples of 16 (the layer
+    shapes and strides), so the layouts, vector widths and registers are the GPU run's."""
     sig = {n: ("constexpr" if n in consts else types.get(n, "i32")) for n in fn.arg_names}
-    src = ASTSource(fn, sig, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})
+    aligned = [n for n in fn.arg_names if sig[n].startswith("*") or n in div16]
+    src = ASTSource(fn, sig, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()},
+                    attrs={(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned})
     kernel = triton.compile(src, target=TARGET, options=options)
     print(f"{fn.__name__} {consts}: shared {kernel.metadata.shared} B")
     return kernel
@@ -42,8 +50,8 @@ def _compile_linear(nested, split, lora, lora_fp32, bs, prmt, xdt, segs=1, glu=F
               "LORA_FP32": lora_fp32, "HAS_BIAS": True, "SPLIT": split, "LAST_REDUCES": split, "GLU": glu,
               "BLOCK_M": 16, "BLOCK_N": 64 if bs == 64 else 128, "BLOCK_R": 16, "PRMT": prmt,
               "PREFETCH": prmt, "INTERP": False}
-    compile_kernel(L._linear4bit_lora_kernel, types, consts, enable_fp_fusion=False,
-                   num_stages=1)
+    compile_kernel(L._linear4bit_lora_kernel, types, consts, div16=LINEAR_DIV16,
+                   enable_fp_fusion=False, num_stages=1)
 
 
 def main():
