@@ -27,7 +27,7 @@ GPU (from the project root):
     python -m bench.sample --sweep --batches 8 --hidden 2048   # launch configurations, ~2 min
     python -m bench.sample --device cpu --quick # CPU smoke run (torch path, no CUDA timers)
 
-Writes bench/results/sample_<GPU>[_quick].{json,md}.
+Writes bench/results/sample_<GPU>[_quick][--tag].{json,md}.
 """
 
 from __future__ import annotations
@@ -143,6 +143,7 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true", help="B = 8, H = 256, V = 8000")
     p.add_argument("--device", default="cuda")
     p.add_argument("--out-dir", default=str(bc.RESULTS_DIR))
+    p.add_argument("--tag", default="", help="suffix of the result files' names")
     a = p.parse_args(argv)
     device = torch.device(a.device)
     if a.quick:
@@ -189,7 +190,7 @@ def main(argv=None) -> int:
             res["sweep"] += [{"B": B, "H": H, **r} for r in sweep(h, w, device)]
         del h, w
         bc.free_memory()
-    tag = bc.gpu_short_name(device) + ("_quick" if a.quick else "")
+    tag = bc.gpu_short_name(device) + ("_quick" if a.quick else "") + a.tag
     out = Path(a.out_dir)
     bc.write_json(out / f"sample_{tag}.json", res)
     head = (f"linear_sample, V = {a.vocab}, bf16; {env.get('gpu') or 'cpu'}, torch "
