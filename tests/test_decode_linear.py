@@ -287,7 +287,7 @@ def _silu_mul_outputs(g, u):
 @pytest.mark.parametrize("split_k,block_n,prefetch,last", GROUP_CONFIGS)
 @pytest.mark.parametrize("bias", [False, True])
 def test_silu_mul_launch_is_torchs_silu_mul(split_k, block_n, prefetch, last, bias,
-                                            device="cpu"):
+                                            device="cpu", block_m=16):
     """silu(gate) · up from the gate/up launch against torch's `F.silu(gate) * up` on the
     grouped launch's two outputs (the same tiles): bit for bit on the GPU and where the second
     launch reduces; in the interpreter each value is one `_silu_mul_outputs` allows, and most
@@ -306,7 +306,7 @@ def test_silu_mul_launch_is_torchs_silu_mul(split_k, block_n, prefetch, last, bi
         parts.append(LinearPart(Packed4bit.from_quant_state(packed, qs),
                                 bias_i if bias else None, a, b, 0.5 + i))
     x = _inputs(m, 8, k, 8, seed=4, device=device)[0]
-    cfg = {"BLOCK_M": 16, "BLOCK_N": block_n, "SPLIT_K": split_k, "PREFETCH": prefetch,
+    cfg = {"BLOCK_M": block_m, "BLOCK_N": block_n, "SPLIT_K": split_k, "PREFETCH": prefetch,
            "LAST_REDUCES": last}
     h = linear4bit_lora_silu_mul(x, *parts, config=cfg)
     g, u = linear4bit_lora_group(x, parts, config=cfg)
@@ -328,6 +328,15 @@ def test_silu_mul_launch_is_torchs_silu_mul(split_k, block_n, prefetch, last, bi
 def test_silu_mul_launch_gpu(split_k, block_n, prefetch, last):
     """The same on the GPU, compiled: bit for bit torch's silu · mul (libdevice's expf)."""
     test_silu_mul_launch_is_torchs_silu_mul(split_k, block_n, prefetch, last, True, "cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("split_k", [1, 2])
+def test_silu_mul_launch_gpu_64_row_tiles(split_k):
+    """The tiles `pick_config` gives a gate/up launch of more than 16 rows (BLOCK_M 64,
+    BLOCK_N 128, one or two splits): the same bits."""
+    test_silu_mul_launch_is_torchs_silu_mul(split_k, 128, True, True, True, "cuda", block_m=64)
 
 
 def test_silu_mul_modules():

@@ -498,8 +498,9 @@ def pick_config(m: int, n, k: int, blocksize: int, num_sms: int, glu: bool = Fal
     pass it) and no program runs more than 32 steps, but every program at least two; at most
     32 splits.
     Each step's loads are issued one step ahead (PREFETCH), in registers: one stage.
-    A gate/up + silu · mul launch (`glu`) of at most 16 rows takes BLOCK_N 64 and at least two
-    splits whatever its size: its partials are written and summed by a last program anyway.
+    A gate/up + silu · mul launch (`glu`) writes its partials and sums them in a last program
+    whatever its split, so the split is chosen by time alone: at most 16 rows it takes BLOCK_N
+    64 and at least two splits; above, a program may run 64 steps, not 32.
     (bench/README.md, the decode linear: the rule against the sweep of every tile.)"""
     small_glu = glu and m <= 16
     ns = [n] if isinstance(n, int) else list(n)
@@ -509,7 +510,7 @@ def pick_config(m: int, n, k: int, blocksize: int, num_sms: int, glu: bool = Fal
     mn_progs = triton.cdiv(m, block_m) * sum(triton.cdiv(v, block_n) for v in ns)
     by_sms = max(1, PROGRAMS_PER_SM * num_sms // mn_progs)
     by_sms = 1 << (by_sms.bit_length() - 1)  # largest power of two <= 3·SMs / programs
-    by_steps = triton.next_power_of_2(triton.cdiv(blocks, 32))
+    by_steps = triton.next_power_of_2(triton.cdiv(blocks, 64 if glu and not small_glu else 32))
     split = max(1, min(max(by_sms, by_steps), 32, blocks // 2))
     if small_glu:
         split = max(split, min(2, blocks))
