@@ -259,10 +259,20 @@ def replay_ms(fn, x, sets, mods, device) -> tuple[dict, str | None]:
 def grouped(shapes, rows, rank, device) -> list[dict]:
     """Graph-replay ms of `decode_linears` on each GROUPS set of modules (one launch), checked
     against each module's forward first, over enough copies of the set to stream 2x the L2."""
+    from trainers.sampling.kernels import linear4bit as L
     from trainers.sampling.kernels.linear4bit import decode_linears, decode_silu_mul
 
     def unfused(x, mods):
         g, u = decode_linears(x, mods)
+        return torch.nn.functional.silu(g) * u
+
+    def unfused_same_tiles(x, mods):
+        """silu(gate) · up of the two projections computed with the fused launch's tiles (its
+        K split fixes the order of each fp32 sum)"""
+        parts, _ = L._group_parts(mods, x.dtype, x.device)
+        cfg = L.pick_config(x.shape[0], [p.weight.shape[0] for p in parts], x.shape[1],
+                            parts[0].weight.blocksize, L._num_sms(x.device), glu=True)
+        g, u = L.linear4bit_lora_group(x, parts, config=cfg)
         return torch.nn.functional.silu(g) * u
 
     out = []
@@ -279,10 +289,10 @@ def grouped(shapes, rows, rank, device) -> list[dict]:
             msg = ""
             if name == "gate/up":
                 with torch.no_grad():
-                    # bit for bit on the GPU (libdevice's expf, as torch's); the
-                    # interpreter's exp is numpy's (the CPU tests bound it)
+                    # bit for bit on the GPU with the same tiles (libdevice's expf, as
+                    # torch's); the interpreter's exp is numpy's (the CPU tests bound it)
                     if device.type == "cuda" and not torch.equal(
-                            decode_silu_mul(x, *mods), unfused(x, mods)):
+                            decode_silu_mul(x, *mods), unfused_same_tiles(x, mods)):
                         raise AssertionError("decode_silu_mul is not silu(gate) * up")
                     rec["silu_mul_graph"] = {
                         key: replay_ms(fn, x, sets, mods, device)[0]
