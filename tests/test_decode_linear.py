@@ -450,10 +450,9 @@ def test_unsupported_modules_say_why():
 def test_prmt_assembly_looks_up_every_code(kind):
     """The GPU's code lookup, its PTX run by a reference interpreter of the instructions it uses
     (tests/_ptx_emu.py): the table of round(code[i] · scale) as byte planes, then the two
-    nibbles of every byte value 0-255 (in each of the four byte slots) give exactly
-    round(code · scale), for the NF4 and FP4 codes and random ones, at random scales. Bytes
-    0-1 use element 0's table and bytes 2-3 element 2's (two rows' tables here, as in the MMA
-    operand layout); elements 1 and 3 get garbage tables, which must not be read."""
+    nibbles of every byte value 0-255, in each of the word's four byte slots, give exactly
+    round(code · scale), for the NF4 and FP4 codes and random ones, at random scales; the
+    outputs pair bytes 0-1 and 2-3, the lower byte's value in the lower half."""
     import numpy as np
     from _ptx_emu import f32_bits, half_bits, run
 
@@ -462,28 +461,19 @@ def test_prmt_assembly_looks_up_every_code(kind):
              bnbF.get_4bit_type("fp4", device="cpu").float().numpy(),
              rng.uniform(-3, 3, 16).astype(np.float32)]
     table_asm = linear4bit._table_asm(f"cvt.rn.{kind}x2.f32")
-
-    def table(code, scale):
+    for code, scale in itertools.product(codes, rng.uniform(1e-3, 8, 3).astype(np.float32)):
         planes = run(table_asm, [0] * 8 + [f32_bits(scale)] + [f32_bits(c) for c in code])[:8]
-        return planes, [half_bits(np.float32(c) * scale, kind) for c in code]
-
-    for (code, code2), scale in itertools.product(zip(codes, codes[1:] + codes[:1]),
-                                                  rng.uniform(1e-3, 8, 3).astype(np.float32)):
-        planes0, want0 = table(code, scale)
-        planes2, want2 = table(code2, np.float32(scale * 1.7))
-        garbage = [int(v) for v in rng.integers(0, 1 << 32, 8)]
-        # word w of element e is operand 5 + 4w + e
-        tables = [t for w in range(8) for t in (planes0[w], garbage[w], planes2[w], garbage[w])]
+        want = [half_bits(np.float32(c) * scale, kind) for c in code]
         for b0 in range(256):
             bs = [b0, *(int(v) for v in rng.integers(256, size=3))]
-            for perm in (bs, bs[2:] + bs[:2]):  # every byte value in the first and third slot
+            for r in range(4):  # the byte value b0 in every slot
+                perm = bs[r:] + bs[:r]
                 word = perm[0] | perm[1] << 8 | perm[2] << 16 | perm[3] << 24
-                out = run(linear4bit._DEQUANT_ASM, [0, 0, 0, 0, word] + tables)
+                out = run(linear4bit._DEQUANT_ASM, [0, 0, 0, 0, word] + planes)
                 got_hi = [out[0] & 0xFFFF, out[0] >> 16, out[1] & 0xFFFF, out[1] >> 16]
                 got_lo = [out[2] & 0xFFFF, out[2] >> 16, out[3] & 0xFFFF, out[3] >> 16]
-                want = [want0, want0, want2, want2]
-                assert got_hi == [w[b >> 4] for w, b in zip(want, perm)], (kind, scale, perm)
-                assert got_lo == [w[b & 15] for w, b in zip(want, perm)], (kind, scale, perm)
+                assert got_hi == [want[b >> 4] for b in perm], (kind, scale, perm)
+                assert got_lo == [want[b & 15] for b in perm], (kind, scale, perm)
 
 
 def test_bad_inputs_name_the_argument():

@@ -70,24 +70,23 @@ def _table_asm(cvt: str) -> str:
 
 
 def _dequant_asm() -> str:
-    """PTX, four packed bytes at a time ($4; pack=4). Operands: $0, $1 the high nibbles' values
-    (even elements) of bytes 0-1 and 2-3, two 16-bit floats each, the lower byte's in the lower
-    half; $2, $3 the low nibbles' (odd elements); then each table word of `_table_asm` once per
-    element (word w of element e is $(5 + 4w + e)). The compiler may hold the tile in the MMA
-    operand layout, where a thread's consecutive elements are pairs along K of one row, and
-    elements 0-1 and 2-3 two such pairs: bytes 0-1 look up element 0's table, bytes 2-3
-    element 2's. prmt picks 4 bytes out of 8 by 3-bit selectors: the 4 nibbles of a byte pair
-    select in entries 0-7 and in 8-15 (bit 3 cleared: it is prmt's sign-replicate flag), then
-    each nibble's bit 3 picks between the two, for the low-byte plane and the high-byte plane;
-    two more permutes pair each value's bytes."""
+    """PTX, one 32-bit word of packed bytes of one row at a time ($4, byte 0 in its low bits;
+    pack=1). Operands: $0, $1 the high nibbles' values (even elements) of bytes 0-1 and 2-3,
+    two 16-bit floats each, the lower byte's in the lower half; $2, $3 the low nibbles' (odd
+    elements); $5 .. $12 the row's table words of `_table_asm`. The word is loaded as one
+    32-bit value and the outputs are whole registers, so no byte or half-word is unpacked and
+    repacked around the lookup. prmt picks 4 bytes out of 8 by 3-bit selectors: the 4 nibbles
+    of a byte pair select in entries 0-7 and in 8-15 (bit 3 cleared: it is prmt's
+    sign-replicate flag), then each nibble's bit 3 picks between the two, for the low-byte
+    plane and the high-byte plane; two more permutes pair each value's bytes."""
     lines = ["and.b32 s, $4, 0x77777777;",  # 3-bit entry index within a half of the table
              "shr.u32 m, $4, 1;",  # m's nibble i: byte i of a (entries 0-7) or 4 + i (b)
              "and.b32 m, m, 0x44444444;",
              "or.b32 m, m, 0x32103210;"]
-    for half, (out_hi, out_lo, elem) in enumerate((("$0", "$2", 0), ("$1", "$3", 2))):
+    word = [f"${5 + w}" for w in range(8)]
+    for half, (out_hi, out_lo) in enumerate((("$0", "$2"), ("$1", "$3"))):
         if half:  # bytes 2-3: prmt reads the selector's low 16 bits
             lines += ["shr.u32 s, s, 16;", "shr.u32 m, m, 16;"]
-        word = [f"${5 + 4 * w + elem}" for w in range(8)]
         for plane, dst in ((word[:4], "l"), (word[4:], "h")):
             lines += [f"prmt.b32 a, {plane[0]}, {plane[1]}, s;",
                       f"prmt.b32 b, {plane[2]}, {plane[3]}, s;",
@@ -102,14 +101,28 @@ _TABLE_BF16 = tl.constexpr(_table_asm("cvt.rn.bf16x2.f32"))
 _TABLE_F16 = tl.constexpr(_table_asm("cvt.rn.f16x2.f32"))
 _TABLE_CONSTRAINTS = tl.constexpr(",".join(["=r"] * 8 + ["r"] * 17))
 _DEQUANT = tl.constexpr(_DEQUANT_ASM)
-_DEQUANT_CONSTRAINTS = tl.constexpr(",".join(["=r"] * 4 + ["r"] * 33))
+_DEQUANT_CONSTRAINTS = tl.constexpr(",".join(["=r"] * 4 + ["r"] * 9))
 
 
 @triton.jit
-def _dequant_prmt(p, scale, code_ptr, dtype: tl.constexpr):
-    """(high nibbles, low nibbles) of the packed bytes p (BLOCK_N, HB) uint8 as
-    round(code[q] · scale[n]) in dtype, each (BLOCK_N, HB): one table of 16 values per row,
-    then register byte permutes (no memory lookups per element)."""
+def _words_to_values(w01, w23, dtype: tl.constexpr, BLOCK_N: tl.constexpr, HB: tl.constexpr):
+    """(BLOCK_N, HB) values in dtype from words (BLOCK_N, HB // 4) int32 holding the values of
+    bytes 4c, 4c + 1 (w01, lower half first) and 4c + 2, 4c + 3 (w23): element 4c + 2i + k is
+    half k of word i (the same bits, rearranged in registers)."""
+    a0 = (w01 & 0xFFFF).to(tl.int16).to(dtype, bitcast=True)
+    a1 = (w01 >> 16).to(tl.int16).to(dtype, bitcast=True)
+    b0 = (w23 & 0xFFFF).to(tl.int16).to(dtype, bitcast=True)
+    b1 = (w23 >> 16).to(tl.int16).to(dtype, bitcast=True)
+    z = tl.join(tl.join(a0, a1), tl.join(b0, b1))  # z[n, c, k, i]: half k of word i
+    return tl.reshape(tl.permute(z, (0, 1, 3, 2)), (BLOCK_N, HB))
+
+
+@triton.jit
+def _dequant_prmt(p, scale, code_ptr, dtype: tl.constexpr, BLOCK_N: tl.constexpr,
+                  HB: tl.constexpr):
+    """(high nibbles, low nibbles) of the packed bytes of each row, p (BLOCK_N, HB // 4) int32
+    words, as round(code[q] · scale[n]) in dtype, each (BLOCK_N, HB): one table of 16 values
+    per row, then register byte permutes (no memory lookups per element)."""
     c0 = tl.load(code_ptr + 0)
     c1 = tl.load(code_ptr + 1)
     c2 = tl.load(code_ptr + 2)
@@ -137,9 +150,11 @@ def _dequant_prmt(p, scale, code_ptr, dtype: tl.constexpr):
                tl.int32), is_pure=True, pack=1)
     args = [p, lo0[:, None], lo1[:, None], lo2[:, None], lo3[:, None],
             hi0[:, None], hi1[:, None], hi2[:, None], hi3[:, None]]
-    w_hi, w_lo = tl.inline_asm_elementwise(_DEQUANT, _DEQUANT_CONSTRAINTS, args,
-                                           dtype=(dtype.value, dtype.value), is_pure=True, pack=4)
-    return w_hi, w_lo
+    hi01, hi23, lo01, lo23 = tl.inline_asm_elementwise(
+        _DEQUANT, _DEQUANT_CONSTRAINTS, args, dtype=(tl.int32, tl.int32, tl.int32, tl.int32),
+        is_pure=True, pack=1)
+    return (_words_to_values(hi01, hi23, dtype, BLOCK_N, HB),
+            _words_to_values(lo01, lo23, dtype, BLOCK_N, HB))
 
 
 @triton.jit
@@ -211,10 +226,18 @@ def _scale(qa, a2, code2_ptr, offset, NESTED: tl.constexpr):
 
 
 @triton.jit
-def _block_bytes(w_ptr, ablk, offs_j, n_ok, HB: tl.constexpr):
-    """The packed bytes (BLOCK_N, HB) of absmax block `ablk` of each row: contiguous per row,
-    the only traffic that scales with N·K."""
-    return tl.load(w_ptr + (ablk * HB)[:, None] + offs_j[None, :], mask=n_ok[:, None], other=0)
+def _block_bytes(w_ptr, ablk, offs_j, n_ok, HB: tl.constexpr, WORDS: tl.constexpr):
+    """The packed bytes of absmax block `ablk` of each row: contiguous per row, the only
+    traffic that scales with N·K. (BLOCK_N, HB) uint8, or with WORDS (BLOCK_N, HB // 4) int32
+    words of four bytes each (a row's HB bytes start 4-byte aligned: the launcher checks the
+    weight's address)."""
+    if WORDS:
+        offs_w = tl.arange(0, HB // 4)
+        p = tl.load(w_ptr.to(tl.pointer_type(tl.int32)) + (ablk * (HB // 4))[:, None]
+                    + offs_w[None, :], mask=n_ok[:, None], other=0)
+    else:
+        p = tl.load(w_ptr + (ablk * HB)[:, None] + offs_j[None, :], mask=n_ok[:, None], other=0)
+    return p
 
 
 @triton.jit
@@ -330,7 +353,7 @@ def _linear4bit_lora_kernel(
         qa_next2, a2_next2 = _scale_operands(absmax_ptr, absmax2_ptr,
                                              n_blk + tl.minimum(blk_lo + 1, blk_hi - 1), n_ok,
                                              BS2, NESTED)
-        p_next = _block_bytes(w_ptr, n_blk + blk_lo, offs_j, n_ok, HB)
+        p_next = _block_bytes(w_ptr, n_blk + blk_lo, offs_j, n_ok, HB, PRMT)
         x_next, a_next = _x_and_a_block(x_ptr, a_ptr, offs_m, m_ok, offs_r, r_ok,
                                         blk_lo * BS + offs_k, stride_xm, stride_ar, HAS_LORA)
     for blk in range(blk_lo, blk_hi):
@@ -340,7 +363,7 @@ def _linear4bit_lora_kernel(
             # so its two loads are two iterations ahead and the L1 gather one.
             p, scale, x_blk, a_blk = p_next, scale_next, x_next, a_next
             nxt = tl.minimum(blk + 1, blk_hi - 1)
-            p_next = _block_bytes(w_ptr, n_blk + nxt, offs_j, n_ok, HB)
+            p_next = _block_bytes(w_ptr, n_blk + nxt, offs_j, n_ok, HB, PRMT)
             x_next, a_next = _x_and_a_block(x_ptr, a_ptr, offs_m, m_ok, offs_r, r_ok,
                                             nxt * BS + offs_k, stride_xm, stride_ar, HAS_LORA)
             scale_next = _scale(qa_next2, a2_next2, code2_ptr, offset, NESTED)
@@ -350,12 +373,12 @@ def _linear4bit_lora_kernel(
         else:
             qa, a2 = _scale_operands(absmax_ptr, absmax2_ptr, n_blk + blk, n_ok, BS2, NESTED)
             scale = _scale(qa, a2, code2_ptr, offset, NESTED)
-            p = _block_bytes(w_ptr, n_blk + blk, offs_j, n_ok, HB)
+            p = _block_bytes(w_ptr, n_blk + blk, offs_j, n_ok, HB, PRMT)
             x_blk, a_blk = _x_and_a_block(x_ptr, a_ptr, offs_m, m_ok, offs_r, r_ok,
                                           blk * BS + offs_k, stride_xm, stride_ar, HAS_LORA)
         # code · scale in fp32, rounded to x's dtype: bitsandbytes' dequantized weight
         if PRMT:
-            w_hi, w_lo = _dequant_prmt(p, scale, code_ptr, x_ptr.dtype.element_ty)
+            w_hi, w_lo = _dequant_prmt(p, scale, code_ptr, x_ptr.dtype.element_ty, BLOCK_N, HB)
         else:
             c_hi = tl.load(code_ptr + (p >> 4).to(tl.int32))
             c_lo = tl.load(code_ptr + (p & 15).to(tl.int32))
@@ -631,10 +654,16 @@ def _launch(x: torch.Tensor, parts: list[LinearPart], config: dict | None,
     bs = first.weight.blocksize
     cfg = config or pick_config(m, ns, k, bs, _num_sms(x.device), glu=glu)
     interp = interpreting()
-    prmt = cfg.get("PRMT", not interp)
+    # the permute lookup reads each row's bytes of a block as 32-bit words: 4-byte aligned
+    # (allocations are; a view at an odd offset takes the gathers, the same values)
+    words = bs % 8 == 0 and all(p.weight.packed.data_ptr() % 4 == 0 for p in parts)
+    prmt = cfg.get("PRMT", not interp and words)
     if prmt and interp:
         raise ValueError("config PRMT=True (the code looked up by PTX byte permutes) needs the "
                          "GPU compiler; Triton's interpreter runs PRMT=False")
+    if prmt and not words:
+        raise ValueError("config PRMT=True reads the packed weight as 4-byte words: it needs a "
+                         "blocksize multiple of 8 and a 4-byte-aligned packed weight")
     per, split_k = split_steps(k // bs, cfg["SPLIT_K"])
     split = split_k > 1 or glu  # partials in fp32, summed by a tile's last program
     bn = cfg["BLOCK_N"]
