@@ -197,8 +197,9 @@ class DistillationTrainer(OnPolicySamplingMixin, PackingOptionsMixin, trl.Distil
             self._lce_packing_note(_UNPACKABLE)
             return None
         if not plan.packs:
-            return None  # no completion token (the padded pass gives TRL's zero-loss graph),
-            # or nothing to remove
+            # no completion token (the padded pass gives TRL's zero-loss graph), or nothing
+            # to remove
+            return None
         return kind, plan
 
     def _compute_loss(self, unwrapped_student, inputs, num_items_in_batch):

@@ -262,8 +262,8 @@ def packed_fields(lm, kwargs, y, weight, bias, pack, *, temperature: float, outp
         note(_UNPACKABLE)
         return None
     if not plan.packs:
-        return None  # nothing scored (the padded pass gives the zeros and their graph), or
-        # nothing to remove
+        # nothing scored (the padded pass gives the zeros and their graph), or nothing to remove
+        return None
 
     def forward(inputs):  # the backbone on one pack, as the padded pass calls it
         return lm.base_model(**inputs, use_cache=False).last_hidden_state  # (1, T, H)
