@@ -311,16 +311,18 @@ TILES = ((64, 4), (128, 4), (128, 8), (256, 8))  # (BLOCK_N, num_warps) that --s
 
 
 def sweep_configs(k, blocksize=64, lookups=(True,), prefetch=(False,), stages=(1,),
-                  tiles=TILES, maxnreg=(None,)):
+                  tiles=TILES, maxnreg=(None,), reg_tile=(False,)):
     """The grid `--sweep` times: (BLOCK_N, num_warps) in `tiles` × SPLIT_K, for each code lookup
     in `lookups` (PRMT True: register byte permutes; False: memory gathers), PREFETCH (the next
     block's loads issued before this block's math) in `prefetch`, num_stages in `stages`, the
-    register cap in `maxnreg` (None: the compiler's choice)."""
-    for prmt, pf, st, reg in itertools.product(lookups, prefetch, stages, maxnreg):
-        for bn, warps in tiles:
-            for split in sorted({1, 2, 4, 8, 16, 32, 64} & set(range(1, k // blocksize + 1))):
+    register cap in `maxnreg` (None: the compiler's choice); with True in `reg_tile` also the
+    register tile (64 rows on 4 warps, BLOCK_M 16; its splits divide steps of 256 columns)."""
+    for prmt, pf, st, reg, rt in itertools.product(lookups, prefetch, stages, maxnreg, reg_tile):
+        steps = -(-k // 256) if rt else k // blocksize
+        for bn, warps in ((64, 4),) if rt else tiles:
+            for split in sorted({1, 2, 4, 8, 16, 32, 64} & set(range(1, steps + 1))):
                 yield {"BLOCK_N": bn, "SPLIT_K": split, "num_warps": warps, "num_stages": st,
-                       "PRMT": prmt, "PREFETCH": pf, "maxnreg": reg}
+                       "PRMT": prmt, "PREFETCH": pf, "maxnreg": reg, "REG_TILE": rt}
 
 
 def _time_configs(calls, configs, device) -> list[tuple[float, dict]]:
@@ -547,14 +549,25 @@ def main():
                    help="--sweep: comma list of register caps per thread (0: none)")
     p.add_argument("--tiles", default=",".join(f"{b}x{w}" for b, w in TILES),
                    help="--sweep: comma list of BLOCK_NxNUM_WARPS")
+    p.add_argument("--reg-tile", default="0",
+                   help="--sweep: comma list of REG_TILE values (1: the register tile, BLOCK_M "
+                        "16 only)")
     p.add_argument("--groups", action="store_true",
                    help="--sweep: the q/k/v and gate/up launches (one each) instead of the shapes")
     p.add_argument("--rope", action="store_true",
                    help="time the fused RoPE + KV-cache write against the torch ops instead")
+    p.add_argument("--block-steps", action="store_true",
+                   help="our kernel with one absmax block a step at every M (pick_config's "
+                        "reg_tile=False), to compare with the register tile it takes up to 16 rows")
+    p.add_argument("--tag", default="", help="suffix of the result file's name")
     args = p.parse_args()
     if not torch.cuda.is_available():
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before our kernels import triton
+    from trainers.sampling.kernels import linear4bit
     from trainers.sampling.kernels.linear4bit import decode_linear
+
+    if args.block_steps:  # every launch of ours picks its tiles through this name
+        linear4bit.pick_config = functools.partial(linear4bit.pick_config, reg_tile=False)
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.manual_seed(0)
@@ -577,11 +590,13 @@ def main():
                              (False, True) if args.prefetch else (False,)),
                 "stages": tuple(int(v) for v in args.stages.split(",")),
                 "maxnreg": tuple(int(v) or None for v in args.maxnreg.split(",")),
-                "tiles": tuple(tuple(int(v) for v in t.split("x")) for t in args.tiles.split(","))}
+                "tiles": tuple(tuple(int(v) for v in t.split("x")) for t in args.tiles.split(",")),
+                "reg_tile": tuple(bool(int(v)) for v in args.reg_tile.split(","))}
         res = (sweep_groups(shapes, rows, args.rank, device, grid) if args.groups else
                sweep(shapes, rows, args.rank, device, bw, grid))
         kind = "sweep_groups" if args.groups else "sweep"
-        path = Path(args.out_dir) / f"bench_decode_linear_{kind}_{bc.gpu_short_name(device)}.json"
+        path = (Path(args.out_dir) /
+                f"bench_decode_linear_{kind}_{bc.gpu_short_name(device)}{args.tag}.json")
         bc.write_json(path, {"env": env, "bandwidth_Bps": bw, "rank": args.rank,
                              "results": res})
         print(f"wrote {path}")
@@ -629,9 +644,9 @@ def main():
             bc.free_memory()
     groups = grouped(shapes, rows, args.rank, device)
     summary = layer_summary(results, groups)
-    path = Path(args.out_dir) / f"bench_decode_linear_{bc.gpu_short_name(device)}.json"
+    path = Path(args.out_dir) / f"bench_decode_linear_{bc.gpu_short_name(device)}{args.tag}.json"
     bc.write_json(path, {"env": env, "bandwidth_Bps": bw, "graph_calls": GRAPH_CALLS,
-                         "rank": args.rank, "results": results, "groups": groups,
+                         "block_steps": args.block_steps, "rank": args.rank, "results": results, "groups": groups,
                          "per_decoder_layer": summary})
     print(f"x floor and speedup use the graph times where captured; wrote {path}")
 

@@ -38,7 +38,8 @@ def compile_kernel(fn, types: dict, consts: dict, div16=(), **options):
     return kernel
 
 
-def _compile_linear(nested, split, lora, lora_fp32, bs, prmt, xdt, segs=1, glu=False):
+def _compile_linear(nested, split, lora, lora_fp32, bs, prmt, xdt, segs=1, glu=False,
+                    reg_tile=False, even_k=True):
     types = {"x_ptr": f"*{xdt}", "y_ptr": f"*{xdt}", "part_ptr": "*fp32", "count_ptr": "*i32"}
     for i in range(3):  # each segment's arguments (a grouped launch's projections)
         types.update({f"w_{i}": "*u8", f"code_{i}": "*fp32",
@@ -48,8 +49,9 @@ def _compile_linear(nested, split, lora, lora_fp32, bs, prmt, xdt, segs=1, glu=F
                       f"bias_{i}": f"*{xdt}", f"scaling_{i}": "fp32"})
     consts = {"SEGS": segs, "BS": bs, "BS2": 256, "NESTED": nested, "HAS_LORA": lora,
               "LORA_FP32": lora_fp32, "HAS_BIAS": True, "SPLIT": split, "LAST_REDUCES": split, "GLU": glu,
-              "BLOCK_M": 16, "BLOCK_N": 64 if bs == 64 else 128, "BLOCK_R": 16, "PRMT": prmt,
-              "PREFETCH": prmt, "INTERP": False}
+              "BLOCK_M": 16, "BLOCK_N": 64 if bs == 64 or reg_tile else 128, "BLOCK_R": 16,
+              "PRMT": prmt, "PREFETCH": prmt, "REG_TILE": reg_tile,
+              "EVEN_K": reg_tile and even_k, "INTERP": False}
     compile_kernel(L._linear4bit_lora_kernel, types, consts, div16=LINEAR_DIV16,
                    enable_fp_fusion=False, num_stages=1)
 
@@ -69,6 +71,18 @@ def main():
         _compile_linear(True, True, True, False, 64, True, "bf16", segs)
     for bs, xdt in ((64, "bf16"), (128, "bf16"), (64, "fp16")):  # gate/up with silu · mul
         _compile_linear(True, True, True, False, bs, True, xdt, 2, glu=True)
+    # the register tile (pick_config's choice up to 16 rows): its PRMT path at both
+    # blocksizes, with and without double quant, split K and LoRA; fp16; grouped and GLU
+    for nested, split, lora, lora_fp32, bs in itertools.product(
+            (False, True), (False, True), (False, True), (False, True), (64, 128)):
+        if lora_fp32 and not lora:
+            continue
+        _compile_linear(nested, split, lora, lora_fp32, bs, True, "bf16", reg_tile=True)
+    _compile_linear(True, True, True, False, 64, True, "fp16", reg_tile=True)
+    _compile_linear(True, True, True, False, 64, True, "bf16", reg_tile=True, even_k=False)
+    _compile_linear(True, True, True, False, 64, False, "bf16", reg_tile=True)
+    _compile_linear(True, True, True, False, 64, True, "bf16", 3, reg_tile=True)
+    _compile_linear(True, True, True, False, 64, True, "bf16", 2, glu=True, reg_tile=True)
     compile_kernel(L._split_k_reduce_kernel,
                    {"part_ptr": "*fp32", "bias_ptr": "*bf16", "y_ptr": "*bf16"},
                    {"HAS_BIAS": True, "BLOCK_M": 16, "BLOCK_N": 64, "INTERP": False})

@@ -69,60 +69,60 @@ def _table_asm(cvt: str) -> str:
     return "{\n.reg .f32 p<16>;\n.reg .b32 w<8>;\n" + "\n".join(lines) + "\n}"
 
 
-def _dequant_asm() -> str:
+def _dequant_asm(pairs: bool = False) -> str:
     """PTX, one 32-bit word of packed bytes of one row at a time ($4, byte 0 in its low bits;
-    pack=1). Operands: $0, $1 the high nibbles' values (even elements) of bytes 0-1 and 2-3,
-    two 16-bit floats each, the lower byte's in the lower half; $2, $3 the low nibbles' (odd
-    elements); $5 .. $12 the row's table words of `_table_asm`. The word is loaded as one
-    32-bit value and the outputs are whole registers, so no byte or half-word is unpacked and
-    repacked around the lookup. prmt picks 4 bytes out of 8 by 3-bit selectors: the 4 nibbles
-    of a byte pair select in entries 0-7 and in 8-15 (bit 3 cleared: it is prmt's
-    sign-replicate flag), then each nibble's bit 3 picks between the two, for the low-byte
-    plane and the high-byte plane; two more permutes pair each value's bytes."""
+    pack=1). Operands: $0 .. $3 four words of two 16-bit floats each (below), $5 .. $12 the
+    row's table words of `_table_asm`. The word is loaded as one 32-bit value and the outputs
+    are whole registers, so no byte or half-word is unpacked and repacked around the lookup.
+    prmt picks 4 bytes out of 8 by 3-bit selectors: the 4 nibbles of a byte pair select in
+    entries 0-7 and in 8-15 (bit 3 cleared: it is prmt's sign-replicate flag), then each
+    nibble's bit 3 picks between the two, for the low-byte plane and the high-byte plane; two
+    more permutes pair each value's bytes.
+
+    Outputs, the lower half holding the first value: by default $0, $1 the high nibbles'
+    values (even elements) of bytes 0-1 and 2-3, $2, $3 the low nibbles' (odd elements); with
+    `pairs`, $i the two values of byte i (elements 2i, 2i + 1: consecutive along K)."""
     lines = ["and.b32 s, $4, 0x77777777;",  # 3-bit entry index within a half of the table
              "shr.u32 m, $4, 1;",  # m's nibble i: byte i of a (entries 0-7) or 4 + i (b)
              "and.b32 m, m, 0x44444444;",
              "or.b32 m, m, 0x32103210;"]
     word = [f"${5 + w}" for w in range(8)]
-    for half, (out_hi, out_lo) in enumerate((("$0", "$2"), ("$1", "$3"))):
+    # l, h: bytes [lo(b), hi(b), lo(b+1), hi(b+1)] of the low / high byte plane, b = 2 · half
+    outs = ((("$0", "0x7351"), ("$2", "0x6240")), (("$1", "0x7351"), ("$3", "0x6240")))
+    if pairs:  # byte b's high nibble (element 2b) in the lower half, its low nibble above
+        outs = ((("$0", "0x4051"), ("$1", "0x6273")), (("$2", "0x4051"), ("$3", "0x6273")))
+    for half in range(2):
         if half:  # bytes 2-3: prmt reads the selector's low 16 bits
             lines += ["shr.u32 s, s, 16;", "shr.u32 m, m, 16;"]
         for plane, dst in ((word[:4], "l"), (word[4:], "h")):
             lines += [f"prmt.b32 a, {plane[0]}, {plane[1]}, s;",
                       f"prmt.b32 b, {plane[2]}, {plane[3]}, s;",
                       f"prmt.b32 {dst}, a, b, m;"]
-        lines += [f"prmt.b32 {out_hi}, l, h, 0x7351;",  # odd nibbles = the high ones
-                  f"prmt.b32 {out_lo}, l, h, 0x6240;"]
+        lines += [f"prmt.b32 {out}, l, h, {sel};" for out, sel in outs[half]]
     return "{\n.reg .b32 s, m, a, b, l, h;\n" + "\n".join(lines) + "\n}"
 
 
 _DEQUANT_ASM = _dequant_asm()
+_PAIRS_ASM = _dequant_asm(pairs=True)
 _TABLE_BF16 = tl.constexpr(_table_asm("cvt.rn.bf16x2.f32"))
 _TABLE_F16 = tl.constexpr(_table_asm("cvt.rn.f16x2.f32"))
 _TABLE_CONSTRAINTS = tl.constexpr(",".join(["=r"] * 8 + ["r"] * 17))
 _DEQUANT = tl.constexpr(_DEQUANT_ASM)
+_PAIRS = tl.constexpr(_PAIRS_ASM)
 _DEQUANT_CONSTRAINTS = tl.constexpr(",".join(["=r"] * 4 + ["r"] * 9))
 
 
 @triton.jit
-def _words_to_values(w01, w23, dtype: tl.constexpr, BLOCK_N: tl.constexpr, HB: tl.constexpr):
-    """(BLOCK_N, HB) values in dtype from words (BLOCK_N, HB // 4) int32 holding the values of
-    bytes 4c, 4c + 1 (w01, lower half first) and 4c + 2, 4c + 3 (w23): element 4c + 2i + k is
-    half k of word i (the same bits, rearranged in registers)."""
-    a0 = (w01 & 0xFFFF).to(tl.int16).to(dtype, bitcast=True)
-    a1 = (w01 >> 16).to(tl.int16).to(dtype, bitcast=True)
-    b0 = (w23 & 0xFFFF).to(tl.int16).to(dtype, bitcast=True)
-    b1 = (w23 >> 16).to(tl.int16).to(dtype, bitcast=True)
-    z = tl.join(tl.join(a0, a1), tl.join(b0, b1))  # z[n, c, k, i]: half k of word i
-    return tl.reshape(tl.permute(z, (0, 1, 3, 2)), (BLOCK_N, HB))
+def _halves(w, dtype: tl.constexpr):
+    """The two 16-bit floats of each int32 word w (lower half first) along a new last axis."""
+    lo = (w & 0xFFFF).to(tl.int16).to(dtype, bitcast=True)
+    hi = (w >> 16).to(tl.int16).to(dtype, bitcast=True)
+    return tl.join(lo, hi)
 
 
 @triton.jit
-def _dequant_prmt(p, scale, code_ptr, dtype: tl.constexpr, BLOCK_N: tl.constexpr,
-                  HB: tl.constexpr):
-    """(high nibbles, low nibbles) of the packed bytes of each row, p (BLOCK_N, HB // 4) int32
-    words, as round(code[q] · scale[n]) in dtype, each (BLOCK_N, HB): one table of 16 values
-    per row, then register byte permutes (no memory lookups per element)."""
+def _code_table(scale, code_ptr, dtype: tl.constexpr):
+    """The 8 words of `_table_asm` (round(code · scale) as byte planes) of each scale."""
     c0 = tl.load(code_ptr + 0)
     c1 = tl.load(code_ptr + 1)
     c2 = tl.load(code_ptr + 2)
@@ -143,11 +143,29 @@ def _dequant_prmt(p, scale, code_ptr, dtype: tl.constexpr, BLOCK_N: tl.constexpr
         table_asm: tl.constexpr = _TABLE_BF16
     else:
         table_asm: tl.constexpr = _TABLE_F16
-    lo0, lo1, lo2, lo3, hi0, hi1, hi2, hi3 = tl.inline_asm_elementwise(
+    return tl.inline_asm_elementwise(
         table_asm, _TABLE_CONSTRAINTS,
         [scale, c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15],
         dtype=(tl.int32, tl.int32, tl.int32, tl.int32, tl.int32, tl.int32, tl.int32,
                tl.int32), is_pure=True, pack=1)
+
+
+@triton.jit
+def _words_to_values(w01, w23, dtype: tl.constexpr, BLOCK_N: tl.constexpr, HB: tl.constexpr):
+    """(BLOCK_N, HB) values in dtype from words (BLOCK_N, HB // 4) int32 holding the values of
+    bytes 4c, 4c + 1 (w01, lower half first) and 4c + 2, 4c + 3 (w23): element 4c + 2i + k is
+    half k of word i (the same bits, rearranged in registers)."""
+    z = tl.join(_halves(w01, dtype), _halves(w23, dtype))  # z[n, c, k, i]: half k of word i
+    return tl.reshape(tl.permute(z, (0, 1, 3, 2)), (BLOCK_N, HB))
+
+
+@triton.jit
+def _dequant_prmt(p, scale, code_ptr, dtype: tl.constexpr, BLOCK_N: tl.constexpr,
+                  HB: tl.constexpr):
+    """(high nibbles, low nibbles) of the packed bytes of each row, p (BLOCK_N, HB // 4) int32
+    words, as round(code[q] · scale[n]) in dtype, each (BLOCK_N, HB): one table of 16 values
+    per row, then register byte permutes (no memory lookups per element)."""
+    lo0, lo1, lo2, lo3, hi0, hi1, hi2, hi3 = _code_table(scale, code_ptr, dtype)
     args = [p, lo0[:, None], lo1[:, None], lo2[:, None], lo3[:, None],
             hi0[:, None], hi1[:, None], hi2[:, None], hi3[:, None]]
     hi01, hi23, lo01, lo23 = tl.inline_asm_elementwise(
@@ -155,6 +173,156 @@ def _dequant_prmt(p, scale, code_ptr, dtype: tl.constexpr, BLOCK_N: tl.constexpr
         is_pure=True, pack=1)
     return (_words_to_values(hi01, hi23, dtype, BLOCK_N, HB),
             _words_to_values(lo01, lo23, dtype, BLOCK_N, HB))
+
+
+@triton.jit
+def _reg_tile_kmap():
+    """(128,) the K offset within a half step of each column k' of a register tile (below)."""
+    kp = tl.arange(0, 128)
+    kmap = 64 * ((kp >> 1) & 3) + 4 * (kp >> 4) + 2 * ((kp >> 3) & 1) + (kp & 1)
+    return tl.max_contiguous(tl.multiple_of(kmap, 2), 2)  # consecutive pairs
+
+
+@triton.jit
+def _reg_tile_prmt(p, lo0, lo1, lo2, lo3, hi0, hi1, hi2, hi3, dtype: tl.constexpr):
+    """The (64, 128) register tile of half a step from p, its packed words [Q, R8, W, RB, JL]
+    (`_reg_tile_loop`), and each row and chunk's table words (`_code_table`): the pairs
+    lookup (`_dequant_asm(pairs=True)`), then joins, a permute and a reshape that only rename
+    registers (the layouts are the MMA operand's)."""
+    b0, b1, b2, b3 = tl.inline_asm_elementwise(
+        _PAIRS, _DEQUANT_CONSTRAINTS, [p, lo0, lo1, lo2, lo3, hi0, hi1, hi2, hi3],
+        dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1)
+    # byte 2G + H of word JL: [Q, R8, W, RB, JL] + [E, H, G]
+    v = tl.join(tl.join(_halves(b0, dtype), _halves(b1, dtype)),
+                tl.join(_halves(b2, dtype), _halves(b3, dtype)))
+    # rows W·16 + RB·8 + R8; columns k' = JL·32 + G·16 + H·8 + Q·2 + E
+    return tl.reshape(tl.permute(v, (2, 3, 1, 4, 7, 6, 0, 5)), (64, 128))
+
+
+@triton.jit
+def _reg_tile_words(w_words, row, row_ok, KC, step, half, q, jl, EVEN_K: tl.constexpr):
+    """The packed words [Q, R8, W, RB, JL] of half `half` of a step: word 4·half + JL of chunk
+    4·step + Q of each row (zero past K or N)."""
+    chunk = step * 4 + q
+    ok = row_ok & ((chunk < KC) | EVEN_K)
+    return tl.load(w_words + (row * KC + chunk) * 8 + half * 4 + jl, mask=ok, other=0)
+
+
+@triton.jit
+def _reg_tile_scale_operands(absmax_ptr, absmax2_ptr, row, row_ok, KC, K, step, q,
+                             BS: tl.constexpr, BS2: tl.constexpr, NESTED: tl.constexpr,
+                             EVEN_K: tl.constexpr):
+    """`_scale_operands` of each row and chunk of a step, [Q, R8, W, RB, 1]."""
+    chunk = step * 4 + q
+    ok = row_ok & ((chunk < KC) | EVEN_K)
+    return _scale_operands(absmax_ptr, absmax2_ptr, row * (K // BS) + chunk // (BS // 64), ok,
+                           BS2, NESTED)
+
+
+@triton.jit
+def _reg_tile_loop(acc, t, w_ptr, code_ptr, absmax_ptr, absmax2_ptr, code2_ptr, offset,
+                   x_ptr, a_ptr, tile_row0, N, K, offs_m, m_ok, offs_r, r_ok, step_lo, step_hi,
+                   stride_xm, stride_ar, BS: tl.constexpr, BS2: tl.constexpr,
+                   NESTED: tl.constexpr, HAS_LORA: tl.constexpr, LORA_FP32: tl.constexpr,
+                   PRMT: tl.constexpr, PREFETCH: tl.constexpr, EVEN_K: tl.constexpr,
+                   INTERP: tl.constexpr):
+    """The K loop of a 64-row tile on 4 warps with the dequantized weight formed in registers
+    in the layout the warpgroup MMA takes its left operand in, so it never goes through
+    shared memory. One step covers 256 columns of K: four chunks of 64 elements (32 packed
+    bytes of a row each), taken in two halves of 128 columns (one dot each, so only half the
+    tile is live at once). A dot sums over K in any order as long as x is read in the same
+    one, so a half's columns are K permuted (k' -> 128·half + kmap(k'), `_reg_tile_kmap`) such
+    that each thread's operand registers are exactly the bytes it loads: in the MMA's operand
+    layout a thread holds rows r and r + 8, and in every 16 columns the pairs at
+    2·(lane % 4) and 2·(lane % 4) + 8. Here lane % 4 picks the chunk Q, a thread loads 16
+    bytes of its chunk for both rows (one 16-byte load each), and byte b of those (elements
+    2b, 2b + 1, one register after the lookup) sits at column k' with b = 2·(k' >> 4) +
+    ((k' >> 3) & 1):
+
+        kmap(k') = 64·Q + 4·(k' >> 4) + 2·((k' >> 3) & 1) + E,   Q = (k' >> 1) & 3, E = k' & 1
+
+    (the half's 16 bytes are bytes 16·half .. 16·half + 15 of the chunk, at K offset 32·half
+    within it). The words are loaded as a 5-D tensor [Q, R8, W, RB, JL] (chunk, row bits 0-2,
+    warp, row bit 3, 4 words), whose default blocked layout (4 words a thread, lanes over Q
+    then R8, warps over W) is that operand layout once the lookup's outputs are joined: the
+    compiler keeps it in registers. A chunk lies in one absmax block (BS % 64 == 0), so each
+    thread forms one table per row and chunk and step, for both halves. Unless K is a multiple
+    of 256 (EVEN_K), chunks past K are masked (x is zero there). The interpreter's path
+    gathers each nibble into the same tile (PRMT False)."""
+    q = tl.arange(0, 4)[:, None, None, None, None]
+    r8 = tl.arange(0, 8)[None, :, None, None, None]
+    wv = tl.arange(0, 4)[None, None, :, None, None]
+    rb = tl.arange(0, 2)[None, None, None, :, None]
+    jl = tl.arange(0, 4)[None, None, None, None, :]
+    row = tile_row0 + wv * 16 + rb * 8 + r8  # [1, R8, W, RB, 1]
+    row_ok = row < N
+    KC = K // 64  # chunks per row
+    w_words = w_ptr.to(tl.pointer_type(tl.int32))
+    kmap = _reg_tile_kmap()
+    rows2 = tile_row0 + tl.arange(0, 64)  # the gathers' rows, in tile order
+    dtype = x_ptr.dtype.element_ty
+    # the LoRA factor t = x @ Aᵀ of the step as a batched dot over its 4 chunks, so each warp
+    # holds one chunk's operands (a single dot would give every warp all of them), summed
+    # over the batch after the loop
+    chunk_k = tl.arange(0, 4)[:, None, None] * 64 + tl.arange(0, 64)[None, None, :]
+    t4 = tl.zeros((4, t.shape[0], t.shape[1]), dtype=tl.float32)
+    if PRMT and PREFETCH:
+        p0_next = _reg_tile_words(w_words, row, row_ok, KC, step_lo, 0, q, jl, EVEN_K)
+        p1_next = _reg_tile_words(w_words, row, row_ok, KC, step_lo, 1, q, jl, EVEN_K)
+        qa_next, a2_next = _reg_tile_scale_operands(absmax_ptr, absmax2_ptr, row, row_ok, KC, K,
+                                                    step_lo, q, BS, BS2, NESTED, EVEN_K)
+    for step in range(step_lo, step_hi):
+        if PRMT:
+            if PREFETCH:
+                p0, p1, qa, a2 = p0_next, p1_next, qa_next, a2_next
+                nxt = tl.minimum(step + 1, step_hi - 1)
+                p0_next = _reg_tile_words(w_words, row, row_ok, KC, nxt, 0, q, jl, EVEN_K)
+                p1_next = _reg_tile_words(w_words, row, row_ok, KC, nxt, 1, q, jl, EVEN_K)
+                qa_next, a2_next = _reg_tile_scale_operands(
+                    absmax_ptr, absmax2_ptr, row, row_ok, KC, K, nxt, q, BS, BS2, NESTED, EVEN_K)
+            else:
+                p0 = _reg_tile_words(w_words, row, row_ok, KC, step, 0, q, jl, EVEN_K)
+                p1 = _reg_tile_words(w_words, row, row_ok, KC, step, 1, q, jl, EVEN_K)
+                qa, a2 = _reg_tile_scale_operands(absmax_ptr, absmax2_ptr, row, row_ok, KC, K,
+                                                  step, q, BS, BS2, NESTED, EVEN_K)
+            lo0, lo1, lo2, lo3, hi0, hi1, hi2, hi3 = _code_table(
+                _scale(qa, a2, code2_ptr, offset, NESTED), code_ptr, dtype)
+        for half in tl.static_range(2):
+            kk = step * 256 + half * 32 + kmap  # (128,) the K index of each tile column
+            k_ok = (kk < K) | EVEN_K
+            if PRMT:
+                if half == 0:
+                    wt = _reg_tile_prmt(p0, lo0, lo1, lo2, lo3, hi0, hi1, hi2, hi3, dtype)
+                else:
+                    wt = _reg_tile_prmt(p1, lo0, lo1, lo2, lo3, hi0, hi1, hi2, hi3, dtype)
+            else:  # the same tile, one gather per nibble (high nibble = even element)
+                ok2 = (rows2 < N)[:, None] & k_ok[None, :]
+                byte = tl.load(w_ptr + rows2[:, None] * (K // 2) + kk[None, :] // 2, mask=ok2,
+                               other=0)
+                nib = tl.where((kk & 1)[None, :] == 0, byte >> 4, byte & 15)
+                qa2, a22 = _scale_operands(absmax_ptr, absmax2_ptr,
+                                           rows2[:, None] * (K // BS) + kk[None, :] // BS, ok2,
+                                           BS2, NESTED)
+                c = tl.load(code_ptr + nib.to(tl.int32))
+                wt = to_dtype(c * _scale(qa2, a22, code2_ptr, offset, NESTED), dtype, INTERP)
+            xt = tl.load(x_ptr + offs_m[:, None] * stride_xm + kk[None, :],
+                         mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            acc += dot(wt, tl.trans(xt), INTERP)
+        if HAS_LORA:  # the step's 4 chunks in natural order, one batch (and warp) each
+            kb = step * 256 + chunk_k  # [4, 1, 64]
+            kb_ok = (kb < K) | EVEN_K
+            x3 = tl.load(x_ptr + offs_m[None, :, None] * stride_xm + kb,
+                         mask=m_ok[None, :, None] & kb_ok, other=0.0)  # [4, BLOCK_M, 64]
+            kt = tl.permute(kb, (0, 2, 1))  # [4, 64, 1]
+            a3 = tl.load(a_ptr + offs_r[None, None, :] * stride_ar + kt,
+                         mask=r_ok[None, None, :] & ((kt < K) | EVEN_K), other=0.0)
+            if LORA_FP32:  # PEFT casts x to A's dtype: fp32 products
+                t4 += tl.dot(x3.to(tl.float32), a3.to(tl.float32), input_precision="ieee")
+            else:
+                t4 += dot(x3, a3, INTERP)
+    if HAS_LORA:
+        t += tl.sum(t4, axis=0)
+    return acc, t
 
 
 @triton.jit
@@ -279,7 +447,8 @@ def _linear4bit_lora_kernel(
     HAS_LORA: tl.constexpr, LORA_FP32: tl.constexpr, HAS_BIAS: tl.constexpr,
     SPLIT: tl.constexpr, LAST_REDUCES: tl.constexpr, GLU: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
-    PRMT: tl.constexpr, PREFETCH: tl.constexpr, INTERP: tl.constexpr,
+    PRMT: tl.constexpr, PREFETCH: tl.constexpr, REG_TILE: tl.constexpr, EVEN_K: tl.constexpr,
+    INTERP: tl.constexpr,
 ):
     """One launch for SEGS projections of the same x (two with LAST_REDUCES off): segment s's
     weight, quantization state, LoRA factors and bias are the arguments ending in _s, its
@@ -345,55 +514,64 @@ def _linear4bit_lora_kernel(
     offset = tl.load(offset_ptr)  # the double-quant offset (a code entry, unused, otherwise)
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)  # yᵀ of this tile
     t = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-    blk_lo = pid_k * BLOCKS_PER_SPLIT
-    blk_hi = tl.minimum(blk_lo + BLOCKS_PER_SPLIT, KB)
-    if PREFETCH:  # block blk_lo's loads, and the scale operands of the block after it
-        qa, a2 = _scale_operands(absmax_ptr, absmax2_ptr, n_blk + blk_lo, n_ok, BS2, NESTED)
-        scale_next = _scale(qa, a2, code2_ptr, offset, NESTED)
-        qa_next2, a2_next2 = _scale_operands(absmax_ptr, absmax2_ptr,
-                                             n_blk + tl.minimum(blk_lo + 1, blk_hi - 1), n_ok,
-                                             BS2, NESTED)
-        p_next = _block_bytes(w_ptr, n_blk + blk_lo, offs_j, n_ok, HB, PRMT)
-        x_next, a_next = _x_and_a_block(x_ptr, a_ptr, offs_m, m_ok, offs_r, r_ok,
-                                        blk_lo * BS + offs_k, stride_xm, stride_ar, HAS_LORA)
-    for blk in range(blk_lo, blk_hi):
-        if PREFETCH:
-            # This block's loads were issued an iteration ago. Issue the next block's, and the
-            # scale operands of the one after: the scale is a gather indexed by a loaded byte,
-            # so its two loads are two iterations ahead and the L1 gather one.
-            p, scale, x_blk, a_blk = p_next, scale_next, x_next, a_next
-            nxt = tl.minimum(blk + 1, blk_hi - 1)
-            p_next = _block_bytes(w_ptr, n_blk + nxt, offs_j, n_ok, HB, PRMT)
-            x_next, a_next = _x_and_a_block(x_ptr, a_ptr, offs_m, m_ok, offs_r, r_ok,
-                                            nxt * BS + offs_k, stride_xm, stride_ar, HAS_LORA)
-            scale_next = _scale(qa_next2, a2_next2, code2_ptr, offset, NESTED)
+    if REG_TILE:  # BLOCK_N 64 on 4 warps, BLOCKS_PER_SPLIT counts steps of 256 columns
+        acc, t = _reg_tile_loop(
+            acc, t, w_ptr, code_ptr, absmax_ptr, absmax2_ptr, code2_ptr, offset, x_ptr, a_ptr,
+            (pid_n - tile0) * BLOCK_N, N, K, offs_m, m_ok, offs_r, r_ok,
+            pid_k * BLOCKS_PER_SPLIT,
+            tl.minimum(pid_k * BLOCKS_PER_SPLIT + BLOCKS_PER_SPLIT, tl.cdiv(K, 256)),
+            stride_xm, stride_ar, BS, BS2, NESTED, HAS_LORA, LORA_FP32, PRMT, PREFETCH,
+            EVEN_K, INTERP)
+    else:
+        blk_lo = pid_k * BLOCKS_PER_SPLIT
+        blk_hi = tl.minimum(blk_lo + BLOCKS_PER_SPLIT, KB)
+        if PREFETCH:  # block blk_lo's loads, and the scale operands of the block after it
+            qa, a2 = _scale_operands(absmax_ptr, absmax2_ptr, n_blk + blk_lo, n_ok, BS2, NESTED)
+            scale_next = _scale(qa, a2, code2_ptr, offset, NESTED)
             qa_next2, a2_next2 = _scale_operands(absmax_ptr, absmax2_ptr,
-                                                 n_blk + tl.minimum(blk + 2, blk_hi - 1), n_ok,
+                                                 n_blk + tl.minimum(blk_lo + 1, blk_hi - 1), n_ok,
                                                  BS2, NESTED)
-        else:
-            qa, a2 = _scale_operands(absmax_ptr, absmax2_ptr, n_blk + blk, n_ok, BS2, NESTED)
-            scale = _scale(qa, a2, code2_ptr, offset, NESTED)
-            p = _block_bytes(w_ptr, n_blk + blk, offs_j, n_ok, HB, PRMT)
-            x_blk, a_blk = _x_and_a_block(x_ptr, a_ptr, offs_m, m_ok, offs_r, r_ok,
-                                          blk * BS + offs_k, stride_xm, stride_ar, HAS_LORA)
-        # code · scale in fp32, rounded to x's dtype: bitsandbytes' dequantized weight
-        if PRMT:
-            w_hi, w_lo = _dequant_prmt(p, scale, code_ptr, x_ptr.dtype.element_ty, BLOCK_N, HB)
-        else:
-            c_hi = tl.load(code_ptr + (p >> 4).to(tl.int32))
-            c_lo = tl.load(code_ptr + (p & 15).to(tl.int32))
-            w_hi = to_dtype(c_hi * scale[:, None], x_ptr.dtype.element_ty, INTERP)
-            w_lo = to_dtype(c_lo * scale[:, None], x_ptr.dtype.element_ty, INTERP)
-        # x's even and odd columns (split in registers) meet the high and low nibbles
-        x_even, x_odd = tl.split(tl.reshape(x_blk, (BLOCK_M, HB, 2)))
-        acc += dot(w_hi, tl.trans(x_even), INTERP)
-        acc += dot(w_lo, tl.trans(x_odd), INTERP)
-        if HAS_LORA:  # the whole block of x and A at once: t needs no even/odd split
-            if LORA_FP32:  # A is not x's dtype: PEFT casts x to A's dtype; fp32 products
-                t += tl.dot(x_blk.to(tl.float32), tl.trans(a_blk.to(tl.float32)),
-                            input_precision="ieee")
-            else:  # 16-bit products are exact in fp32: the same t as an fp32 dot
-                t += dot(x_blk, tl.trans(a_blk), INTERP)
+            p_next = _block_bytes(w_ptr, n_blk + blk_lo, offs_j, n_ok, HB, PRMT)
+            x_next, a_next = _x_and_a_block(x_ptr, a_ptr, offs_m, m_ok, offs_r, r_ok,
+                                            blk_lo * BS + offs_k, stride_xm, stride_ar, HAS_LORA)
+        for blk in range(blk_lo, blk_hi):
+            if PREFETCH:
+                # This block's loads were issued an iteration ago. Issue the next block's, and the
+                # scale operands of the one after: the scale is a gather indexed by a loaded byte,
+                # so its two loads are two iterations ahead and the L1 gather one.
+                p, scale, x_blk, a_blk = p_next, scale_next, x_next, a_next
+                nxt = tl.minimum(blk + 1, blk_hi - 1)
+                p_next = _block_bytes(w_ptr, n_blk + nxt, offs_j, n_ok, HB, PRMT)
+                x_next, a_next = _x_and_a_block(x_ptr, a_ptr, offs_m, m_ok, offs_r, r_ok,
+                                                nxt * BS + offs_k, stride_xm, stride_ar, HAS_LORA)
+                scale_next = _scale(qa_next2, a2_next2, code2_ptr, offset, NESTED)
+                qa_next2, a2_next2 = _scale_operands(absmax_ptr, absmax2_ptr,
+                                                     n_blk + tl.minimum(blk + 2, blk_hi - 1), n_ok,
+                                                     BS2, NESTED)
+            else:
+                qa, a2 = _scale_operands(absmax_ptr, absmax2_ptr, n_blk + blk, n_ok, BS2, NESTED)
+                scale = _scale(qa, a2, code2_ptr, offset, NESTED)
+                p = _block_bytes(w_ptr, n_blk + blk, offs_j, n_ok, HB, PRMT)
+                x_blk, a_blk = _x_and_a_block(x_ptr, a_ptr, offs_m, m_ok, offs_r, r_ok,
+                                              blk * BS + offs_k, stride_xm, stride_ar, HAS_LORA)
+            # code · scale in fp32, rounded to x's dtype: bitsandbytes' dequantized weight
+            if PRMT:
+                w_hi, w_lo = _dequant_prmt(p, scale, code_ptr, x_ptr.dtype.element_ty, BLOCK_N, HB)
+            else:
+                c_hi = tl.load(code_ptr + (p >> 4).to(tl.int32))
+                c_lo = tl.load(code_ptr + (p & 15).to(tl.int32))
+                w_hi = to_dtype(c_hi * scale[:, None], x_ptr.dtype.element_ty, INTERP)
+                w_lo = to_dtype(c_lo * scale[:, None], x_ptr.dtype.element_ty, INTERP)
+            # x's even and odd columns (split in registers) meet the high and low nibbles
+            x_even, x_odd = tl.split(tl.reshape(x_blk, (BLOCK_M, HB, 2)))
+            acc += dot(w_hi, tl.trans(x_even), INTERP)
+            acc += dot(w_lo, tl.trans(x_odd), INTERP)
+            if HAS_LORA:  # the whole block of x and A at once: t needs no even/odd split
+                if LORA_FP32:  # A is not x's dtype: PEFT casts x to A's dtype; fp32 products
+                    t += tl.dot(x_blk.to(tl.float32), tl.trans(a_blk.to(tl.float32)),
+                                input_precision="ieee")
+                else:  # 16-bit products are exact in fp32: the same t as an fp32 dot
+                    t += dot(x_blk, tl.trans(a_blk), INTERP)
     if HAS_LORA:
         b = tl.load(b_ptr + offs_n[:, None] * stride_bn + offs_r[None, :],
                     mask=n_ok[:, None] & r_ok[None, :], other=0.0)
@@ -510,23 +688,44 @@ def _num_sms(device: torch.device) -> int:
 # the split-K grid's programs per SM (pick_config): at the Llama and Qwen layer shapes only the
 # q/k/v launch depends on it between 2 and 3, and takes 3 (bench/README.md, the group sweep)
 PROGRAMS_PER_SM = 3
+# registers per thread of the register tile: 168 lets three programs of 4 warps share an SM
+# (the compiler takes up to 255 otherwise: two); bench/README.md, the register tile's sweep
+REG_TILE_MAXNREG = 168
 
 
-def pick_config(m: int, n, k: int, blocksize: int, num_sms: int, glu: bool = False) -> dict:
+def pick_config(m: int, n, k: int, blocksize: int, num_sms: int, glu: bool = False,
+                reg_tile: bool = True) -> dict:
     """Tiles for M rows of x against weights of `n` output features (an int, or the sequence of
-    a grouped call's N_s) and K input features: BLOCK_M covers the decode batch (16 is the
-    smallest dot tile); BLOCK_N 64 output columns, 128 when the weights hold 2²⁵ elements or
-    more, on 4 warps. The K loop (one absmax block per step) is split over programs so that the
-    grid holds about PROGRAMS_PER_SM programs per SM (the largest power of two that does not
-    pass it) and no program runs more than 32 steps, but every program at least two; at most
-    32 splits.
-    Each step's loads are issued one step ahead (PREFETCH), in registers: one stage.
+    a grouped call's N_s) and K input features.
+
+    Up to 16 rows with a blocksize that is a multiple of 64: the register tile (REG_TILE,
+    `_reg_tile_loop`), BLOCK_M 16 and BLOCK_N 64 on 4 warps, one step per 256 columns of K,
+    at most REG_TILE_MAXNREG registers a thread, the loads of x and A pipelined 3 deep.
+    Otherwise BLOCK_M covers the decode batch (16 is the smallest dot tile); BLOCK_N 64 output
+    columns, 128 when the weights hold 2²⁵ elements or more, on 4 warps, one absmax block a
+    step. Either way the K loop is split over programs so that the grid holds about
+    PROGRAMS_PER_SM programs per SM (the largest power of two that does not pass it) and no
+    program runs more than 32 absmax blocks (8 register-tile steps), but every program at
+    least two blocks (steps); at most 32 splits.
+    Each step's loads are issued one step ahead (PREFETCH), in registers (one pipeline stage
+    outside the register tile).
     A gate/up + silu · mul launch (`glu`) writes its partials and sums them in a last program
-    whatever its split, so the split is chosen by time alone: at most 16 rows it takes BLOCK_N
-    64 and at least two splits; above, a program may run 64 steps, not 32.
-    (bench/README.md, the decode linear: the rule against the sweep of every tile.)"""
-    small_glu = glu and m <= 16
+    whatever its split, so the split is chosen by time alone: outside the register tile, at
+    most 16 rows take BLOCK_N 64 and at least two splits; above, a program may run 64 steps,
+    not 32. (bench/README.md, the decode linear: the rule against the sweep of every tile.)
+    `reg_tile=False` gives the block-a-step rule at every M (the benchmark's comparison)."""
     ns = [n] if isinstance(n, int) else list(n)
+    if reg_tile and m <= 16 and blocksize % 64 == 0:
+        steps = triton.cdiv(k, 256)
+        progs = sum(triton.cdiv(v, 64) for v in ns)
+        by_sms = max(1, PROGRAMS_PER_SM * num_sms // progs)
+        by_sms = 1 << (by_sms.bit_length() - 1)
+        split = max(1, min(max(by_sms, triton.next_power_of_2(triton.cdiv(steps, 8))), 32,
+                           steps // 2))
+        return {"BLOCK_M": 16, "BLOCK_N": 64, "SPLIT_K": split, "num_warps": 4,
+                "num_stages": 3, "PREFETCH": True, "REG_TILE": True,
+                "maxnreg": REG_TILE_MAXNREG}
+    small_glu = glu and m <= 16
     block_m = min(64, max(16, triton.next_power_of_2(m)))
     block_n = 128 if sum(ns) * k >= 1 << 25 and not small_glu else 64
     blocks = k // blocksize
@@ -539,6 +738,20 @@ def pick_config(m: int, n, k: int, blocksize: int, num_sms: int, glu: bool = Fal
         split = max(split, min(2, blocks))
     return {"BLOCK_M": block_m, "BLOCK_N": block_n, "SPLIT_K": split, "num_warps": 4,
             "num_stages": 1, "PREFETCH": True}
+
+
+def reg_tile_reason(cfg: dict, blocksize: int, parts) -> str | None:
+    """Why the register tile cannot run this launch (None if it can): its layout is 64 rows on
+    4 warps at BLOCK_M 16, a chunk of 64 elements must lie in one absmax block, and its word
+    offsets are int32."""
+    if (cfg["BLOCK_N"], cfg["BLOCK_M"], cfg.get("num_warps", 4)) != (64, 16, 4):
+        return (f"BLOCK_N={cfg['BLOCK_N']}, BLOCK_M={cfg['BLOCK_M']}, "
+                f"num_warps={cfg.get('num_warps', 4)} (it takes 64, 16, 4)")
+    if blocksize % 64:
+        return f"blocksize {blocksize} is not a multiple of 64"
+    if any(p.weight.packed.numel() >= 1 << 31 for p in parts):
+        return "a packed weight of 2³¹ bytes or more"
+    return None
 
 
 def split_steps(blocks: int, split: int) -> tuple[int, int]:
@@ -664,7 +877,11 @@ def _launch(x: torch.Tensor, parts: list[LinearPart], config: dict | None,
     if prmt and not words:
         raise ValueError("config PRMT=True reads the packed weight as 4-byte words: it needs a "
                          "blocksize multiple of 8 and a 4-byte-aligned packed weight")
-    per, split_k = split_steps(k // bs, cfg["SPLIT_K"])
+    reason = reg_tile_reason(cfg, bs, parts)
+    reg_tile = cfg.get("REG_TILE", reason is None)
+    if reg_tile and reason is not None:
+        raise ValueError(f"config REG_TILE=True cannot run here: {reason}")
+    per, split_k = split_steps(triton.cdiv(k, 256) if reg_tile else k // bs, cfg["SPLIT_K"])
     split = split_k > 1 or glu  # partials in fp32, summed by a tile's last program
     bn = cfg["BLOCK_N"]
     tiles = [triton.cdiv(n, bn) for n in ns]
@@ -702,7 +919,8 @@ def _launch(x: torch.Tensor, parts: list[LinearPart], config: dict | None,
         HAS_BIAS=has_bias, SPLIT=split, LAST_REDUCES=counts is not None,
         GLU=glu and counts is not None,
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=bn, BLOCK_R=max(16, triton.next_power_of_2(r)),
-        PRMT=prmt, PREFETCH=cfg.get("PREFETCH", False), INTERP=interp,
+        PRMT=prmt, PREFETCH=cfg.get("PREFETCH", False), REG_TILE=reg_tile,
+        EVEN_K=reg_tile and k % 256 == 0, INTERP=interp,
         # no FMA contraction: the double-quant scale code2·absmax2 + offset is then formed with
         # the same two roundings as bitsandbytes' (a product, then an add)
         enable_fp_fusion=False, num_warps=cfg.get("num_warps", 4),
@@ -735,7 +953,9 @@ def linear4bit_lora(x: torch.Tensor, w: Packed4bit, *, bias: torch.Tensor | None
     num_warps, num_stages (default `pick_config`), PRMT (default: on the GPU; the code table
     looked up by register byte permutes, else by memory gathers, the same values), PREFETCH,
     LAST_REDUCES (default True: with split K, each tile's last split sums the partials in the
-    same launch; False: a second launch does), maxnreg (a cap on registers per thread, for more
+    same launch; False: a second launch does), REG_TILE (default: where `reg_tile_reason`
+    allows; the weight tile formed in the MMA's register layout, SPLIT_K then splits steps of
+    256 columns), maxnreg (a cap on registers per thread, for more
     programs per SM; default none)."""
     return linear4bit_lora_group(x, [LinearPart(w, bias, lora_a, lora_b, scaling)],
                                  config=config)[0]
