@@ -476,6 +476,67 @@ def test_prmt_assembly_looks_up_every_code(kind):
                 assert got_lo == [want[b & 15] for b in perm], (kind, scale, perm)
 
 
+def test_pairs_assembly_pairs_each_bytes_nibbles():
+    """The register tile's lookup (`_dequant_asm(pairs=True)`), run by the PTX interpreter:
+    output i holds byte i's two values, the high nibble's (the even element) in the lower half,
+    for every byte value in every slot of the word."""
+    import numpy as np
+    from _ptx_emu import f32_bits, half_bits, run
+
+    rng = np.random.default_rng(1)
+    code = bnbF.get_4bit_type("nf4", device="cpu").float().numpy()
+    scale = np.float32(0.37)
+    planes = run(linear4bit._table_asm("cvt.rn.bf16x2.f32"),
+                 [0] * 8 + [f32_bits(scale)] + [f32_bits(c) for c in code])[:8]
+    want = [half_bits(np.float32(c) * scale, "bf16") for c in code]
+    for b0 in range(256):
+        bs = [b0, *(int(v) for v in rng.integers(256, size=3))]
+        for r in range(4):
+            perm = bs[r:] + bs[:r]
+            word = perm[0] | perm[1] << 8 | perm[2] << 16 | perm[3] << 24
+            out = run(linear4bit._PAIRS_ASM, [0, 0, 0, 0, word] + planes)
+            assert [[o & 0xFFFF, o >> 16] for o in out[:4]] == \
+                [[want[b >> 4], want[b & 15]] for b in perm], perm
+
+
+def test_register_tile_is_chosen_where_it_runs():
+    """pick_config takes the register tile up to 16 rows at blocksizes that are multiples of
+    64, and the block-a-step tiles otherwise; REG_TILE=True where it cannot run names why."""
+    assert pick_config(8, 4096, 4096, 64, 132)["REG_TILE"]
+    assert pick_config(16, [4096, 1024, 1024], 4096, 128, 132)["REG_TILE"]
+    assert "REG_TILE" not in pick_config(17, 4096, 4096, 64, 132)
+    assert "REG_TILE" not in pick_config(8, 4096, 4096, 32, 132)
+    assert "REG_TILE" not in pick_config(8, 4096, 4096, 64, 132, reg_tile=False)
+    packed, qs = _quantize(32, 256, quant_type="nf4", double=False)
+    x = _inputs(4, 32, 256, 8)[0]
+    with pytest.raises(ValueError, match="REG_TILE=True.*BLOCK_N=32"):
+        linear4bit_lora(x, Packed4bit.from_quant_state(packed, qs),
+                        config={"BLOCK_M": 16, "BLOCK_N": 32, "SPLIT_K": 1, "REG_TILE": True})
+    packed, qs = _quantize(32, 256, quant_type="nf4", double=False, blocksize=32)
+    with pytest.raises(ValueError, match="REG_TILE=True.*blocksize 32"):
+        linear4bit_lora(x, Packed4bit.from_quant_state(packed, qs),
+                        config={"BLOCK_M": 16, "BLOCK_N": 64, "SPLIT_K": 1, "REG_TILE": True})
+
+
+@pytest.mark.parametrize("k,split_k", [(448, 1), (448, 2), (1280, 3), (128, 1)])
+@pytest.mark.parametrize("blocksize", [64, 128])
+def test_register_tile_against_block_steps(k, split_k, blocksize):
+    """The register tile and the block-a-step loop compute the same sum in different orders:
+    both within the fp64 bound, K not a multiple of 256 (a masked last step), uneven splits,
+    N not a multiple of 64, with LoRA and a bias."""
+    if k % blocksize:
+        pytest.skip("K not a multiple of the blocksize")
+    n, m = 80, 7
+    packed, qs = _quantize(n, k, quant_type="nf4", double=True, blocksize=blocksize)
+    x, a, b, bias = _inputs(m, n, k, 16)
+    w = Packed4bit.from_quant_state(packed, qs)
+    y, big_s = _fp64(x, bnbF.dequantize_4bit(packed, qs), bias, a, b, 2.0)
+    for reg_tile in (True, False):
+        cfg = {"BLOCK_M": 16, "BLOCK_N": 64, "SPLIT_K": split_k, "REG_TILE": reg_tile}
+        ours = linear4bit_lora(x, w, bias=bias, lora_a=a, lora_b=b, scaling=2.0, config=cfg)
+        _check(ours, y, big_s, k_eff=k + 16 + split_k + 4, rel_u=1, s_u=0, what=f"{cfg}")
+
+
 def test_bad_inputs_name_the_argument():
     packed, qs = _quantize(32, 128, quant_type="nf4", double=False)
     w = Packed4bit.from_quant_state(packed, qs)

@@ -705,8 +705,9 @@ def pick_config(m: int, n, k: int, blocksize: int, num_sms: int, glu: bool = Fal
     columns, 128 when the weights hold 2²⁵ elements or more, on 4 warps, one absmax block a
     step. Either way the K loop is split over programs so that the grid holds about
     PROGRAMS_PER_SM programs per SM (the largest power of two that does not pass it) and no
-    program runs more than 32 absmax blocks (8 register-tile steps), but every program at
-    least two blocks (steps); at most 32 splits.
+    program runs more than 32 absmax blocks (with the register tile, 16 steps of 256 columns,
+    8 in a gate/up + silu · mul launch), but every program at least two blocks (steps); at
+    most 32 splits.
     Each step's loads are issued one step ahead (PREFETCH), in registers (one pipeline stage
     outside the register tile).
     A gate/up + silu · mul launch (`glu`) writes its partials and sums them in a last program
@@ -720,8 +721,8 @@ def pick_config(m: int, n, k: int, blocksize: int, num_sms: int, glu: bool = Fal
         progs = sum(triton.cdiv(v, 64) for v in ns)
         by_sms = max(1, PROGRAMS_PER_SM * num_sms // progs)
         by_sms = 1 << (by_sms.bit_length() - 1)
-        split = max(1, min(max(by_sms, triton.next_power_of_2(triton.cdiv(steps, 8))), 32,
-                           steps // 2))
+        by_steps = triton.next_power_of_2(triton.cdiv(steps, 8 if glu else 16))
+        split = max(1, min(max(by_sms, by_steps), 32, steps // 2))
         return {"BLOCK_M": 16, "BLOCK_N": 64, "SPLIT_K": split, "num_warps": 4,
                 "num_stages": 3, "PREFETCH": True, "REG_TILE": True,
                 "maxnreg": REG_TILE_MAXNREG}
