@@ -31,7 +31,10 @@ code looked up by memory gathers, `--prefetch` with and without PREFETCH (`--pre
 with it only), `--stages 1,2` the pipeline depths, `--tiles 64x4,128x4` restricts the
 (BLOCK_N, num_warps) pairs, `--maxnreg 0,128` caps the registers per thread (0: none),
 `--groups` sweeps the q/k/v launch and the gate/up + silu · mul launch instead of the single
-shapes.
+shapes, `--reg-tile 0,1` also (1: only) the register tile (its own splits; BLOCK_M 16).
+`--block-steps` times our kernel with one absmax block a step at every M (pick_config's
+`reg_tile=False`), the comparison with the register tile it takes up to 16 rows; `--tag` is
+appended to the result file's name.
 CPU smoke run (Triton's interpreter, tiny shapes): `python -m bench.decode_linear --smoke`.
 Writes bench/results/bench_decode_linear_<GPU>.json and prints the table.
 

@@ -34,6 +34,12 @@ carries its own LoRA term s · t_split @ Bᵀ, t_split = x[:, split] @ A[:, spli
 linear in t, so the splits add up to s · t @ Bᵀ, and every sum stays fp32 (no chain longer than
 K + r + SPLIT_K terms).
 
+Up to 16 rows (and a blocksize that is a multiple of 64) the K loop forms each weight tile in
+registers, in the layout the warpgroup MMA takes its left operand in, with K permuted so that the bytes a thread loads are its operand
+registers (`_reg_tile_loop`, REG_TILE); above, one absmax block a step, the tile moved into
+that layout through shared memory. Either sum is fp32 in some order of K: the bound above
+holds for any order.
+
 Projections of the same x (q/k/v, gate/up) can share that launch (`linear4bit_lora_group`,
 `decode_linears`): the grid's output tiles run over each projection's rows in turn, and each
 output is bit for bit what the projection gives alone with the same tiles. A gate/up launch can
@@ -454,6 +460,9 @@ def _linear4bit_lora_kernel(
     weight, quantization state, LoRA factors and bias are the arguments ending in _s, its
     output columns y[:, COL_s : COL_s + N_s] (COL_0 = 0) and its n-tiles the programs from
     TILE_s on along axis 1 (TILE_0 = 0); a program computes one tile of one segment.
+
+    With REG_TILE the K loop is `_reg_tile_loop`'s (its docstring); what follows describes the
+    block-a-step loop, and the accumulators, LoRA term and epilogue both share.
 
     The output tile is held transposed, accT (BLOCK_N, BLOCK_M) = y[m-block, n-block]ᵀ, so
     that the dequantized weight tile is the left operand of the dot: the compiler then moves it
