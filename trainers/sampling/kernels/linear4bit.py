@@ -237,8 +237,9 @@ def _reg_tile_loop(acc, t, w_ptr, code_ptr, absmax_ptr, absmax2_ptr, code2_ptr, 
     shared memory. One step covers 256 columns of K: four chunks of 64 elements (32 packed
     bytes of a row each), taken in two halves of 128 columns (one dot each, so only half the
     tile is live at once). A dot sums over K in any order as long as x is read in the same
-    one, so a half's columns are K permuted (k' -> 128·half + kmap(k'), `_reg_tile_kmap`) such
-    that each thread's operand registers are exactly the bytes it loads: in the MMA's operand
+    one, so a half's columns are K permuted (column k' of half h reads K offset 32·h + kmap(k')
+    of the step, `_reg_tile_kmap`) such that each thread's operand registers are exactly the
+    bytes it loads: in the MMA's operand
     layout a thread holds rows r and r + 8, and in every 16 columns the pairs at
     2·(lane % 4) and 2·(lane % 4) + 8. Here lane % 4 picks the chunk Q, a thread loads 16
     bytes of its chunk for both rows (one 16-byte load each), and byte b of those (elements
