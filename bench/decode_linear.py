@@ -353,10 +353,10 @@ def _record(times, base: dict, floor_ms: float | None) -> dict:
     return rec
 
 
-def sweep(shapes, rows, rank, device, bw, grid: dict):
+def sweep(shapes, rows, rank, device, bw, grid: dict, save=None):
     """Graph-replay ms of linear4bit_lora under every config of `sweep_configs`, per shape and
     M (every config's time in the record); prints the chosen config (pick_config) and the
-    fastest."""
+    fastest; `save(records)` after each record (a run cut short keeps what it measured)."""
     import triton
 
     from trainers.sampling.kernels.linear4bit import _num_sms, linear4bit_lora, pick_config
@@ -383,15 +383,17 @@ def sweep(shapes, rows, rank, device, bw, grid: dict):
                 out.append(_record(_time_configs(calls, configs, device),
                                    {"model": model, "layer": layer, "N": n, "K": k, "M": m},
                                    floor_ms))
+                if save:
+                    save(out)
             del mod, copies
             bc.free_memory()
     return out
 
 
-def sweep_groups(shapes, rows, rank, device, grid: dict):
+def sweep_groups(shapes, rows, rank, device, grid: dict, save=None):
     """The same for the GROUPS launches as the decode step runs them (`linear4bit_lora_group`
     over q/k/v, `linear4bit_lora_silu_mul` over gate/up), over copies of each set of modules
-    streaming 2x the L2."""
+    streaming 2x the L2; `save(records)` after each record."""
     import triton
 
     from trainers.sampling.kernels.linear4bit import (
@@ -424,6 +426,8 @@ def sweep_groups(shapes, rows, rank, device, grid: dict):
             out.append(_record(_time_configs(calls, configs, device),
                                {"model": model, "layer": name, "N": sum(ns), "K": k, "M": m},
                                None))
+            if save:
+                save(out)
         del mods, sets, parts  # group_sets frees them
     return out
 
@@ -595,13 +599,18 @@ def main():
                 "maxnreg": tuple(int(v) or None for v in args.maxnreg.split(",")),
                 "tiles": tuple(tuple(int(v) for v in t.split("x")) for t in args.tiles.split(",")),
                 "reg_tile": tuple(bool(int(v)) for v in args.reg_tile.split(","))}
-        res = (sweep_groups(shapes, rows, args.rank, device, grid) if args.groups else
-               sweep(shapes, rows, args.rank, device, bw, grid))
         kind = "sweep_groups" if args.groups else "sweep"
         path = (Path(args.out_dir) /
                 f"bench_decode_linear_{kind}_{bc.gpu_short_name(device)}{args.tag}.json")
-        bc.write_json(path, {"env": env, "bandwidth_Bps": bw, "rank": args.rank,
-                             "results": res})
+
+        def save(res):
+            bc.write_json(path, {"env": env, "bandwidth_Bps": bw, "rank": args.rank,
+                                 "results": res})
+
+        if args.groups:
+            sweep_groups(shapes, rows, args.rank, device, grid, save)
+        else:
+            sweep(shapes, rows, args.rank, device, bw, grid, save)
         print(f"wrote {path}")
         return
     hdr = (f"{'model':5} {'layer':8} {'N':>6} {'K':>6} {'M':>4} {'floor':>7} | "
