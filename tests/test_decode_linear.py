@@ -20,6 +20,7 @@ second is the contract "equal within bf16 rounding".
 """
 
 import copy
+import dataclasses
 import itertools
 
 import pytest
@@ -637,8 +638,6 @@ def test_weight_exact_gpu(prmt):
                 eye = torch.eye(512, dtype=dt, device="cuda")[:m]
                 cfg = {**pick_config(m, 64, 512, bs, torch.cuda.get_device_properties(
                     0).multi_processor_count), "PRMT": prmt}
-                if not prmt:  # the gathers' tiles do not fit shared memory 3 stages deep
-                    cfg["num_stages"] = 1
                 y = linear4bit_lora(eye, w, config=cfg)
                 assert torch.equal(y, ref.T[:m]), (quant_type, double, bs, dt, m)
 
@@ -657,12 +656,30 @@ def test_code_lookups_agree_gpu():
                               .multi_processor_count)
             ys = [linear4bit_lora(x, w, bias=bias, lora_a=a, lora_b=b, scaling=2.0,
                                   config={**cfg, "PRMT": prmt, "PREFETCH": pf,
-                                          "num_stages": cfg["num_stages"] if prmt else 1,
                                           "LAST_REDUCES": lr})
                   for prmt, pf, lr in ((True, True, True), (True, False, True),
                                        (False, False, True), (True, True, False))]
             assert all(torch.equal(ys[0], y) for y in ys[1:]), (n, k, m)
             assert not arrivals.COUNTERS[x.device].any()
+
+
+@pytest.mark.gpu
+def test_unaligned_packed_weight_gpu():
+    """A packed weight that is a view at a 2-byte offset cannot be read as 32-bit words: the
+    launch takes the memory gathers (in the register tile at 8 rows, the block-a-step loop at
+    64) and gives the aligned weight's output bit for bit."""
+    n, k = 2048, 2048
+    packed, qs = _quantize(n, k, quant_type="nf4", double=True, device="cuda")
+    w = Packed4bit.from_quant_state(packed, qs)
+    storage = torch.empty(packed.numel() + 2, dtype=torch.uint8, device="cuda")
+    storage[2:].copy_(packed.reshape(-1))
+    shifted = dataclasses.replace(w, packed=storage[2:])
+    assert shifted.packed.data_ptr() % 4 == 2
+    for m in (8, 64):
+        x, a, b, bias = _inputs(m, n, k, 16, device="cuda")
+        ys = [linear4bit_lora(x, ww, bias=bias, lora_a=a, lora_b=b, scaling=2.0)
+              for ww in (w, shifted)]
+        assert torch.equal(ys[0], ys[1]), m
 
 
 @pytest.mark.gpu

@@ -935,7 +935,9 @@ def _launch(x: torch.Tensor, parts: list[LinearPart], config: dict | None,
         # no FMA contraction: the double-quant scale code2·absmax2 + offset is then formed with
         # the same two roundings as bitsandbytes' (a product, then an add)
         enable_fp_fusion=False, num_warps=cfg.get("num_warps", 4),
-        num_stages=cfg.get("num_stages", 1),
+        # the gathers' form of the register tile pipelines (64, 128) tiles of bytes and scales:
+        # past one stage they do not fit shared memory
+        num_stages=1 if reg_tile and not prmt else cfg.get("num_stages", 1),
         **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}),
     )
     if glu and counts is not None:
