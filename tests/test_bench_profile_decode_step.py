@@ -1,0 +1,18 @@
+"""The decode-step profile's arithmetic: two calls' kernel times differenced per decode step."""
+
+from bench.profile_decode_step import per_step
+
+
+def test_per_step_cancels_the_prefill_and_divides_by_the_extra_tokens():
+    # kernel "a" runs once a step at 10 µs, "b" every other step at 3 µs, "pre" only in the
+    # prefill (the same in both calls), "c" only in the longer call's extra steps
+    long = {("a", "[1, 48, 4]"): [64, 640.0], ("pre", "[2]"): [1, 50.0],
+            ("b", "[3]"): [32, 96.0], ("c", "[4]"): [48, 4.8]}
+    short = {("a", "[1, 48, 4]"): [16, 160.0], ("pre", "[2]"): [1, 50.0], ("b", "[3]"): [8, 24.0]}
+    rows = per_step(long, short, 48)
+    assert [(r["kernel"], r["grid"]) for r in rows] == [("a", "[1, 48, 4]"), ("b", "[3]"),
+                                                       ("c", "[4]")]
+    a, b, c = rows
+    assert (a["launches_per_step"], a["us_per_step"], a["us_per_launch"]) == (1.0, 10.0, 10.0)
+    assert (b["launches_per_step"], b["us_per_step"], b["us_per_launch"]) == (0.5, 1.5, 3.0)
+    assert c["launches_per_step"] == 1.0 and abs(c["us_per_step"] - 0.1) < 1e-12
