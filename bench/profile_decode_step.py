@@ -7,9 +7,8 @@ and the per-call work are the same in both, so each kernel's time in the longer 
 time in the shorter, divided by the difference in tokens, is its time per sampled token: one
 decode step, plus its share of any step the graphs run past the last token (a kernel once a
 step then shows slightly more than one launch a token). A kernel of the prefill alone nets to
-about zero and is left out of the table. The decode linear's
-launches share one kernel name; the grid tells them apart: (1, tiles, splits), q/k/v and
-gate/up being one launch each.
+about zero and is left out of the table. The decode linear's launches share one kernel name;
+the grid tells them apart: (1, tiles, splits), q/k/v and gate/up being one launch each.
 
     python -m bench.profile_decode_step                      # 1B, batch 8
     python -m bench.profile_decode_step --model 8b --batch 8

@@ -1,4 +1,4 @@
-"""The decode-step profile's arithmetic: two calls' kernel times differenced per decode step."""
+"""The decode-step profile's arithmetic: two calls' kernel times differenced per token."""
 
 from bench.profile_decode_step import per_step
 
