@@ -658,7 +658,8 @@ def main():
     summary = layer_summary(results, groups)
     path = Path(args.out_dir) / f"bench_decode_linear_{bc.gpu_short_name(device)}{args.tag}.json"
     bc.write_json(path, {"env": env, "bandwidth_Bps": bw, "graph_calls": GRAPH_CALLS,
-                         "block_steps": args.block_steps, "rank": args.rank, "results": results, "groups": groups,
+                         "block_steps": args.block_steps, "rank": args.rank, "results": results,
+                         "groups": groups,
                          "per_decoder_layer": summary})
     print(f"x floor and speedup use the graph times where captured; wrote {path}")
 

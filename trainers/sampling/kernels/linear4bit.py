@@ -35,9 +35,9 @@ linear in t, so the splits add up to s · t @ Bᵀ, and every sum stays fp32 (no
 K + r + SPLIT_K terms).
 
 Up to 16 rows (and a blocksize that is a multiple of 64) the K loop forms each weight tile in
-registers, in the layout the warpgroup MMA takes its left operand in, with K permuted so that the bytes a thread loads are its operand
-registers (`_reg_tile_loop`, REG_TILE); above, one absmax block a step, the tile moved into
-that layout through shared memory. Either sum is fp32 in some order of K: the bound above
+registers, in the layout the warpgroup MMA takes its left operand in, with K permuted so that
+the bytes a thread loads are its operand registers (`_reg_tile_loop`, REG_TILE); above, one
+absmax block a step, the tile moved into that layout through shared memory. Either sum is fp32 in some order of K: the bound above
 holds for any order.
 
 Projections of the same x (q/k/v, gate/up) can share that launch (`linear4bit_lora_group`,
@@ -239,9 +239,8 @@ def _reg_tile_loop(acc, t, w_ptr, code_ptr, absmax_ptr, absmax2_ptr, code2_ptr, 
     tile is live at once). A dot sums over K in any order as long as x is read in the same
     one, so a half's columns are K permuted (column k' of half h reads K offset 32·h + kmap(k')
     of the step, `_reg_tile_kmap`) such that each thread's operand registers are exactly the
-    bytes it loads: in the MMA's operand
-    layout a thread holds rows r and r + 8, and in every 16 columns the pairs at
-    2·(lane % 4) and 2·(lane % 4) + 8. Here lane % 4 picks the chunk Q, a thread loads 16
+    bytes it loads: in the MMA's operand layout a thread holds rows r and r + 8, and in every
+    16 columns the pairs at 2·(lane % 4) and 2·(lane % 4) + 8. Here lane % 4 picks the chunk Q, a thread loads 16
     bytes of its chunk for both rows (one 16-byte load each), and byte b of those (elements
     2b, 2b + 1, one register after the lookup) sits at column k' with b = 2·(k' >> 4) +
     ((k' >> 3) & 1):
@@ -727,12 +726,8 @@ def pick_config(m: int, n, k: int, blocksize: int, num_sms: int, glu: bool = Fal
     `reg_tile=False` gives the block-a-step rule at every M (the benchmark's comparison)."""
     ns = [n] if isinstance(n, int) else list(n)
     if reg_tile and m <= 16 and blocksize % 64 == 0:
-        steps = triton.cdiv(k, 256)
-        progs = sum(triton.cdiv(v, 64) for v in ns)
-        by_sms = max(1, PROGRAMS_PER_SM * num_sms // progs)
-        by_sms = 1 << (by_sms.bit_length() - 1)
-        by_steps = triton.next_power_of_2(triton.cdiv(steps, 8 if glu else 16))
-        split = max(1, min(max(by_sms, by_steps), 32, steps // 2))
+        split = _split_rule(sum(triton.cdiv(v, 64) for v in ns), triton.cdiv(k, 256),
+                            8 if glu else 16, num_sms)
         return {"BLOCK_M": 16, "BLOCK_N": 64, "SPLIT_K": split, "num_warps": 4,
                 "num_stages": 3, "PREFETCH": True, "REG_TILE": True,
                 "maxnreg": REG_TILE_MAXNREG}
@@ -741,14 +736,22 @@ def pick_config(m: int, n, k: int, blocksize: int, num_sms: int, glu: bool = Fal
     block_n = 128 if sum(ns) * k >= 1 << 25 and not small_glu else 64
     blocks = k // blocksize
     mn_progs = triton.cdiv(m, block_m) * sum(triton.cdiv(v, block_n) for v in ns)
-    by_sms = max(1, PROGRAMS_PER_SM * num_sms // mn_progs)
-    by_sms = 1 << (by_sms.bit_length() - 1)  # largest power of two <= 3·SMs / programs
-    by_steps = triton.next_power_of_2(triton.cdiv(blocks, 64 if glu and not small_glu else 32))
-    split = max(1, min(max(by_sms, by_steps), 32, blocks // 2))
+    split = _split_rule(mn_progs, blocks, 64 if glu and not small_glu else 32, num_sms)
     if small_glu:
         split = max(split, min(2, blocks))
     return {"BLOCK_M": block_m, "BLOCK_N": block_n, "SPLIT_K": split, "num_warps": 4,
             "num_stages": 1, "PREFETCH": True}
+
+
+def _split_rule(programs: int, steps: int, max_steps: int, num_sms: int) -> int:
+    """SPLIT_K for `programs` output tiles of `steps` K steps each: the largest power of two
+    that keeps the grid within PROGRAMS_PER_SM programs per SM, raised to the power of two
+    that keeps each program within `max_steps` steps, at most 32 and at most steps // 2 (every
+    program at least two steps), at least 1."""
+    by_sms = max(1, PROGRAMS_PER_SM * num_sms // programs)
+    by_sms = 1 << (by_sms.bit_length() - 1)
+    by_steps = triton.next_power_of_2(triton.cdiv(steps, max_steps))
+    return max(1, min(max(by_sms, by_steps), 32, steps // 2))
 
 
 def reg_tile_reason(cfg: dict, blocksize: int, parts) -> str | None:
