@@ -23,6 +23,8 @@ every row runs to --new. Variants (--variants):
                   `head_logits` (the kernel plan's head off; optional)
     loop_2_per_sm `loop` with the decode linear's tile rule at 2 programs per SM
                   (`linear4bit.PROGRAMS_PER_SM`; an A/B of the rule; optional)
+    loop_no_pdl   `loop` with every decode kernel launched without programmatic dependent
+                  launch (GRPO_LCE_PDL=0 while it captures; an A/B of `kernels.pdl`; optional)
 
 Each loop variant runs once per --kernels value: "torch" (the modules' own forwards) and "auto"
 (the fused 4-bit + LoRA decode linear for the projections, add_rmsnorm for each residual add +
@@ -56,6 +58,7 @@ import contextlib
 import copy
 import dataclasses
 import math
+import os
 import statistics
 import time
 from pathlib import Path
@@ -67,7 +70,7 @@ from bench import common as bc
 from bench import e2e_common as E
 
 VARIANTS = ("hf_eager", "fast_sampler", "loop", "loop_sdpa_attention", "loop_no_silu_mul",
-            "loop_torch_sample", "loop_cublas_head", "loop_2_per_sm")
+            "loop_torch_sample", "loop_cublas_head", "loop_2_per_sm", "loop_no_pdl")
 # the lab variants' kernel plans: `loop`'s without one piece
 PLAN_WITHOUT = {"loop_no_silu_mul": {"silu_mul": frozenset()},
                 "loop_torch_sample": {"sample": False},
@@ -143,13 +146,15 @@ class Variant:
 
 def _lab_patch(name: str):
     """What a lab variant runs under (its graphs are captured inside, so they keep it): `loop`'s
-    kernel plans with PLAN_WITHOUT's fields replaced, or the decode linear's tile rule at 2
-    programs per SM; a null context for every other variant."""
+    kernel plans with PLAN_WITHOUT's fields replaced, the decode linear's tile rule at 2
+    programs per SM, or PDL off; a null context for every other variant."""
     from trainers.sampling import loop
-    from trainers.sampling.kernels import linear4bit
+    from trainers.sampling.kernels import linear4bit, pdl
 
     if name == "loop_2_per_sm":
         return mock.patch.object(linear4bit, "PROGRAMS_PER_SM", 2)
+    if name == "loop_no_pdl":
+        return mock.patch.dict(os.environ, {pdl.ENV: "0"})
     fields = PLAN_WITHOUT.get(name)
     if fields is None:
         return contextlib.nullcontext()

@@ -13,6 +13,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from trainers.sampling import decode_attention as A
 from trainers.sampling.kernels import head_logits as HL
 from trainers.sampling.kernels import linear4bit as L
 from trainers.sampling.kernels import race as S
@@ -29,17 +30,38 @@ def compile_kernel(fn, types: dict, consts: dict, div16=(), **options):
     """`fn` for sm_90 as a launch specializes it: every pointer 16-byte aligned (torch's
     allocations are), and the integer arguments named in `div16` multiples of 16 (the layer
     shapes and strides), so the layouts, vector widths and registers are the GPU run's."""
+    if "PDL" in fn.arg_names:  # launched without PDL unless the caller says so
+        consts = {"PDL": False, **consts}
     sig = {n: ("constexpr" if n in consts else types.get(n, "i32")) for n in fn.arg_names}
     aligned = [n for n in fn.arg_names if sig[n].startswith("*") or n in div16]
     src = ASTSource(fn, sig, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()},
                     attrs={(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned})
     kernel = triton.compile(src, target=TARGET, options=options)
+    if consts.get("PDL"):  # kernels.pdl's wait, and no trigger of the next kernel
+        ptx = kernel.asm["ptx"]
+        wait = ptx.find("griddepcontrol.wait")
+        assert wait >= 0, f"{fn.__name__}: PDL=True but no griddepcontrol.wait"
+        assert "griddepcontrol.launch_dependents" not in ptx, fn.__name__
+        # nothing is read before the wait but the decode linear's packed weight words and
+        # scale operands, and the double-quant offset: the register tile's first step (4
+        # vector loads, 2 absmax bytes and 2 second-level scales a thread), the block loop's
+        # first block (a vector load, the scale: absmax byte, second-level scale, code2 entry)
+        # and the next block's scale operands
+        early = [ln for ln in ptx[:wait].splitlines() if "ld.global" in ln or "cp.async" in ln]
+        kinds = sorted(ln.split("ld.global")[1].split()[0] if "ld.global" in ln else ln
+                       for ln in early)
+        if fn is L._linear4bit_lora_kernel and consts.get("REG_TILE"):
+            assert kinds == [".b32"] * 3 + [".b8"] * 2 + [".v4.b32"] * 4, kinds
+        elif fn is L._linear4bit_lora_kernel:
+            assert kinds == [".b32"] * 4 + [".b8"] * 2 + [".v4.b32"], kinds
+        else:
+            assert not early, f"{fn.__name__} reads before grid_wait: {early}"
     print(f"{fn.__name__} {consts}: shared {kernel.metadata.shared} B")
     return kernel
 
 
 def _compile_linear(nested, split, lora, lora_fp32, bs, prmt, xdt, segs=1, glu=False,
-                    reg_tile=False, even_k=True):
+                    reg_tile=False, even_k=True, pdl=False):
     types = {"x_ptr": f"*{xdt}", "y_ptr": f"*{xdt}", "part_ptr": "*fp32", "count_ptr": "*i32"}
     for i in range(3):  # each segment's arguments (a grouped launch's projections)
         types.update({f"w_{i}": "*u8", f"code_{i}": "*fp32",
@@ -51,7 +73,7 @@ def _compile_linear(nested, split, lora, lora_fp32, bs, prmt, xdt, segs=1, glu=F
               "LORA_FP32": lora_fp32, "HAS_BIAS": True, "SPLIT": split, "LAST_REDUCES": split, "GLU": glu,
               "BLOCK_M": 16, "BLOCK_N": 64 if bs == 64 or reg_tile else 128, "BLOCK_R": 16,
               "PRMT": prmt, "PREFETCH": prmt, "REG_TILE": reg_tile,
-              "EVEN_K": reg_tile and even_k, "INTERP": False}
+              "EVEN_K": reg_tile and even_k, "PDL": pdl, "INTERP": False}
     compile_kernel(L._linear4bit_lora_kernel, types, consts, div16=LINEAR_DIV16,
                    enable_fp_fusion=False, num_stages=1)
 
@@ -119,6 +141,44 @@ def main():
                                                 "z_ptr": "*fp32"},
                        {"EVEN_H": even, "BLOCK_V": HL.BLOCK_V, "BLOCK_B": bb,
                         "BLOCK_H": HL.BLOCK_H, "INTERP": False}, num_warps=4, num_stages=4)
+    # programmatic dependent launch (kernels.pdl): every decode kernel with its wait, the
+    # linear on both K loops
+    _compile_linear(True, True, True, False, 64, True, "bf16", 2, glu=True, reg_tile=True,
+                    pdl=True)
+    _compile_linear(True, True, True, False, 64, True, "bf16", pdl=True)
+    compile_kernel(R._add_rmsnorm_kernel,
+                   {"x_ptr": "*bf16", "r_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16",
+                    "rout_ptr": "*bf16", "eps": "fp32"},
+                   {"HAS_RESIDUAL": True, "BLOCK_H": 4096, "PDL": True, "INTERP": False},
+                   num_warps=8)
+    compile_kernel(P._rope_cache_kernel,
+                   {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "cos_ptr": "*bf16",
+                    "sin_ptr": "*bf16", "qw_ptr": "*bf16", "kw_ptr": "*bf16", "ck_ptr": "*bf16",
+                    "cv_ptr": "*bf16", "slot_ptr": "*i64", "qo_ptr": "*bf16", "eps_q": "fp32",
+                    "eps_k": "fp32"},
+                   {"NORM": False, "BLOCK_G": 8, "BLOCK_HALF": 64, "PDL": True, "INTERP": False},
+                   num_warps=1, enable_fp_fusion=False)
+    compile_kernel(A._decode_attention_split_kernel,
+                   {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "last_ptr": "*i64",
+                    "m_ptr": "*fp32", "l_ptr": "*fp32", "acc_ptr": "*fp32", "o_ptr": "*bf16",
+                    "count_ptr": "*i32", "scale": "fp32"},
+                   {"D": 64, "BLOCK_G": 16, "SPLIT": A.SPLIT_N, "BLOCK_N": A.BLOCK_N_FEW,
+                    "HAS_WINDOW": False, "IEEE": False, "COMBINE": True, "PDL": True,
+                    "INTERP": False}, num_warps=4)
+    compile_kernel(S._chunk_lse_kernel, {"z_ptr": "*fp32", "m_ptr": "*fp32", "s_ptr": "*fp32"},
+                   {"BLOCK": S.BLOCK, "PDL": True}, num_warps=8)
+    compile_kernel(S._chunk_race_kernel,
+                   {"z_ptr": "*fp32", "e_ptr": "*fp32", "m_ptr": "*fp32", "s_ptr": "*fp32",
+                    "best_ptr": "*fp32", "idx_ptr": "*i32"},
+                   {"SAMPLE": True, "BLOCK": S.BLOCK, "S_BLOCK": 32, "PDL": True,
+                    "INTERP": False}, num_warps=8)
+    compile_kernel(S._pick_kernel,
+                   {"z_ptr": "*fp32", "m_ptr": "*fp32", "s_ptr": "*fp32", "best_ptr": "*fp32",
+                    "idx_ptr": "*i32", "y_ptr": "*i64", "lp_ptr": "*fp32"},
+                   {"S_BLOCK": 32, "PDL": True}, num_warps=1)
+    compile_kernel(HL._head_logits_kernel, {"x_ptr": "*bf16", "w_ptr": "*bf16", "z_ptr": "*fp32"},
+                   {"EVEN_H": True, "BLOCK_V": HL.BLOCK_V, "BLOCK_B": 16, "BLOCK_H": HL.BLOCK_H,
+                    "PDL": True, "INTERP": False}, num_warps=4, num_stages=4)
     print("all compiled")
     return 0
 

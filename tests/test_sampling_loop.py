@@ -1036,3 +1036,42 @@ def test_attention_plan_needs_a_power_of_two_head_dim(tok):
         plan = kernel_plan.make_plan(full, "auto", "cpu")
         assert plan.attention and "; attention by decode_attention;" in plan.line, plan.line
     assert not kernel_plan.make_plan(full, "torch", "cpu").attention
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_pdl_launches_change_no_token(tmp_path, monkeypatch):
+    """The captured loop with the decode kernels launched by programmatic dependent launch
+    (kernels.pdl) and without (GRPO_LCE_PDL=0), NF4 + LoRA, greedy and seeded sampling: the same
+    tokens and the same log-probs bit for bit (PDL moves when a kernel starts, never what it
+    computes), and every decode kernel of the step did launch with PDL."""
+    from trainers.sampling.kernels import pdl
+
+    if pdl.pdl_reason(torch.device("cuda")) is not None:
+        pytest.skip(f"no PDL here: {pdl.pdl_reason(torch.device('cuda'))}")
+    model = gpu_lora_llama("nf4", tmp_path)
+    ids, mask = _gpu_prompts(512)
+    runs = {}
+    for env in ("0", "1"):
+        monkeypatch.setenv(pdl.ENV, env)
+        pdl.LAUNCHES.clear()
+        loop = DecodeLoop(check_every=16)
+        for sample in (False, True):
+            gc = GenerationConfig(max_new_tokens=40, do_sample=sample, pad_token_id=0,
+                                  eos_token_id=[1])
+            torch.manual_seed(3)
+            out = loop.generate(model, ids, mask, gc)
+            assert loop.disabled_reason is None and out is not None
+            runs[env, sample] = (out.token_ids, out.logprobs)
+        (plan,) = loop._plans.values()
+        assert plan.head and plan.attention and plan.rope and plan.norms, plan.line
+        launched = dict(pdl.LAUNCHES)
+        if env == "0":
+            assert not launched, launched
+        else:
+            assert set(launched) >= {"_linear4bit_lora_kernel", "_add_rmsnorm_kernel",
+                                     "_rope_cache_kernel", "_decode_attention_split_kernel",
+                                     "_head_logits_kernel", "_chunk_lse_kernel",
+                                     "_chunk_race_kernel", "_pick_kernel"}, launched
+    for sample in (False, True):
+        assert runs["1", sample] == runs["0", sample], sample

@@ -29,6 +29,7 @@ import triton.language as tl
 
 from .kernels._interp import dot, interpreting
 from .kernels.arrivals import arrival_counters
+from .kernels.pdl import grid_wait, launch_args
 
 SPLIT_N = 256  # keys per split
 # keys per inner step: the longer step where few (b, h) pairs leave most SMs idle, so each
@@ -45,8 +46,10 @@ def _decode_attention_split_kernel(
     stride_vb, stride_vh, stride_vm,
     HKV, G, S, scale, window,
     D: tl.constexpr, BLOCK_G: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr,
-    HAS_WINDOW: tl.constexpr, IEEE: tl.constexpr, COMBINE: tl.constexpr, INTERP: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, IEEE: tl.constexpr, COMBINE: tl.constexpr, PDL: tl.constexpr,
+    INTERP: tl.constexpr,
 ):
+    grid_wait(PDL)  # kernels.pdl: launched early, this kernel reads nothing before it
     bh = tl.program_id(0)
     s = tl.program_id(1)
     b = bh // HKV
@@ -162,6 +165,7 @@ def decode_attention(q, K, V, last, *, scale: float, window: int | None = None,
         D=D, BLOCK_G=BLOCK_G, SPLIT=cfg["SPLIT_N"], BLOCK_N=cfg["BLOCK_N"],
         HAS_WINDOW=window is not None, IEEE=q.dtype == torch.float32,
         COMBINE=counts is not None, INTERP=interpreting(), num_warps=cfg["num_warps"],
+        **launch_args(_decode_attention_split_kernel, q.device),
     )
     if counts is not None:
         return o

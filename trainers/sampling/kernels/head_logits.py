@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from ._interp import dot, interpreting, to_dtype
+from .pdl import grid_wait, launch_args
 
 HEAD_DTYPES = (torch.bfloat16, torch.float16)
 BLOCK_V = 128
@@ -34,7 +35,8 @@ MAX_BLOCK_B = 64
 @triton.jit
 def _head_logits_kernel(x_ptr, stride_x, w_ptr, stride_w, z_ptr, stride_z, B, V, H,
                         EVEN_H: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_B: tl.constexpr,
-                        BLOCK_H: tl.constexpr, INTERP: tl.constexpr):
+                        BLOCK_H: tl.constexpr, PDL: tl.constexpr, INTERP: tl.constexpr):
+    grid_wait(PDL)  # kernels.pdl: launched early, this kernel reads nothing before it
     offs_b = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)
     offs_v = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
     in_b = offs_b < B
@@ -85,5 +87,6 @@ def head_logits(x: torch.Tensor, head: torch.nn.Linear) -> torch.Tensor:
     _head_logits_kernel[grid](x, x.stride(0), w, w.stride(0), z, z.stride(0), B, V, H,
                               EVEN_H=H % BLOCK_H == 0, BLOCK_V=BLOCK_V, BLOCK_B=block_b,
                               BLOCK_H=BLOCK_H, INTERP=interpreting(), num_warps=4,
+                              **launch_args(_head_logits_kernel, x.device),
                               num_stages=4)
     return z

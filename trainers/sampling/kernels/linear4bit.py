@@ -60,6 +60,7 @@ from triton.language.extra import libdevice
 
 from ..kernels._interp import dot, interpreting, to_dtype
 from .arrivals import arrival_counters
+from .pdl import grid_wait, launch_args
 
 
 def _table_asm(cvt: str) -> str:
@@ -231,7 +232,7 @@ def _reg_tile_loop(acc, t, w_ptr, code_ptr, absmax_ptr, absmax2_ptr, code2_ptr, 
                    stride_xm, stride_ar, BS: tl.constexpr, BS2: tl.constexpr,
                    NESTED: tl.constexpr, HAS_LORA: tl.constexpr, LORA_FP32: tl.constexpr,
                    PRMT: tl.constexpr, PREFETCH: tl.constexpr, EVEN_K: tl.constexpr,
-                   INTERP: tl.constexpr):
+                   PDL: tl.constexpr, INTERP: tl.constexpr):
     """The K loop of a 64-row tile on 4 warps with the dequantized weight formed in registers
     in the layout the warpgroup MMA takes its left operand in, so it never goes through
     shared memory. One step covers 256 columns of K: four chunks of 64 elements (32 packed
@@ -254,7 +255,9 @@ def _reg_tile_loop(acc, t, w_ptr, code_ptr, absmax_ptr, absmax2_ptr, code2_ptr, 
     compiler keeps it in registers. A chunk lies in one absmax block (BS % 64 == 0), so each
     thread forms one table per row and chunk and step, for both halves. Unless K is a multiple
     of 256 (EVEN_K), chunks past K are masked (x is zero there). The interpreter's path
-    gathers each nibble into the same tile (PRMT False)."""
+    gathers each nibble into the same tile (PRMT False). The first step's words and scale
+    operands are loaded before `grid_wait` (PDL: they are weights, which the kernel before
+    this one does not write), x and A after it."""
     q = tl.arange(0, 4)[:, None, None, None, None]
     r8 = tl.arange(0, 8)[None, :, None, None, None]
     wv = tl.arange(0, 4)[None, None, :, None, None]
@@ -277,6 +280,7 @@ def _reg_tile_loop(acc, t, w_ptr, code_ptr, absmax_ptr, absmax2_ptr, code2_ptr, 
         p1_next = _reg_tile_words(w_words, row, row_ok, KC, step_lo, 1, q, jl, EVEN_K)
         qa_next, a2_next = _reg_tile_scale_operands(absmax_ptr, absmax2_ptr, row, row_ok, KC, K,
                                                     step_lo, q, BS, BS2, NESTED, EVEN_K)
+    grid_wait(PDL)
     for step in range(step_lo, step_hi):
         if PRMT:
             if PREFETCH:
@@ -454,7 +458,7 @@ def _linear4bit_lora_kernel(
     SPLIT: tl.constexpr, LAST_REDUCES: tl.constexpr, GLU: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
     PRMT: tl.constexpr, PREFETCH: tl.constexpr, REG_TILE: tl.constexpr, EVEN_K: tl.constexpr,
-    INTERP: tl.constexpr,
+    PDL: tl.constexpr, INTERP: tl.constexpr,
 ):
     """One launch for SEGS projections of the same x (two with LAST_REDUCES off): segment s's
     weight, quantization state, LoRA factors and bias are the arguments ending in _s, its
@@ -490,6 +494,10 @@ def _linear4bit_lora_kernel(
     GLU (two segments of one N, gate then up, SPLIT): the output is y (M, N) = silu(gate) · up
     (`_silu_mul`). The gate tile and the up tile of the same columns share one arrival counter;
     the last of their 2 · SPLIT_K programs sums each one's partials and writes the product.
+
+    PDL (`kernels.pdl`, launched before the previous kernel has completed): x is read only
+    after `grid_wait`; each K loop's first weight loads (words or bytes and scale operands)
+    come before it.
     """
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)  # the n-tile over all segments
@@ -530,8 +538,10 @@ def _linear4bit_lora_kernel(
             pid_k * BLOCKS_PER_SPLIT,
             tl.minimum(pid_k * BLOCKS_PER_SPLIT + BLOCKS_PER_SPLIT, tl.cdiv(K, 256)),
             stride_xm, stride_ar, BS, BS2, NESTED, HAS_LORA, LORA_FP32, PRMT, PREFETCH,
-            EVEN_K, INTERP)
+            EVEN_K, PDL, INTERP)
     else:
+        if not PREFETCH:
+            grid_wait(PDL)
         blk_lo = pid_k * BLOCKS_PER_SPLIT
         blk_hi = tl.minimum(blk_lo + BLOCKS_PER_SPLIT, KB)
         if PREFETCH:  # block blk_lo's loads, and the scale operands of the block after it
@@ -541,6 +551,7 @@ def _linear4bit_lora_kernel(
                                                  n_blk + tl.minimum(blk_lo + 1, blk_hi - 1), n_ok,
                                                  BS2, NESTED)
             p_next = _block_bytes(w_ptr, n_blk + blk_lo, offs_j, n_ok, HB, PRMT)
+            grid_wait(PDL)  # the first block's weight loads before it (PDL), x after
             x_next, a_next = _x_and_a_block(x_ptr, a_ptr, offs_m, m_ok, offs_r, r_ok,
                                             blk_lo * BS + offs_k, stride_xm, stride_ar, HAS_LORA)
         for blk in range(blk_lo, blk_hi):
@@ -935,6 +946,7 @@ def _launch(x: torch.Tensor, parts: list[LinearPart], config: dict | None,
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=bn, BLOCK_R=max(16, triton.next_power_of_2(r)),
         PRMT=prmt, PREFETCH=cfg.get("PREFETCH", False), REG_TILE=reg_tile,
         EVEN_K=reg_tile and k % 256 == 0, INTERP=interp,
+        **launch_args(_linear4bit_lora_kernel, x.device),
         # no FMA contraction: the double-quant scale code2·absmax2 + offset is then formed with
         # the same two roundings as bitsandbytes' (a product, then an add)
         enable_fp_fusion=False, num_warps=cfg.get("num_warps", 4),

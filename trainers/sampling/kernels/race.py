@@ -32,13 +32,16 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from ._interp import interpreting
+from .pdl import grid_wait, launch_args
 
 BLOCK = 4096  # tokens per chunk (one program)
 
 
 @triton.jit
-def _chunk_lse_kernel(z_ptr, m_ptr, s_ptr, V, S, stride_z, BLOCK: tl.constexpr):
+def _chunk_lse_kernel(z_ptr, m_ptr, s_ptr, V, S, stride_z, BLOCK: tl.constexpr,
+                      PDL: tl.constexpr):
     """Chunk c of row b: m = max z, s = Σ exp(z − m) (0 for a chunk of -inf only)."""
+    grid_wait(PDL)  # kernels.pdl: launched early, this kernel reads nothing before it
     b = tl.program_id(0)
     c = tl.program_id(1)
     offs = c * BLOCK + tl.arange(0, BLOCK)
@@ -64,8 +67,9 @@ def _row_lse(m_ptr, s_ptr, b, S, S_BLOCK: tl.constexpr):
 @triton.jit
 def _chunk_race_kernel(z_ptr, e_ptr, m_ptr, s_ptr, best_ptr, idx_ptr, V, S, stride_z, stride_e,
                        SAMPLE: tl.constexpr, BLOCK: tl.constexpr, S_BLOCK: tl.constexpr,
-                       INTERP: tl.constexpr):
+                       PDL: tl.constexpr, INTERP: tl.constexpr):
     """Chunk c of row b: its best score and the score's token (the first among ties)."""
+    grid_wait(PDL)  # kernels.pdl: launched early, this kernel reads nothing before it
     b = tl.program_id(0)
     c = tl.program_id(1)
     offs = c * BLOCK + tl.arange(0, BLOCK)
@@ -89,9 +93,10 @@ def _chunk_race_kernel(z_ptr, e_ptr, m_ptr, s_ptr, best_ptr, idx_ptr, V, S, stri
 
 @triton.jit
 def _pick_kernel(z_ptr, m_ptr, s_ptr, best_ptr, idx_ptr, y_ptr, lp_ptr, S, stride_z,
-                 S_BLOCK: tl.constexpr):
+                 S_BLOCK: tl.constexpr, PDL: tl.constexpr):
     """Row b: the best of its S chunk candidates (the first chunk among ties: the first index),
     its token and z_y − lse."""
+    grid_wait(PDL)  # kernels.pdl: launched early, this kernel reads nothing before it
     b = tl.program_id(0)
     offs = tl.arange(0, S_BLOCK)
     ok = offs < S
@@ -123,9 +128,12 @@ def race_sample(z: torch.Tensor, draws: torch.Tensor | None) -> tuple[torch.Tens
     sample = draws is not None
     if sample:
         draws = draws if draws.stride(1) == 1 else draws.contiguous()
-    _chunk_lse_kernel[(B, S)](z, m, s, V, S, z.stride(0), BLOCK=BLOCK, num_warps=8)
+    _chunk_lse_kernel[(B, S)](z, m, s, V, S, z.stride(0), BLOCK=BLOCK, num_warps=8,
+                              **launch_args(_chunk_lse_kernel, dev))
     _chunk_race_kernel[(B, S)](z, draws if sample else z, m, s, best, idx, V, S, z.stride(0),
                                draws.stride(0) if sample else 0, SAMPLE=sample, BLOCK=BLOCK,
-                               S_BLOCK=sb, INTERP=interpreting(), num_warps=8)
-    _pick_kernel[(B,)](z, m, s, best, idx, y, lp, S, z.stride(0), S_BLOCK=sb, num_warps=1)
+                               S_BLOCK=sb, INTERP=interpreting(), num_warps=8,
+                               **launch_args(_chunk_race_kernel, dev))
+    _pick_kernel[(B,)](z, m, s, best, idx, y, lp, S, z.stride(0), S_BLOCK=sb, num_warps=1,
+                       **launch_args(_pick_kernel, dev))
     return y, lp

@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from ..kernels._interp import interpreting, to_dtype
+from .pdl import grid_wait, launch_args
 
 # norms whose forward is LlamaRMSNorm's (fp32 statistics, cast, then weight ·), read by name so
 # that transformers need not be imported here
@@ -33,9 +34,10 @@ LLAMA_STYLE_NORMS = ("LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "MistralRMS
 def _add_rmsnorm_kernel(
     x_ptr, r_ptr, w_ptr, y_ptr, rout_ptr, H, eps,
     stride_x, stride_r, stride_y, stride_ro,
-    HAS_RESIDUAL: tl.constexpr, BLOCK_H: tl.constexpr, INTERP: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr, INTERP: tl.constexpr,
 ):
     """One row per program: the whole row is loaded before r' is stored, so rout may be r."""
+    grid_wait(PDL)  # kernels.pdl: launched early, this kernel reads nothing before it
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_H)
     mask = offs < H
@@ -99,6 +101,7 @@ def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Te
         x2.stride(0), r2.stride(0), y.stride(0), rout.stride(0),
         HAS_RESIDUAL=residual is not None, BLOCK_H=block_h, INTERP=interpreting(),
         num_warps=min(16, max(1, block_h // 512)),
+        **launch_args(_add_rmsnorm_kernel, x2.device),
     )
     r_new = x if residual is None else (residual_out if residual_out is not None
                                         else rout.view(x.shape))

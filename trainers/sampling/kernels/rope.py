@@ -49,6 +49,7 @@ import triton
 import triton.language as tl
 
 from ..kernels._interp import interpreting, to_dtype
+from .pdl import grid_wait, launch_args
 from .rmsnorm import rmsnorm_params
 
 
@@ -88,9 +89,11 @@ def _rope_cache_kernel(
     stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh, stride_cb, stride_sb,
     stride_ckb, stride_ckh, stride_ckm, stride_cvb, stride_cvh, stride_cvm,
     stride_ob, stride_oh,
-    NORM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_HALF: tl.constexpr, INTERP: tl.constexpr,
+    NORM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_HALF: tl.constexpr, PDL: tl.constexpr,
+    INTERP: tl.constexpr,
 ):
     """Program (b, h): query heads h·G .. h·G + G - 1, key and value head h of row b."""
+    grid_wait(PDL)  # kernels.pdl: launched early, this kernel reads nothing before it
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
     half = D // 2
@@ -233,6 +236,7 @@ def rope_cache_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: tor
         NORM=q_norm is not None, BLOCK_G=triton.next_power_of_2(G), BLOCK_HALF=block_half,
         INTERP=interpreting(), num_warps=1 if G * block_half <= 512 else 4,
         enable_fp_fusion=False,  # products and sums rounded separately, as torch's ops
+        **launch_args(_rope_cache_kernel, q.device),
     )
     return out
 

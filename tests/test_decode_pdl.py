@@ -1,0 +1,59 @@
+"""kernels.pdl: where the decode kernels launch with programmatic dependent launch, and what a
+launch passes. The GPU side (the same tokens with and without PDL, every kernel launched with
+it) is tests/test_sampling_loop.py's test_gpu_pdl_launches_change_no_token; the kernels'
+griddepcontrol instructions compile in tests/_compile_decode_kernels.py."""
+
+import inspect
+
+import pytest
+import torch
+
+from trainers.sampling import decode_attention
+from trainers.sampling.kernels import head_logits, linear4bit, pdl, race, rmsnorm, rope
+
+KERNELS = [linear4bit._linear4bit_lora_kernel, rmsnorm._add_rmsnorm_kernel,
+           rope._rope_cache_kernel, decode_attention._decode_attention_split_kernel,
+           head_logits._head_logits_kernel, race._chunk_lse_kernel, race._chunk_race_kernel,
+           race._pick_kernel]
+
+
+def test_off_on_the_cpu_and_under_the_interpreter():
+    reason = pdl.pdl_reason(torch.device("cpu"))
+    assert reason is not None and "cpu" in reason
+    pdl.LAUNCHES.clear()
+    assert pdl.launch_args(rmsnorm._add_rmsnorm_kernel, torch.device("cpu")) == {"PDL": False}
+    assert not pdl.LAUNCHES
+
+
+def test_environment_turns_it_off(monkeypatch):
+    monkeypatch.setenv(pdl.ENV, "0")
+    assert pdl.pdl_reason(torch.device("cuda", 0)) == f"{pdl.ENV}=0"
+
+
+def test_on_where_the_device_and_launcher_take_it(monkeypatch):
+    """With the interpreter off and a device that supports it, a launch gets both the
+    constexpr and Triton's option, and is counted."""
+    monkeypatch.setenv(pdl.ENV, "1")
+    monkeypatch.setattr(pdl, "interpreting", lambda: False)
+    monkeypatch.setattr(pdl, "_device_supports", lambda index: None)
+    pdl.LAUNCHES.clear()
+    args = pdl.launch_args(rope._rope_cache_kernel, torch.device("cuda", 0))
+    assert args == {"PDL": True, "launch_pdl": True}
+    assert pdl.LAUNCHES == {"_rope_cache_kernel": 1}
+    monkeypatch.setattr(pdl, "_device_supports", lambda index: "compute capability 8.0")
+    assert pdl.pdl_reason(torch.device("cuda", 0)) == "compute capability 8.0"
+    assert pdl.launch_args(rope._rope_cache_kernel, torch.device("cuda", 0)) == {"PDL": False}
+
+
+@pytest.mark.parametrize("kernel", KERNELS, ids=lambda k: k.__name__)
+def test_every_decode_kernel_calls_grid_wait(kernel):
+    """Each kernel takes the PDL constexpr and calls grid_wait once on its path (the rule of
+    kernels.pdl: every program waits, so completion passes down the chain); what it loads
+    before the wait is checked in the compiled PTX (tests/_compile_decode_kernels.py)."""
+    assert "PDL" in kernel.arg_names
+    src = inspect.getsource(kernel.fn)
+    if kernel is linear4bit._linear4bit_lora_kernel:  # the register tile waits in its K loop
+        src += inspect.getsource(linear4bit._reg_tile_loop.fn)
+        assert src.count("grid_wait(PDL)") == 3  # the register tile's, the block loop's two
+    else:
+        assert src.count("grid_wait(PDL)") == 1

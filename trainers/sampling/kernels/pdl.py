@@ -1,0 +1,102 @@
+"""Programmatic dependent launch (PDL) for the decode step's kernels: the decision, made here
+once per device, and the wait a kernel launched with it executes.
+
+A decode step is a chain of short kernels (for each layer: add_rmsnorm, the q/k/v projection,
+RoPE + cache write, attention, o, add_rmsnorm, gate/up, down). A plain launch starts its first
+program only once the kernel before it has completed and its writes are flushed. On Hopper and
+later a kernel launched with PDL (Triton's `launch_pdl`: CUDA's programmatic stream
+serialization, a programmatic edge when a CUDA graph captures it) starts as soon as every
+program of the kernel before it has exited, and waits inside for the rest:
+
+    grid_wait(PDL)   griddepcontrol.wait: blocks until the previous kernel has completed and
+                     its memory writes are visible
+
+so the launch, and whatever the kernel does before `grid_wait`, overlap the previous kernel's
+completion. The decode linear issues its first step's weight loads there (the packed weight
+does not depend on the previous kernel); the other kernels wait first.
+
+No kernel lets its successor start earlier than its own exit (griddepcontrol.launch_dependents):
+a successor whose programs start while this kernel's still run is placed on the SMs that are
+free at that moment, not spread over all of them, and the decode linear's time depends on that
+spread. Measured on the H100 both ways (bench/README.md, "programmatic dependent launch").
+
+The rules every kernel launched with PDL follows, which make it exactly as ordered as a plain
+launch for every value it reads or writes:
+- before `grid_wait` it reads only memory no kernel of the step writes (weights, quantization
+  state: they change between optimizer steps, never inside a decode step) and writes nothing;
+- every program calls `grid_wait` on every path: a kernel then completes only after the one
+  before it completed, so completion passes down the chain and a kernel that reads the output
+  of one two launches back also sees it.
+A kernel launched without PDL (torch's, or ours with PDL off) waits for its predecessor as
+always.
+
+`pdl_reason(device)` decides (None: PDL on): CUDA compute capability 9.0 or higher, Triton's
+launcher has the `launch_pdl` option, not Triton's interpreter, and GRPO_LCE_PDL is not "0".
+`launch_args(kernel, device)` gives a launch the kernel's PDL constexpr and the option together.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from ._interp import interpreting
+
+ENV = "GRPO_LCE_PDL"
+# launches `launch_args` gave PDL, by kernel: tests assert that the PDL path ran
+LAUNCHES: collections.Counter = collections.Counter()
+
+
+@triton.jit
+def grid_wait(PDL: tl.constexpr):
+    """Wait until the previous kernel in the stream has completed and its writes are visible
+    (griddepcontrol.wait; nothing without PDL)."""
+    if PDL:
+        tl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=tl.int32,
+                                  is_pure=False, pack=1)
+
+
+def _launcher_has_pdl() -> bool:
+    try:
+        from triton.backends.nvidia.compiler import CUDAOptions
+    except ImportError:
+        return False
+    return "launch_pdl" in {f.name for f in dataclasses.fields(CUDAOptions)}
+
+
+@functools.cache
+def _device_supports(index: int) -> str | None:
+    """Why a CUDA device cannot take PDL launches (None if it can)."""
+    major, minor = torch.cuda.get_device_capability(index)
+    if major < 9:
+        return f"compute capability {major}.{minor} (PDL needs 9.0 or higher)"
+    if not _launcher_has_pdl():
+        return f"Triton {triton.__version__}'s launcher has no launch_pdl option"
+    return None
+
+
+def pdl_reason(device: torch.device) -> str | None:
+    """Why the decode kernels on `device` launch without PDL (None: they launch with it)."""
+    if os.environ.get(ENV, "1") == "0":
+        return f"{ENV}=0"
+    if device.type != "cuda":
+        return f"device {device.type}"
+    if interpreting():
+        return "Triton's interpreter"
+    return _device_supports(device.index if device.index is not None
+                            else torch.cuda.current_device())
+
+
+def launch_args(kernel, device: torch.device) -> dict:
+    """The keyword arguments of `kernel`'s launch on `device` for PDL: its `PDL` constexpr, and
+    Triton's `launch_pdl` option when it is on (older launchers do not know the option)."""
+    if pdl_reason(device) is None:
+        LAUNCHES[kernel.__name__] += 1
+        return {"PDL": True, "launch_pdl": True}
+    return {"PDL": False}
