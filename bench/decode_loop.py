@@ -25,6 +25,8 @@ every row runs to --new. Variants (--variants):
                   (`linear4bit.PROGRAMS_PER_SM`; an A/B of the rule; optional)
     loop_no_pdl   `loop` with every decode kernel launched without programmatic dependent
                   launch (GRPO_LCE_PDL=0 while it captures; an A/B of `kernels.pdl`; optional)
+    loop_pdl_no_early `loop` with PDL but no kernel letting the next start before its programs
+                  exit (`pdl.EARLY_NEXT_WAVES` 0; an A/B of the decode linear's early start)
 
 Each loop variant runs once per --kernels value: "torch" (the modules' own forwards) and "auto"
 (the fused 4-bit + LoRA decode linear for the projections, add_rmsnorm for each residual add +
@@ -70,7 +72,8 @@ from bench import common as bc
 from bench import e2e_common as E
 
 VARIANTS = ("hf_eager", "fast_sampler", "loop", "loop_sdpa_attention", "loop_no_silu_mul",
-            "loop_torch_sample", "loop_cublas_head", "loop_2_per_sm", "loop_no_pdl")
+            "loop_torch_sample", "loop_cublas_head", "loop_2_per_sm", "loop_no_pdl",
+            "loop_pdl_no_early")
 # the lab variants' kernel plans: `loop`'s without one piece
 PLAN_WITHOUT = {"loop_no_silu_mul": {"silu_mul": frozenset()},
                 "loop_torch_sample": {"sample": False},
@@ -147,7 +150,8 @@ class Variant:
 def _lab_patch(name: str):
     """What a lab variant runs under (its graphs are captured inside, so they keep it): `loop`'s
     kernel plans with PLAN_WITHOUT's fields replaced, the decode linear's tile rule at 2
-    programs per SM, or PDL off; a null context for every other variant."""
+    programs per SM, PDL off, or PDL without the linear's early start; a null context for every
+    other variant."""
     from trainers.sampling import loop
     from trainers.sampling.kernels import linear4bit, pdl
 
@@ -155,6 +159,8 @@ def _lab_patch(name: str):
         return mock.patch.object(linear4bit, "PROGRAMS_PER_SM", 2)
     if name == "loop_no_pdl":
         return mock.patch.dict(os.environ, {pdl.ENV: "0"})
+    if name == "loop_pdl_no_early":
+        return mock.patch.object(pdl, "EARLY_NEXT_WAVES", 0)
     fields = PLAN_WITHOUT.get(name)
     if fields is None:
         return contextlib.nullcontext()

@@ -41,7 +41,8 @@ def compile_kernel(fn, types: dict, consts: dict, div16=(), **options):
         ptx = kernel.asm["ptx"]
         wait = ptx.find("griddepcontrol.wait")
         assert wait >= 0, f"{fn.__name__}: PDL=True but no griddepcontrol.wait"
-        assert "griddepcontrol.launch_dependents" not in ptx, fn.__name__
+        go = ptx.find("griddepcontrol.launch_dependents")
+        assert (go > wait) if consts.get("EARLY_NEXT") else (go < 0), fn.__name__
         # nothing is read before the wait but the decode linear's packed weight words and
         # scale operands, and the double-quant offset: the register tile's first step (4
         # vector loads, 2 absmax bytes and 2 second-level scales a thread), the block loop's
@@ -61,7 +62,7 @@ def compile_kernel(fn, types: dict, consts: dict, div16=(), **options):
 
 
 def _compile_linear(nested, split, lora, lora_fp32, bs, prmt, xdt, segs=1, glu=False,
-                    reg_tile=False, even_k=True, pdl=False):
+                    reg_tile=False, even_k=True, pdl=False, early_next=False):
     types = {"x_ptr": f"*{xdt}", "y_ptr": f"*{xdt}", "part_ptr": "*fp32", "count_ptr": "*i32"}
     for i in range(3):  # each segment's arguments (a grouped launch's projections)
         types.update({f"w_{i}": "*u8", f"code_{i}": "*fp32",
@@ -73,7 +74,8 @@ def _compile_linear(nested, split, lora, lora_fp32, bs, prmt, xdt, segs=1, glu=F
               "LORA_FP32": lora_fp32, "HAS_BIAS": True, "SPLIT": split, "LAST_REDUCES": split, "GLU": glu,
               "BLOCK_M": 16, "BLOCK_N": 64 if bs == 64 or reg_tile else 128, "BLOCK_R": 16,
               "PRMT": prmt, "PREFETCH": prmt, "REG_TILE": reg_tile,
-              "EVEN_K": reg_tile and even_k, "PDL": pdl, "INTERP": False}
+              "EVEN_K": reg_tile and even_k, "PDL": pdl, "EARLY_NEXT": early_next,
+              "INTERP": False}
     compile_kernel(L._linear4bit_lora_kernel, types, consts, div16=LINEAR_DIV16,
                    enable_fp_fusion=False, num_stages=1)
 
@@ -144,7 +146,7 @@ def main():
     # programmatic dependent launch (kernels.pdl): every decode kernel with its wait, the
     # linear on both K loops
     _compile_linear(True, True, True, False, 64, True, "bf16", 2, glu=True, reg_tile=True,
-                    pdl=True)
+                    pdl=True, early_next=True)
     _compile_linear(True, True, True, False, 64, True, "bf16", pdl=True)
     compile_kernel(R._add_rmsnorm_kernel,
                    {"x_ptr": "*bf16", "r_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16",

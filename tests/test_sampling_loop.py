@@ -963,7 +963,6 @@ def test_gpu_greedy_and_replay_after_optimizer_step(quant, kernels, family, tmp_
     layers = model.get_base_model().config.num_hidden_layers
     assert all(_near_tie(*g[2:], layers) for g in gaps), gaps  # rounding near-ties only
     assert loop.stats.host_checks <= math.ceil((N - 1) / k) + 1
-    assert loop.stats.first_token_s < 10.0
     shorter = (ids[:, 5:], mask[:, 5:])  # same batch, shorter prompts: the same graph replays
     short_out = loop.generate(model, *shorter, gc)
     assert loop.stats.captures == 1
@@ -1044,7 +1043,8 @@ def test_gpu_pdl_launches_change_no_token(tmp_path, monkeypatch):
     """The captured loop with the decode kernels launched by programmatic dependent launch
     (kernels.pdl) and without (GRPO_LCE_PDL=0), NF4 + LoRA, greedy and seeded sampling: the same
     tokens and the same log-probs bit for bit (PDL moves when a kernel starts, never what it
-    computes), and every decode kernel of the step did launch with PDL."""
+    computes), and every decode kernel of the step did launch with PDL, the 4-bit linear also
+    letting the next kernel start after its K loop."""
     from trainers.sampling.kernels import pdl
 
     if pdl.pdl_reason(torch.device("cuda")) is not None:
@@ -1072,6 +1072,7 @@ def test_gpu_pdl_launches_change_no_token(tmp_path, monkeypatch):
             assert set(launched) >= {"_linear4bit_lora_kernel", "_add_rmsnorm_kernel",
                                      "_rope_cache_kernel", "_decode_attention_split_kernel",
                                      "_head_logits_kernel", "_chunk_lse_kernel",
-                                     "_chunk_race_kernel", "_pick_kernel"}, launched
+                                     "_chunk_race_kernel", "_pick_kernel",
+                                     "_linear4bit_lora_kernel early next"}, launched
     for sample in (False, True):
         assert runs["1", sample] == runs["0", sample], sample

@@ -60,7 +60,8 @@ from triton.language.extra import libdevice
 
 from ..kernels._interp import dot, interpreting, to_dtype
 from .arrivals import arrival_counters
-from .pdl import grid_wait, launch_args
+from . import pdl
+from .pdl import grid_wait, launch_args, let_next_launch
 
 
 def _table_asm(cvt: str) -> str:
@@ -458,7 +459,7 @@ def _linear4bit_lora_kernel(
     SPLIT: tl.constexpr, LAST_REDUCES: tl.constexpr, GLU: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
     PRMT: tl.constexpr, PREFETCH: tl.constexpr, REG_TILE: tl.constexpr, EVEN_K: tl.constexpr,
-    PDL: tl.constexpr, INTERP: tl.constexpr,
+    PDL: tl.constexpr, EARLY_NEXT: tl.constexpr, INTERP: tl.constexpr,
 ):
     """One launch for SEGS projections of the same x (two with LAST_REDUCES off): segment s's
     weight, quantization state, LoRA factors and bias are the arguments ending in _s, its
@@ -497,7 +498,8 @@ def _linear4bit_lora_kernel(
 
     PDL (`kernels.pdl`, launched before the previous kernel has completed): x is read only
     after `grid_wait`; each K loop's first weight loads (words or bytes and scale operands)
-    come before it.
+    come before it. EARLY_NEXT: the next kernel may start once every program has left its K
+    loop (`_early_next`).
     """
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)  # the n-tile over all segments
@@ -592,6 +594,7 @@ def _linear4bit_lora_kernel(
                                 input_precision="ieee")
                 else:  # 16-bit products are exact in fp32: the same t as an fp32 dot
                     t += dot(x_blk, tl.trans(a_blk), INTERP)
+    let_next_launch(EARLY_NEXT)
     if HAS_LORA:
         b = tl.load(b_ptr + offs_n[:, None] * stride_bn + offs_r[None, :],
                     mask=n_ok[:, None] & r_ok[None, :], other=0.0)
@@ -947,6 +950,7 @@ def _launch(x: torch.Tensor, parts: list[LinearPart], config: dict | None,
         PRMT=prmt, PREFETCH=cfg.get("PREFETCH", False), REG_TILE=reg_tile,
         EVEN_K=reg_tile and k % 256 == 0, INTERP=interp,
         **launch_args(_linear4bit_lora_kernel, x.device),
+        EARLY_NEXT=_early_next(x.device, reg_tile, grid),
         # no FMA contraction: the double-quant scale code2·absmax2 + offset is then formed with
         # the same two roundings as bitsandbytes' (a product, then an add)
         enable_fp_fusion=False, num_warps=cfg.get("num_warps", 4),
@@ -970,6 +974,17 @@ def _launch(x: torch.Tensor, parts: list[LinearPart], config: dict | None,
     if glu:  # no counters (first capture): the same function by torch's ops
         return [torch.nn.functional.silu(outs[0]) * outs[1]]
     return outs
+
+
+def _early_next(device: torch.device, reg_tile: bool, grid: tuple) -> bool:
+    """Whether a launch lets the next kernel start after its K loop (`pdl.let_next_launch`):
+    with PDL, on the register tile, when all its programs run at once (at most PROGRAMS_PER_SM
+    a SM; `pdl.EARLY_NEXT_WAVES` such rounds)."""
+    early = (pdl.pdl_reason(device) is None and reg_tile and grid[0] * grid[1] * grid[2]
+             <= pdl.EARLY_NEXT_WAVES * PROGRAMS_PER_SM * _num_sms(device))
+    if early:
+        pdl.LAUNCHES["_linear4bit_lora_kernel early next"] += 1
+    return early
 
 
 def linear4bit_lora(x: torch.Tensor, w: Packed4bit, *, bias: torch.Tensor | None = None,

@@ -1,5 +1,6 @@
 """Programmatic dependent launch (PDL) for the decode step's kernels: the decision, made here
-once per device, and the wait a kernel launched with it executes.
+once per device, the wait a kernel launched with it executes, and the early start the decode
+linear gives the kernel after it.
 
 A decode step is a chain of short kernels (for each layer: add_rmsnorm, the q/k/v projection,
 RoPE + cache write, attention, o, add_rmsnorm, gate/up, down). A plain launch starts its first
@@ -15,10 +16,14 @@ so the launch, and whatever the kernel does before `grid_wait`, overlap the prev
 completion. The decode linear issues its first step's weight loads there (the packed weight
 does not depend on the previous kernel); the other kernels wait first.
 
-No kernel lets its successor start earlier than its own exit (griddepcontrol.launch_dependents):
-a successor whose programs start while this kernel's still run is placed on the SMs that are
-free at that moment, not spread over all of them, and the decode linear's time depends on that
-spread. Measured on the H100 both ways (bench/README.md, "programmatic dependent launch").
+A kernel may also let the next one start before its own programs exit
+(griddepcontrol.launch_dependents, `let_next_launch`): the next kernel's programs are then placed
+on whichever SMs have room at that moment and wait there. Only the decode linear does, after
+its K loop, and only when all of its programs run at once (`linear4bit._early_next`: the
+register tile, a grid of at most PROGRAMS_PER_SM programs a SM): its programs then finish their
+loops close together and the next kernel's launch overlaps their epilogues (the split-K sums).
+Letting the next kernel start at every kernel's beginning, or after every kernel's main loop,
+measured slower on the H100 (bench/README.md, "programmatic dependent launch").
 
 The rules every kernel launched with PDL follows, which make it exactly as ordered as a plain
 launch for every value it reads or writes:
@@ -60,6 +65,20 @@ def grid_wait(PDL: tl.constexpr):
     if PDL:
         tl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=tl.int32,
                                   is_pure=False, pack=1)
+
+
+@triton.jit
+def let_next_launch(EARLY_NEXT: tl.constexpr):
+    """Let the next kernel in the stream start once every program of this one has come here
+    (griddepcontrol.launch_dependents), instead of at their exit."""
+    if EARLY_NEXT:
+        tl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [],
+                                  dtype=tl.int32, is_pure=False, pack=1)
+
+
+# the decode linear lets the next kernel start after its K loop when its grid fits this many
+# rounds of PROGRAMS_PER_SM programs a SM (0: never; bench.decode_loop's A/B)
+EARLY_NEXT_WAVES = 1
 
 
 def _launcher_has_pdl() -> bool:
