@@ -17,11 +17,13 @@ KERNELS = [linear4bit._linear4bit_lora_kernel, rmsnorm._add_rmsnorm_kernel,
            race._pick_kernel]
 
 
-def test_off_on_the_cpu_and_under_the_interpreter():
-    reason = pdl.pdl_reason(torch.device("cpu"))
-    assert reason is not None and "cpu" in reason
+def test_off_on_the_cpu_and_under_the_interpreter(monkeypatch):
     pdl.LAUNCHES.clear()
-    assert pdl.launch_args(rmsnorm._add_rmsnorm_kernel, torch.device("cpu")) == {"PDL": False}
+    with pdl.decode_step():
+        assert pdl.pdl_reason(torch.device("cpu")) == "device cpu"
+        assert pdl.launch_args(rmsnorm._add_rmsnorm_kernel, torch.device("cpu")) == {"PDL": False}
+        monkeypatch.setattr(pdl, "interpreting", lambda: True)
+        assert pdl.pdl_reason(torch.device("cuda", 0)) == "Triton's interpreter"
     assert not pdl.LAUNCHES
 
 
@@ -31,18 +33,23 @@ def test_environment_turns_it_off(monkeypatch):
 
 
 def test_on_where_the_device_and_launcher_take_it(monkeypatch):
-    """With the interpreter off and a device that supports it, a launch gets both the
-    constexpr and Triton's option, and is counted."""
+    """With the interpreter off, a device that supports it and inside a decode step (only
+    there), a launch gets both the constexpr and Triton's option, and is counted."""
     monkeypatch.setenv(pdl.ENV, "1")
     monkeypatch.setattr(pdl, "interpreting", lambda: False)
     monkeypatch.setattr(pdl, "_device_supports", lambda index: None)
     pdl.LAUNCHES.clear()
-    args = pdl.launch_args(rope._rope_cache_kernel, torch.device("cuda", 0))
-    assert args == {"PDL": True, "launch_pdl": True}
-    assert pdl.LAUNCHES == {"_rope_cache_kernel": 1}
-    monkeypatch.setattr(pdl, "_device_supports", lambda index: "compute capability 8.0")
-    assert pdl.pdl_reason(torch.device("cuda", 0)) == "compute capability 8.0"
-    assert pdl.launch_args(rope._rope_cache_kernel, torch.device("cuda", 0)) == {"PDL": False}
+    dev = torch.device("cuda", 0)
+    assert pdl.pdl_reason(dev) == "outside a decode step"
+    assert pdl.launch_args(rope._rope_cache_kernel, dev) == {"PDL": False}
+    with pdl.decode_step():
+        args = pdl.launch_args(rope._rope_cache_kernel, dev)
+        assert args == {"PDL": True, "launch_pdl": True}
+        assert pdl.LAUNCHES == {"_rope_cache_kernel": 1}
+        monkeypatch.setattr(pdl, "_device_supports", lambda index: "compute capability 8.0")
+        assert pdl.pdl_reason(dev) == "compute capability 8.0"
+        assert pdl.launch_args(rope._rope_cache_kernel, dev) == {"PDL": False}
+    assert pdl.pdl_reason(dev) == "outside a decode step"
 
 
 @pytest.mark.parametrize("kernel", KERNELS, ids=lambda k: k.__name__)

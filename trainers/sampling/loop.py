@@ -72,6 +72,7 @@ from ..models import BaseTunerLayer
 from . import processors
 from .cache import MAX_GROWTHS, KVCache, prompt_room
 from .kernel_plan import KERNELS, TORCH, make_plan
+from .kernels import pdl
 from .model_step import ModelStep, base_model, model_reason
 
 logger = logging.get_logger(__name__)
@@ -389,11 +390,12 @@ class DecodeLoop:
             st.seen.scatter_(1, y[:, None], True)
 
     def _decode_steps(self, step_fn, cache, st, spec, eos, pad, n):
-        for _ in range(n):
-            # slot: where `cur` is written; its slot advanced when it was recorded, so it is
-            # one past the last written slot of a live row: cur sits at slot - 1
-            z = step_fn.decode(cache, st.cur, st.slot - 1)
-            self._sample_record(st, z, spec, eos, pad, step_fn.plan.sample)
+        with pdl.decode_step():  # the decode kernels may launch with PDL (kernels.pdl)
+            for _ in range(n):
+                # slot: where `cur` is written; its slot advanced when it was recorded, so it
+                # is one past the last written slot of a live row: cur sits at slot - 1
+                z = step_fn.decode(cache, st.cur, st.slot - 1)
+                self._sample_record(st, z, spec, eos, pad, step_fn.plan.sample)
 
     def _capture(self, step_fn, cache, st, spec, eos, pad):
         t0 = time.perf_counter()
@@ -477,7 +479,8 @@ class DecodeLoop:
         try:
             z0 = step_fn.prefill(cache, ids_left, lengths)
             y0 = z0.argmax(-1)
-            z1 = step_fn.decode(cache, y0, lengths)
+            with pdl.decode_step():  # the kernels the captured steps run (one compile)
+                z1 = step_fn.decode(cache, y0, lengths)
             ids = torch.cat([input_ids, y0[:, None]], 1)
             mask = torch.cat([attention_mask, torch.ones_like(attention_mask[:, :1])], 1)
             ref = model(input_ids=ids, attention_mask=mask, use_cache=False,

@@ -27,22 +27,29 @@ measured slower on the H100 (bench/README.md, "programmatic dependent launch").
 
 The rules every kernel launched with PDL follows, which make it exactly as ordered as a plain
 launch for every value it reads or writes:
-- before `grid_wait` it reads only memory no kernel of the step writes (weights, quantization
-  state: they change between optimizer steps, never inside a decode step) and writes nothing;
+- before `grid_wait` it reads only memory that the kernel launched just before it does not
+  write (only that kernel's writes may still be in flight: every older one completed before
+  it started) and writes nothing. The decode linear reads its packed weight and quantization
+  state there: inside a decode step no kernel writes them, and launches use PDL only inside
+  one (`decode_step()`, which the decode loop holds around its steps), where every kernel
+  before a decode kernel is a kernel of the step;
 - every program calls `grid_wait` on every path: a kernel then completes only after the one
   before it completed, so completion passes down the chain and a kernel that reads the output
   of one two launches back also sees it.
 A kernel launched without PDL (torch's, or ours with PDL off) waits for its predecessor as
 always.
 
-`pdl_reason(device)` decides (None: PDL on): CUDA compute capability 9.0 or higher, Triton's
-launcher has the `launch_pdl` option, not Triton's interpreter, and GRPO_LCE_PDL is not "0".
+`pdl_reason(device)` decides (None: PDL on): inside `decode_step()`, CUDA compute capability
+9.0 or higher, Triton's launcher has the `launch_pdl` option, not Triton's interpreter, and
+GRPO_LCE_PDL is not "0".
 `launch_args(kernel, device)` gives a launch the kernel's PDL constexpr and the option together.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
+import contextvars
 import dataclasses
 import functools
 import os
@@ -56,6 +63,18 @@ from ._interp import interpreting
 ENV = "GRPO_LCE_PDL"
 # launches `launch_args` gave PDL, by kernel: tests assert that the PDL path ran
 LAUNCHES: collections.Counter = collections.Counter()
+_IN_DECODE_STEP = contextvars.ContextVar("grpo_lce_in_decode_step", default=False)
+
+
+@contextlib.contextmanager
+def decode_step():
+    """Launches inside the block may use PDL (`pdl_reason`): the decode loop's steps, whose
+    kernels never write what a decode kernel reads before its wait."""
+    token = _IN_DECODE_STEP.set(True)
+    try:
+        yield
+    finally:
+        _IN_DECODE_STEP.reset(token)
 
 
 @triton.jit
@@ -104,6 +123,8 @@ def pdl_reason(device: torch.device) -> str | None:
     """Why the decode kernels on `device` launch without PDL (None: they launch with it)."""
     if os.environ.get(ENV, "1") == "0":
         return f"{ENV}=0"
+    if not _IN_DECODE_STEP.get():
+        return "outside a decode step"
     if device.type != "cuda":
         return f"device {device.type}"
     if interpreting():
