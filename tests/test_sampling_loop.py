@@ -1047,8 +1047,10 @@ def test_gpu_pdl_launches_change_no_token(tmp_path, monkeypatch):
     letting the next kernel start after its K loop."""
     from trainers.sampling.kernels import pdl
 
-    if pdl.pdl_reason(torch.device("cuda")) is not None:
-        pytest.skip(f"no PDL here: {pdl.pdl_reason(torch.device('cuda'))}")
+    with pdl.decode_step():  # where the loop launches with PDL
+        reason = pdl.pdl_reason(torch.device("cuda"))
+    if reason is not None:
+        pytest.skip(f"no PDL here: {reason}")
     model = gpu_lora_llama("nf4", tmp_path)
     ids, mask = _gpu_prompts(512)
     runs = {}
