@@ -1,6 +1,6 @@
-"""Programmatic dependent launch (PDL) for the decode step's kernels: the decision, made here
-once per device, the wait a kernel launched with it executes, and the early start the decode
-linear gives the kernel after it.
+"""Programmatic dependent launch (PDL) for the decode step's kernels: the decision (made here),
+the wait a kernel launched with it executes, and the early start the decode linear gives the
+kernel after it.
 
 A decode step is a chain of short kernels (for each layer: add_rmsnorm, the q/k/v projection,
 RoPE + cache write, attention, o, add_rmsnorm, gate/up, down). A plain launch starts its first
@@ -20,19 +20,19 @@ A kernel may also let the next one start before its own programs exit
 (griddepcontrol.launch_dependents, `let_next_launch`): the next kernel's programs are then placed
 on whichever SMs have room at that moment and wait there. Only the decode linear does, after
 its K loop, and only when all of its programs run at once (`linear4bit._early_next`: the
-register tile, a grid of at most PROGRAMS_PER_SM programs a SM): its programs then finish their
-loops close together and the next kernel's launch overlaps their epilogues (the split-K sums).
-Letting the next kernel start at every kernel's beginning, or after every kernel's main loop,
-measured slower on the H100 (bench/README.md, "programmatic dependent launch").
+register tile, a grid of at most PROGRAMS_PER_SM programs a SM), so the next kernel's launch
+overlaps the linear's epilogues (the split-K sums): that measured faster on the H100, where
+letting the next kernel start at every kernel's beginning measured slower everywhere, and after
+every kernel's main loop slower at batch 64 and on the 8B shape (bench/README.md, session 26).
 
 The rules every kernel launched with PDL follows, which make it exactly as ordered as a plain
 launch for every value it reads or writes:
 - before `grid_wait` it reads only memory that the kernel launched just before it does not
   write (only that kernel's writes may still be in flight: every older one completed before
   it started) and writes nothing. The decode linear reads its packed weight and quantization
-  state there: inside a decode step no kernel writes them, and launches use PDL only inside
-  one (`decode_step()`, which the decode loop holds around its steps), where every kernel
-  before a decode kernel is a kernel of the step;
+  state there, and launches use PDL only inside a decode step (`decode_step()`, which the
+  decode loop holds around its steps), where the kernel before a decode kernel is one of the
+  step's or of the loop around it (prefill, sampling, state updates): none writes a weight;
 - every program calls `grid_wait` on every path: a kernel then completes only after the one
   before it completed, so completion passes down the chain and a kernel that reads the output
   of one two launches back also sees it.
