@@ -67,19 +67,17 @@ def test_every_decode_kernel_calls_grid_wait(kernel):
 
 
 def test_the_linear_lets_the_next_kernel_start_early_only_in_one_round(monkeypatch):
-    """`_early_next`: with PDL, on the register tile, and only while the grid fits
+    """`_early_next`: launched with PDL, on the register tile, and only while the grid fits
     PROGRAMS_PER_SM programs a SM at once."""
-    monkeypatch.setattr(pdl, "pdl_reason", lambda device: None)
     monkeypatch.setattr(linear4bit, "_num_sms", lambda device: 132)
     dev = torch.device("cuda", 0)
     slots = linear4bit.PROGRAMS_PER_SM * 132
-    assert linear4bit._early_next(dev, True, (1, slots // 4, 4))
-    assert not linear4bit._early_next(dev, True, (1, slots // 4 + 1, 4))
-    assert not linear4bit._early_next(dev, False, (1, 8, 1))  # the block loop: never
+    assert linear4bit._early_next(True, True, (1, slots // 4, 4), dev)
+    assert not linear4bit._early_next(True, True, (1, slots // 4 + 1, 4), dev)
+    assert not linear4bit._early_next(True, False, (1, 8, 1), dev)  # the block loop: never
     monkeypatch.setattr(pdl, "EARLY_NEXT_WAVES", 0)
-    assert not linear4bit._early_next(dev, True, (1, 8, 1))
-    monkeypatch.setattr(pdl, "pdl_reason", lambda device: "device cpu")
+    assert not linear4bit._early_next(True, True, (1, 8, 1), dev)
     monkeypatch.setattr(pdl, "EARLY_NEXT_WAVES", 1)
-    assert not linear4bit._early_next(dev, True, (1, 8, 1))
+    assert not linear4bit._early_next(False, True, (1, 8, 1), dev)  # launched without PDL
     src = inspect.getsource(linear4bit._linear4bit_lora_kernel.fn)
     assert src.count("let_next_launch(EARLY_NEXT)") == 1

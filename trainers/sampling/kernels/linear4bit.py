@@ -935,6 +935,7 @@ def _launch(x: torch.Tensor, parts: list[LinearPart], config: dict | None,
     beyond = grid[1]  # a first tile no program reaches: the segment is absent
     first_tile = [t if i + 1 < len(parts) else beyond for i, t in enumerate(first_tile)]
     first_col = [cols[i] if i < len(parts) else 0 for i in range(1, MAX_GROUP)]
+    pdl_args = launch_args(_linear4bit_lora_kernel, x.device)
     _linear4bit_lora_kernel[grid](
         x, y, part_buf, counts if counts is not None else y,
         *seg_args, *seg_ns, *seg_scalings, *first_tile, *first_col,
@@ -949,8 +950,7 @@ def _launch(x: torch.Tensor, parts: list[LinearPart], config: dict | None,
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=bn, BLOCK_R=max(16, triton.next_power_of_2(r)),
         PRMT=prmt, PREFETCH=cfg.get("PREFETCH", False), REG_TILE=reg_tile,
         EVEN_K=reg_tile and k % 256 == 0, INTERP=interp,
-        **launch_args(_linear4bit_lora_kernel, x.device),
-        EARLY_NEXT=_early_next(x.device, reg_tile, grid),
+        **pdl_args, EARLY_NEXT=_early_next(pdl_args["PDL"], reg_tile, grid, x.device),
         # no FMA contraction: the double-quant scale code2·absmax2 + offset is then formed with
         # the same two roundings as bitsandbytes' (a product, then an add)
         enable_fp_fusion=False, num_warps=cfg.get("num_warps", 4),
@@ -976,11 +976,11 @@ def _launch(x: torch.Tensor, parts: list[LinearPart], config: dict | None,
     return outs
 
 
-def _early_next(device: torch.device, reg_tile: bool, grid: tuple) -> bool:
+def _early_next(launched_pdl: bool, reg_tile: bool, grid: tuple, device: torch.device) -> bool:
     """Whether a launch lets the next kernel start after its K loop (`pdl.let_next_launch`):
-    with PDL, on the register tile, when all its programs run at once (at most PROGRAMS_PER_SM
-    a SM; `pdl.EARLY_NEXT_WAVES` such rounds)."""
-    early = (pdl.pdl_reason(device) is None and reg_tile and grid[0] * grid[1] * grid[2]
+    launched with PDL (`pdl.launch_args`), on the register tile, when all its programs run at
+    once (at most PROGRAMS_PER_SM a SM; `pdl.EARLY_NEXT_WAVES` such rounds)."""
+    early = (launched_pdl and reg_tile and grid[0] * grid[1] * grid[2]
              <= pdl.EARLY_NEXT_WAVES * PROGRAMS_PER_SM * _num_sms(device))
     if early:
         pdl.LAUNCHES["_linear4bit_lora_kernel early next"] += 1
