@@ -27,6 +27,10 @@ every row runs to --new. Variants (--variants):
                   launch (GRPO_LCE_PDL=0 while it captures; an A/B of `kernels.pdl`; optional)
     loop_pdl_no_early `loop` with PDL but no kernel letting the next start before its programs
                   exit (`pdl.EARLY_NEXT_WAVES` 0; an A/B of the decode linear's early start)
+    loop_sums_in_linear `loop` with every split projection summing its own partials (the kernel
+                  plan's rope_sums and norm_sums off: an A/B of `kernels.split_sum`; optional)
+    loop_no_norm_sums `loop` with o_proj and down_proj summing their own partials (norm_sums
+                  off, where the plan has it on: above 16 rows; optional)
 
 Each loop variant runs once per --kernels value: "torch" (the modules' own forwards) and "auto"
 (the fused 4-bit + LoRA decode linear for the projections, add_rmsnorm for each residual add +
@@ -73,12 +77,14 @@ from bench import e2e_common as E
 
 VARIANTS = ("hf_eager", "fast_sampler", "loop", "loop_sdpa_attention", "loop_no_silu_mul",
             "loop_torch_sample", "loop_cublas_head", "loop_2_per_sm", "loop_no_pdl",
-            "loop_pdl_no_early")
+            "loop_pdl_no_early", "loop_sums_in_linear", "loop_no_norm_sums")
 # the lab variants' kernel plans: `loop`'s without one piece
 PLAN_WITHOUT = {"loop_no_silu_mul": {"silu_mul": frozenset()},
                 "loop_torch_sample": {"sample": False},
                 "loop_cublas_head": {"head": False},
-                "loop_sdpa_attention": {"attention": False}}
+                "loop_sdpa_attention": {"attention": False},
+                "loop_sums_in_linear": {"rope_sums": False, "norm_sums": False},
+                "loop_no_norm_sums": {"norm_sums": False}}
 DEFAULT_VARIANTS = ("hf_eager", "fast_sampler", "loop")
 
 

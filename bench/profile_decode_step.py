@@ -73,6 +73,9 @@ def main(argv=None) -> int:
     p.add_argument("--model-cache", default="/tmp/grpo_lce_e2e_models")
     p.add_argument("--out-dir", default=str(bc.RESULTS_DIR))
     p.add_argument("--tag", default="")
+    p.add_argument("--variant", default="loop", choices=[v for v in D.VARIANTS if
+                                                         v.startswith("loop")],
+                   help="bench.decode_loop's loop variant to profile")
     a = p.parse_args(argv)
     if a.new <= a.short:
         p.error("--new must be larger than --short")
@@ -82,7 +85,7 @@ def main(argv=None) -> int:
     model = D.load_policy(a.model, "nf4", a.model_cache, "cuda")
     V = model.config.vocab_size
     ids, mask = D.prompts(a.batch, V, "cuda")
-    loop = D.Variant("loop", model, "cuda", check_every=16)
+    loop = D.Variant(a.variant, model, "cuda", check_every=16)
     calls = {n: D.generation_config(n, V) for n in (a.new, a.short)}
     for n in (a.new, a.short):  # compile, capture and warm both lengths
         loop(ids, mask, calls[n])
@@ -91,7 +94,7 @@ def main(argv=None) -> int:
     short = kernel_times(lambda: loop(ids, mask, calls[a.short]))
     rows = per_step(long, short, a.new - a.short)
     total = sum(r["us_per_step"] for r in rows)
-    print(f"{a.model} NF4 + LoRA, batch {a.batch}: kernels {total:.1f} µs per token "
+    print(f"{a.model} NF4 + LoRA, batch {a.batch}, {a.variant}: kernels {total:.1f} µs per token "
           f"({a.new} - {a.short} tokens)")
     print(f"{'µs/token':>8} {'launches':>8} {'µs/launch':>9}  kernel  grid")
     for r in rows:
@@ -102,7 +105,7 @@ def main(argv=None) -> int:
     out = Path(a.out_dir) / (f"profile_decode_step_{bc.short_gpu_name(env['gpu'])}_{a.model}"
                              f"_b{a.batch}{a.tag}.json")
     bc.write_json(out, {"env": env, "model": a.model, "batch": a.batch, "new": a.new,
-                        "short": a.short, "kernel_path": loop.sampler.kernels,
+                        "short": a.short, "variant": a.variant, "kernel_path": loop.sampler.kernels,
                         "us_per_step_total": total, "kernels": rows})
     print(f"wrote {out}")
     return 0

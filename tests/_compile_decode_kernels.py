@@ -9,6 +9,8 @@ off: TRITON_INTERPRET=0); prints one line per kernel with its registers and shar
 import itertools
 import sys
 
+import torch
+
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -43,16 +45,17 @@ def compile_kernel(fn, types: dict, consts: dict, div16=(), **options):
         assert wait >= 0, f"{fn.__name__}: PDL=True but no griddepcontrol.wait"
         go = ptx.find("griddepcontrol.launch_dependents")
         assert (go > wait) if consts.get("EARLY_NEXT") else (go < 0), fn.__name__
-        # nothing is read before the wait but the decode linear's packed weight words and
-        # scale operands, and the double-quant offset: the register tile's first step (4
-        # vector loads, 2 absmax bytes and 2 second-level scales a thread), the block loop's
-        # first block (a vector load, the scale: absmax byte, second-level scale, code2 entry)
-        # and the next block's scale operands
+        # nothing is read before the wait but the decode linear's weights: the register
+        # tile's LoRA factor B (64 x 16 bf16, 8 elements a thread), the double-quant offset
+        # and the first step's packed words and scale operands: the register tile's (4 vector
+        # loads, 2 absmax bytes and 2 second-level scales a thread), the block loop's first
+        # block (a vector load, the scale: absmax byte, second-level scale, code2 entry) and
+        # the next block's scale operands
         early = [ln for ln in ptx[:wait].splitlines() if "ld.global" in ln or "cp.async" in ln]
         kinds = sorted(ln.split("ld.global")[1].split()[0] if "ld.global" in ln else ln
                        for ln in early)
         if fn is L._linear4bit_lora_kernel and consts.get("REG_TILE"):
-            assert kinds == [".b32"] * 3 + [".b8"] * 2 + [".v4.b32"] * 4, kinds
+            assert kinds == [".b16"] * 8 + [".b32"] * 3 + [".b8"] * 2 + [".v4.b32"] * 4, kinds
         elif fn is L._linear4bit_lora_kernel:
             assert kinds == [".b32"] * 4 + [".b8"] * 2 + [".v4.b32"], kinds
         else:
@@ -110,21 +113,35 @@ def main():
     compile_kernel(L._split_k_reduce_kernel,
                    {"part_ptr": "*fp32", "bias_ptr": "*bf16", "y_ptr": "*bf16"},
                    {"HAS_BIAS": True, "BLOCK_M": 16, "BLOCK_N": 64, "INTERP": False})
-    for has_res in (False, True):
+    # the norm on a tensor, without and with the residual, and on a SplitSum's partials
+    for has_res, splits in ((False, 0), (True, 0), (True, 4)):
         compile_kernel(R._add_rmsnorm_kernel,
-                       {"x_ptr": "*bf16", "r_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16",
-                        "rout_ptr": "*bf16", "eps": "fp32"},
-                       {"HAS_RESIDUAL": has_res, "BLOCK_H": 4096, "INTERP": False}, num_warps=8)
-    for norm, dt, wdt in ((False, "bf16", "bf16"), (True, "bf16", "bf16"), (True, "bf16", "fp32"),
-                          (False, "fp32", "fp32"), (True, "fp16", "fp16")):
+                       {"x_ptr": "*fp32" if splits else "*bf16", "r_ptr": "*bf16",
+                        "w_ptr": "*bf16", "y_ptr": "*bf16", "rout_ptr": "*bf16",
+                        "xb_ptr": "*bf16", "eps": "fp32"},
+                       {"HAS_RESIDUAL": has_res, "X_SPLITS": splits, "HAS_XBIAS": splits > 0,
+                        "BLOCK_H": 4096, "INTERP": False}, num_warps=8)
+    # RoPE on tensors (each dtype, with and without Qwen3's norms), and on SplitSums' partials
+    # (fp32, with biases) holding bf16 values
+    for norm, dt, wdt, splits in ((False, "bf16", "bf16", 0), (True, "bf16", "bf16", 0),
+                                  (True, "bf16", "fp32", 0), (False, "fp32", "fp32", 0),
+                                  (True, "fp16", "fp16", 0), (False, "bf16", "bf16", 2),
+                                  (True, "bf16", "bf16", 4)):
         out = "fp32" if "fp32" in (dt, wdt) else dt
+        xdt = "fp32" if splits else dt
         compile_kernel(P._rope_cache_kernel,
-                       {"q_ptr": f"*{dt}", "k_ptr": f"*{dt}", "v_ptr": f"*{dt}",
+                       {"q_ptr": f"*{xdt}", "k_ptr": f"*{xdt}", "v_ptr": f"*{xdt}",
                         "cos_ptr": f"*{dt}", "sin_ptr": f"*{dt}", "qw_ptr": f"*{wdt}",
                         "kw_ptr": f"*{wdt}", "ck_ptr": f"*{dt}", "cv_ptr": f"*{dt}",
-                        "slot_ptr": "*i64", "qo_ptr": f"*{out}", "eps_q": "fp32",
+                        "slot_ptr": "*i64", "qo_ptr": f"*{out}", "qb_ptr": f"*{dt}",
+                        "kb_ptr": f"*{dt}", "vb_ptr": f"*{dt}", "eps_q": "fp32",
                         "eps_k": "fp32"},
-                       {"NORM": norm, "BLOCK_G": 8, "BLOCK_HALF": 64, "INTERP": False},
+                       {"NORM": norm, "BLOCK_G": 8, "BLOCK_HALF": 64, "INTERP": False,
+                        "X_DT": P._TL_DTYPES[getattr(torch, {"bf16": "bfloat16",
+                                                             "fp16": "float16",
+                                                             "fp32": "float32"}[dt])],
+                        "Q_SPLITS": splits, "K_SPLITS": splits, "V_SPLITS": splits,
+                        "HAS_QB": splits > 0, "HAS_KB": splits > 0, "HAS_VB": splits > 0},
                        num_warps=1, enable_fp_fusion=False)
     compile_kernel(S._chunk_lse_kernel, {"z_ptr": "*fp32", "m_ptr": "*fp32", "s_ptr": "*fp32"},
                    {"BLOCK": S.BLOCK}, num_warps=8)
@@ -148,17 +165,20 @@ def main():
     _compile_linear(True, True, True, False, 64, True, "bf16", 2, glu=True, reg_tile=True,
                     pdl=True, early_next=True)
     _compile_linear(True, True, True, False, 64, True, "bf16", pdl=True)
-    compile_kernel(R._add_rmsnorm_kernel,
-                   {"x_ptr": "*bf16", "r_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16",
-                    "rout_ptr": "*bf16", "eps": "fp32"},
-                   {"HAS_RESIDUAL": True, "BLOCK_H": 4096, "PDL": True, "INTERP": False},
+    compile_kernel(R._add_rmsnorm_kernel,  # on a SplitSum's partials, as the decode step runs it
+                   {"x_ptr": "*fp32", "r_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16",
+                    "rout_ptr": "*bf16", "xb_ptr": "*bf16", "eps": "fp32"},
+                   {"HAS_RESIDUAL": True, "X_SPLITS": 4, "HAS_XBIAS": False, "BLOCK_H": 4096,
+                    "PDL": True, "INTERP": False},
                    num_warps=8)
     compile_kernel(P._rope_cache_kernel,
-                   {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "cos_ptr": "*bf16",
+                   {"q_ptr": "*fp32", "k_ptr": "*fp32", "v_ptr": "*fp32", "cos_ptr": "*bf16",
                     "sin_ptr": "*bf16", "qw_ptr": "*bf16", "kw_ptr": "*bf16", "ck_ptr": "*bf16",
-                    "cv_ptr": "*bf16", "slot_ptr": "*i64", "qo_ptr": "*bf16", "eps_q": "fp32",
-                    "eps_k": "fp32"},
-                   {"NORM": False, "BLOCK_G": 8, "BLOCK_HALF": 64, "PDL": True, "INTERP": False},
+                    "cv_ptr": "*bf16", "slot_ptr": "*i64", "qo_ptr": "*bf16", "qb_ptr": "*bf16",
+                    "kb_ptr": "*bf16", "vb_ptr": "*bf16", "eps_q": "fp32", "eps_k": "fp32"},
+                   {"NORM": False, "BLOCK_G": 8, "BLOCK_HALF": 64, "PDL": True, "INTERP": False,
+                    "X_DT": P._TL_DTYPES[torch.bfloat16], "Q_SPLITS": 2, "K_SPLITS": 2,
+                    "V_SPLITS": 2, "HAS_QB": True, "HAS_KB": True, "HAS_VB": True},
                    num_warps=1, enable_fp_fusion=False)
     compile_kernel(A._decode_attention_split_kernel,
                    {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "last_ptr": "*i64",

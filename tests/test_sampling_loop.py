@@ -75,9 +75,9 @@ def build(tok, family, *, lora=False, seed=0, **config_kw):
     repeats the last token); biases and q/k norms randomised so they matter; with `lora`, an
     adapter with non-zero B. `config_kw` adds to the family's config arguments."""
     config_cls, model_cls, extra = FAMILIES[family]
-    config = tiny._tiny_config(config_cls, tok, hidden_size=64, num_layers=2, num_heads=4,
-                               num_kv_heads=2, intermediate_size=128, tie_word_embeddings=False,
-                               **{**extra, **config_kw})
+    config = tiny._tiny_config(config_cls, tok, **{
+        "hidden_size": 64, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2,
+        "intermediate_size": 128, "tie_word_embeddings": False, **extra, **config_kw})
     model = tiny._tiny_model(model_cls, config, tok, seed)
     with torch.random.fork_rng(devices=[]), torch.no_grad():
         torch.manual_seed(seed + 3)
@@ -562,11 +562,11 @@ def test_logits_mismatch_disables(tok, caplog, monkeypatch):
 
 # -- decode kernels in the forward (Triton interpreter) ---------------------------------------
 
-def nf4_lora(tok, family, seed=0):
+def nf4_lora(tok, family, seed=0, **config_kw):
     """`build`'s tiny model in bf16 with every projection a bitsandbytes NF4 Linear4bit
     (double quant, bf16 compute), then a LoRA adapter with non-zero B: the kernels' case."""
     bnb = pytest.importorskip("bitsandbytes")
-    model = build(tok, family, seed=seed).to(torch.bfloat16)
+    model = build(tok, family, seed=seed, **config_kw).to(torch.bfloat16)
     for layer in model.model.layers:
         for parent in (layer.self_attn, layer.mlp):
             for name, lin in list(parent.named_children()):
@@ -671,6 +671,53 @@ def test_kernel_forward_equals_the_modules(tok, family, kernels_on_cpu):
     assert (err <= bound).all(), (err, bound)
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+def test_split_sums_change_no_logit(tok, family, kernels_on_cpu, monkeypatch):
+    """The plan's rope_sums (q/k/v's partials summed by rope_cache_write) and norm_sums (o_proj's
+    and down_proj's by add_rmsnorm) against the same plan without them: two decode steps'
+    logits bit for bit, and the SplitSum path counted in both consumers. Every projection's K
+    split in two (hidden 128: two absmax blocks, the block-a-step loop), q/k/v biases (Qwen2)
+    and q/k norms (Qwen3). The plan's rule: rope_sums wherever the rope kernel runs,
+    norm_sums above REG_TILE_ROWS rows."""
+    import dataclasses
+
+    from trainers.sampling.kernel_plan import make_plan
+    from trainers.sampling.kernels import linear4bit, split_sum
+
+    monkeypatch.setattr(linear4bit, "pick_config", lambda *a, **kw: {
+        "BLOCK_M": 16, "BLOCK_N": 64, "SPLIT_K": 2, "num_warps": 4, "PREFETCH": True,
+        "REG_TILE": False})
+    model = nf4_lora(tok, family, hidden_size=128)
+    base = model.get_base_model()
+    plan = make_plan(base, "auto", "cpu", batch=3)
+    assert plan.rope_sums and not plan.norm_sums and len(plan.fused) == 14, plan.line
+    assert "split-K q/k/v summed by rope_cache_write" in plan.line, plan.line
+    wide = make_plan(base, "auto", "cpu", batch=linear4bit.REG_TILE_ROWS + 1)
+    assert wide.rope_sums and wide.norm_sums and "o/down summed by add_rmsnorm" in wide.line
+    ids, mask = batch(tok, PROMPTS[:3])
+    lengths = mask.sum(1)
+    P = ids.shape[1]
+    left = ids.gather(1, (torch.arange(P)[None] + (P - lengths)[:, None]).clamp(max=P - 1))
+    runs, used = {}, {}
+    for name, p in (("sums", dataclasses.replace(plan, norm_sums=True)),
+                    ("sums_in_linear", dataclasses.replace(plan, rope_sums=False))):
+        cache = KVCache.allocate(base.config, batch=3, room=P, new_tokens=3, slack=0,
+                                 growths=0, dtype=torch.bfloat16, device="cpu")
+        step = ModelStep(model, plan=p)
+        before = dict(split_sum.CONSUMED)
+        with torch.no_grad():
+            z = [step.prefill(cache, left, lengths)]
+            for t in range(2):
+                z.append(step.decode(cache, z[-1].argmax(-1), lengths + t))
+        runs[name] = torch.stack(z, 1)
+        used[name] = {k: v - before.get(k, 0) for k, v in split_sum.CONSUMED.items()}
+    # per decode step: o and down into 2 layers' norms (the last down into the final norm);
+    # q, k and v into each layer's rope_cache_write
+    assert used["sums"] == {"add_rmsnorm": 2 * 4, "rope_cache_write": 2 * 2 * 3}, used
+    assert not any(used["sums_in_linear"].values()), used
+    assert torch.equal(runs["sums"], runs["sums_in_linear"])
+
+
 def test_loop_with_kernels_equals_without(tok, kernels_on_cpu, caplog):
     """The whole loop (greedy, k-step checks) with kernels="auto" against kernels="torch" on
     NF4 + LoRA: one logged line names the path; tokens equal up to each row's first divergence,
@@ -730,7 +777,7 @@ def test_failing_kernels_turn_off_with_one_line(tok, kernels_on_cpu, caplog, mon
     logged line); the loop goes on without them and its completions equal HF's."""
     from trainers.sampling import model_step
 
-    def broken(x, module):
+    def broken(x, module, **kw):
         raise RuntimeError("forced kernel failure")
 
     monkeypatch.setattr(model_step, "decode_linear", broken)

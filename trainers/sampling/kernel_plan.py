@@ -23,6 +23,13 @@
     rope         each decode step's RoPE of q and k (after Qwen3's q_norm / k_norm, fused) with
                  the write of k and v into the cache: `rope_cache_write`, one launch per layer,
                  when the rotary dim is the head dim and any q/k norm is LlamaRMSNorm's forward
+    rope_sums    a fused q/k/v launch that splits K leaves its partials to `rope_cache_write`,
+                 which sums them (the same bits; `kernels.split_sum`): the projection's programs
+                 skip the arrival counter and the re-read, where the rope kernel runs
+    norm_sums    the same for o_proj and down_proj into `add_rmsnorm`, above
+                 linear4bit.REG_TILE_ROWS rows: up to there the norm's M programs reading S
+                 fp32 partials of a row cost more than the register tile's own sum
+                 (bench/README.md, the split sums)
 
 Only decode steps use the projections' and the RoPE kernels (M = batch rows, the projection
 kernel's small-M regime); the prefill's B·S rows go through the modules (bitsandbytes dequantizes
@@ -69,6 +76,8 @@ class KernelPlan:
     sample: bool = False  # the sampling reductions by race_sample
     head: bool = False  # decode steps: the LM head by head_logits
     attention: bool = False  # decode steps: attention by decode_attention
+    rope_sums: bool = False  # split q/k/v partials summed by rope_cache_write
+    norm_sums: bool = False  # split o/down partials summed by add_rmsnorm
     line: str = "kernels off (kernels='torch')"
 
     @property
@@ -201,6 +210,12 @@ def make_plan(base, kernels: str, device_type: str, batch: int = 1) -> KernelPla
     has_norms = hasattr(base.model.layers[0].self_attn, "q_norm") if base.model.layers else False
     line += ("; " + ("q/k norm + " if has_norms else "") + "RoPE + cache write by rope_cache_write"
              if rope_reason is None else f"; RoPE by torch ops ({rope_reason})")
+    rope_sums = bool(fused) and rope_reason is None
+    norm_sums = bool(fused) and norm_reason is None and batch > linear4bit.REG_TILE_ROWS
+    if rope_sums or norm_sums:
+        line += "; split-K " + " and ".join(
+            what for what, on in (("q/k/v summed by rope_cache_write", rope_sums),
+                                  ("o/down summed by add_rmsnorm", norm_sums)) if on)
     line += "; sampling reductions by race_sample"
     attention = _attention_reason(base)
     line += ("; attention by decode_attention" if attention is None
@@ -211,4 +226,5 @@ def make_plan(base, kernels: str, device_type: str, batch: int = 1) -> KernelPla
         split_mlp = set()  # nothing to gain from running the MLP piecewise
     return KernelPlan(frozenset(fused), frozenset(split_mlp), frozenset(groups),
                       frozenset(silu_mul), norms=norm_reason is None, rope=rope_reason is None,
-                      sample=True, head=head is None, attention=attention is None, line=line)
+                      sample=True, head=head is None, attention=attention is None,
+                      rope_sums=rope_sums, norm_sums=norm_sums, line=line)

@@ -40,7 +40,10 @@ and both forwards fuse each residual add with the RMSNorm that follows it
 (`add_rmsnorm`): the residual stream then carries the last block's output `delta` not yet added
 to `h`, and the next norm (a layer's input norm, or the final norm) adds it. With the plan's
 `rope`, a decode step's q/k norms (Qwen3), RoPE and cache write of each layer run as one
-`rope_cache_write` on the projections' outputs (the prefill keeps the torch ops). All compute the
+`rope_cache_write` on the projections' outputs (the prefill keeps the torch ops). With the plan's
+`rope_sums` (`norm_sums`), a q/k/v (o_proj, down_proj) launch that splits K hands
+`rope_cache_write` (`add_rmsnorm`) its partials (`kernels.split_sum.SplitSum`), which that
+kernel sums as the projection would have. All compute the
 modules' own functions within bf16 rounding (the kernels' docstrings state the bounds; RoPE
 without q/k norms is bit for bit).
 """
@@ -152,17 +155,19 @@ class ModelStep:
         self.layers = list(self.inner.layers)
         self.windows = sliding_windows(self.base)
 
-    def _proj(self, module, x, fused):
+    def _proj(self, module, x, fused, defer_sum=False):
+        """module(x); with `defer_sum`, a split fused projection's output may be left as a
+        SplitSum for the kernel that reads it next (`kernels.split_sum`)."""
         if fused and id(module) in self.plan.fused:
-            return decode_linear(x, module)
+            return decode_linear(x, module, defer_sum=defer_sum)
         return module(x)
 
-    def _projs(self, modules, x, fused):
+    def _projs(self, modules, x, fused, defer_sum=False):
         """[module(x) for module in modules], projections of one input: one launch where the
         plan groups them."""
         if fused and tuple(id(m) for m in modules) in self.plan.groups:
-            return decode_linears(x, modules)
-        return [self._proj(m, x, fused) for m in modules]
+            return decode_linears(x, modules, defer_sum=defer_sum)
+        return [self._proj(m, x, fused, defer_sum) for m in modules]
 
     def _mlp(self, mlp, x, fused):
         if fused and id(mlp) in self.plan.split_mlp:  # LlamaMLP's forward, piece by piece
@@ -171,7 +176,7 @@ class ModelStep:
             else:
                 gate, up = self._projs((mlp.gate_proj, mlp.up_proj), x, fused)
                 h = mlp.act_fn(gate) * up
-            return self._proj(mlp.down_proj, h, fused)
+            return self._proj(mlp.down_proj, h, fused, self.plan.norm_sums)
         return mlp(x)
 
     def _add_norm(self, delta, h, norm):
@@ -199,7 +204,8 @@ class ModelStep:
         B, _, _ = x.shape
         D = attn.head_dim
         q, k, v = (y.view(B, -1, D) for y in
-                   self._projs((attn.q_proj, attn.k_proj, attn.v_proj), x, True))
+                   self._projs((attn.q_proj, attn.k_proj, attn.v_proj), x, True,
+                               self.plan.rope_sums))
         norms = norm_params(attn)  # Qwen3's q_norm / k_norm, or None
         q = rope_cache_write(q, k, v, cos[:, 0], sin[:, 0], cache_k, cache_v, slots,
                              q_norm=norms and norms[0], k_norm=norms and norms[1])
@@ -235,7 +241,8 @@ class ModelStep:
             K, V = keys(i)
             o = attend(q, K, V, self.windows[i], attn.scaling)
             B, H, S, D = o.shape
-            a = self._proj(attn.o_proj, o.transpose(1, 2).reshape(B, S, H * D), fused)
+            a = self._proj(attn.o_proj, o.transpose(1, 2).reshape(B, S, H * D), fused,
+                           self.plan.norm_sums)
             x, h = self._add_norm(a, h, layer.post_attention_layernorm)
             delta = self._mlp(layer.mlp, x, fused)
         return h, delta
@@ -328,4 +335,5 @@ class ModelStep:
         cos, sin = self.rope_table(M, h)
         h, delta = self._layers(h, cos[slots][:, None], sin[slots][:, None], attend, write, keys,
                                 fused=True, qkv_write=qkv_write if self.plan.rope else None)
-        return self._logits(h[:, 0], None if delta is None else delta[:, 0], fused=True)
+        # delta (B, 1, hidden), possibly a SplitSum (the last down_proj's): (B, hidden)
+        return self._logits(h[:, 0], None if delta is None else delta.reshape(B, -1), fused=True)

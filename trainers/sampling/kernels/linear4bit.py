@@ -60,6 +60,7 @@ from triton.language.extra import libdevice
 
 from ..kernels._interp import dot, interpreting, to_dtype
 from .arrivals import arrival_counters
+from .split_sum import SplitSum
 from . import pdl
 from .pdl import grid_wait, launch_args, let_next_launch
 
@@ -338,8 +339,9 @@ def _reg_tile_loop(acc, t, w_ptr, code_ptr, absmax_ptr, absmax2_ptr, code2_ptr, 
 
 @triton.jit
 def _sum_splits(acc, part_ptr, offs, mask, splits, stride_ps):
-    """acc (zeros) + part[0] + part[1] + ... in split order, fp32: both split-K reductions sum
-    this way, so they give the same bits. Read from L2 (.cg): other programs wrote the parts."""
+    """acc (zeros) + part[0] + part[1] + ... in split order, fp32: every split-K reduction
+    (these two and `split_sum.load_sum`) sums this way, so they give the same bits. Read from L2
+    (.cg): other programs wrote the parts."""
     for s in range(splits):
         acc += tl.load(part_ptr + s * stride_ps + offs, mask=mask, other=0.0,
                        cache_modifier=".cg")
@@ -533,6 +535,12 @@ def _linear4bit_lora_kernel(
     offset = tl.load(offset_ptr)  # the double-quant offset (a code entry, unused, otherwise)
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)  # yᵀ of this tile
     t = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    if HAS_LORA and REG_TILE:
+        # B's tile, a weight: loaded before the K loop (and its grid_wait), so its latency
+        # hides under the loop's (the register tile's 64 x BLOCK_R tile is 8 elements a thread;
+        # the block loop's larger tiles would hold registers through the loop: loaded after it)
+        b = tl.load(b_ptr + offs_n[:, None] * stride_bn + offs_r[None, :],
+                    mask=n_ok[:, None] & r_ok[None, :], other=0.0)
     if REG_TILE:  # BLOCK_N 64 on 4 warps, BLOCKS_PER_SPLIT counts steps of 256 columns
         acc, t = _reg_tile_loop(
             acc, t, w_ptr, code_ptr, absmax_ptr, absmax2_ptr, code2_ptr, offset, x_ptr, a_ptr,
@@ -596,8 +604,9 @@ def _linear4bit_lora_kernel(
                     t += dot(x_blk, tl.trans(a_blk), INTERP)
     let_next_launch(EARLY_NEXT)
     if HAS_LORA:
-        b = tl.load(b_ptr + offs_n[:, None] * stride_bn + offs_r[None, :],
-                    mask=n_ok[:, None] & r_ok[None, :], other=0.0)
+        if not REG_TILE:
+            b = tl.load(b_ptr + offs_n[:, None] * stride_bn + offs_r[None, :],
+                        mask=n_ok[:, None] & r_ok[None, :], other=0.0)
         acc += scaling * tl.dot(b.to(tl.float32), tl.trans(t), input_precision="ieee")
     mask = n_ok[:, None] & m_ok[None, :]
     cols = col0 + offs_n  # the output columns (of y and of the partials)
@@ -711,6 +720,8 @@ def _num_sms(device: torch.device) -> int:
 # the split-K grid's programs per SM (pick_config): at the Llama and Qwen layer shapes only the
 # q/k/v launch depends on it between 2 and 3, and takes 3 (bench/README.md, the group sweep)
 PROGRAMS_PER_SM = 3
+# the most rows the register tile takes (BLOCK_M 16, the smallest dot tile)
+REG_TILE_ROWS = 16
 # registers per thread of the register tile: 168 lets three programs of 4 warps share an SM
 # (the compiler takes up to 255 otherwise: two); bench/README.md, the register tile's sweep
 REG_TILE_MAXNREG = 168
@@ -739,7 +750,7 @@ def pick_config(m: int, n, k: int, blocksize: int, num_sms: int, glu: bool = Fal
     not 32. (bench/README.md, the decode linear: the rule against the sweep of every tile.)
     `reg_tile=False` gives the block-a-step rule at every M (the benchmark's comparison)."""
     ns = [n] if isinstance(n, int) else list(n)
-    if reg_tile and m <= 16 and blocksize % 64 == 0:
+    if reg_tile and m <= REG_TILE_ROWS and blocksize % 64 == 0:
         split = _split_rule(sum(triton.cdiv(v, 64) for v in ns), triton.cdiv(k, 256),
                             8 if glu else 16, num_sms)
         return {"BLOCK_M": 16, "BLOCK_N": 64, "SPLIT_K": split, "num_warps": 4,
@@ -861,13 +872,15 @@ def _checked(x: torch.Tensor, parts: list[LinearPart]) -> tuple[torch.Tensor, li
 
 
 def linear4bit_lora_group(x: torch.Tensor, parts: list[LinearPart], *,
-                          config: dict | None = None) -> list[torch.Tensor]:
+                          config: dict | None = None, defer_sum: bool = False) -> list:
     """[y_s (M, N_s)] for each part, in one launch (`group_reason` says which parts can share
     it): y_s = x @ round(W_s)ᵀ + bias_s + scaling_s · (x @ A_sᵀ) @ B_sᵀ, each exactly as
     `linear4bit_lora` computes it alone. The outputs are column slices of one (M, Σ N_s)
-    buffer."""
+    buffer. `defer_sum`: where the launch splits K, each y_s is returned as a
+    `split_sum.SplitSum` (its partials, not yet summed; the same bits once summed) for a kernel
+    that takes one (`add_rmsnorm`, `rope_cache_write`)."""
     x, parts = _checked(x, parts)
-    return _launch(x, parts, config, glu=False)
+    return _launch(x, parts, config, glu=False, defer_sum=defer_sum)
 
 
 def linear4bit_lora_silu_mul(x: torch.Tensor, gate: LinearPart, up: LinearPart, *,
@@ -884,9 +897,10 @@ def linear4bit_lora_silu_mul(x: torch.Tensor, gate: LinearPart, up: LinearPart, 
 
 
 def _launch(x: torch.Tensor, parts: list[LinearPart], config: dict | None,
-            glu: bool) -> list[torch.Tensor]:
+            glu: bool, defer_sum: bool = False) -> list:
     """The kernel over checked parts: [y_s] (`linear4bit_lora_group`), or with `glu` (two
-    parts of one N) [silu(y_0) · y_1]."""
+    parts of one N) [silu(y_0) · y_1]. `defer_sum`: where the launch splits K (and not
+    `glu`), [SplitSum_s]: the programs store their partials and the consumer sums them."""
     m, k = x.shape
     ns = [p.weight.shape[0] for p in parts]
     first = parts[0]
@@ -911,6 +925,7 @@ def _launch(x: torch.Tensor, parts: list[LinearPart], config: dict | None,
         raise ValueError(f"config REG_TILE=True cannot run here: {reason}")
     per, split_k = split_steps(triton.cdiv(k, 256) if reg_tile else k // bs, cfg["SPLIT_K"])
     split = split_k > 1 or glu  # partials in fp32, summed by a tile's last program
+    defer_sum = defer_sum and split and not glu  # ... or by the kernel that reads y next
     bn = cfg["BLOCK_N"]
     tiles = [triton.cdiv(n, bn) for n in ns]
     cols = [sum(ns[:i]) for i in range(len(ns))]
@@ -920,7 +935,7 @@ def _launch(x: torch.Tensor, parts: list[LinearPart], config: dict | None,
     grid = (triton.cdiv(m, cfg["BLOCK_M"]), sum(tiles), split_k)
     counters = grid[0] * (tiles[0] if glu else grid[1])  # a GLU pair of tiles shares one
     counts = (arrival_counters(x.device, counters)
-              if split and cfg.get("LAST_REDUCES", True) else None)
+              if split and not defer_sum and cfg.get("LAST_REDUCES", True) else None)
     seg_args, seg_ns, seg_scalings = [], [], []
     for i in range(MAX_GROUP):
         p = parts[min(i, len(parts) - 1)]  # absent segments repeat the last (never selected)
@@ -959,6 +974,9 @@ def _launch(x: torch.Tensor, parts: list[LinearPart], config: dict | None,
         num_stages=1 if reg_tile and not prmt else cfg.get("num_stages", 1),
         **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}),
     )
+    if defer_sum:
+        return [SplitSum(part_buf[:, :, c:c + n], p.bias, x.dtype, n)
+                for c, n, p in zip(cols, ns, parts)]
     if glu and counts is not None:
         return [y]
     out = torch.empty(m, sum(ns), device=x.device, dtype=x.dtype) if glu else y
@@ -1129,15 +1147,23 @@ def group_modules_reason(modules, x_dtype: torch.dtype) -> str | None:
     return None
 
 
-def decode_linears(x: torch.Tensor, modules) -> list[torch.Tensor]:
+def decode_linears(x: torch.Tensor, modules, *, defer_sum: bool = False) -> list:
     """[module(x) for module in modules] in one launch of the fused kernel, for 4-bit
     projections of the same input (q/k/v, gate/up) that `group_modules_reason` accepts; each
     output within the kernel's bound of module(x) (the group's tiles may split K otherwise
     than `decode_linear(x, module)` alone). Raises UnsupportedLinear (a ValueError) with the
-    reason otherwise."""
+    reason otherwise. `defer_sum`: as `decode_linear`'s."""
     parts, cd = _group_parts(modules, x.dtype, x.device)
-    ys = linear4bit_lora_group(x.reshape(-1, x.shape[-1]).to(cd), parts)
-    return [y.to(x.dtype).reshape(*x.shape[:-1], y.shape[1]) for y in ys]
+    ys = linear4bit_lora_group(x.reshape(-1, x.shape[-1]).to(cd), parts,
+                               defer_sum=defer_sum and cd == x.dtype)
+    return [_output(y, x) for y in ys]
+
+
+def _output(y, x: torch.Tensor):
+    """A projection's (M, N) output (or SplitSum) in x's dtype and leading shape."""
+    if isinstance(y, SplitSum):
+        return y.view(*x.shape[:-1], y.n)
+    return y.to(x.dtype).reshape(*x.shape[:-1], y.shape[1])
 
 
 def _silu_mul_parts(gate, up, x_dtype: torch.dtype,
@@ -1173,7 +1199,8 @@ def decode_silu_mul(x: torch.Tensor, gate: torch.nn.Module, up: torch.nn.Module)
     return h.reshape(*x.shape[:-1], h.shape[1])
 
 
-def decode_linear(x: torch.Tensor, module: torch.nn.Module) -> torch.Tensor:
+def decode_linear(x: torch.Tensor, module: torch.nn.Module, *,
+                  defer_sum: bool = False) -> torch.Tensor | SplitSum:
     """module(x) for x (..., K), in eval-mode semantics, through the fused 4-bit + LoRA kernel:
 
     - bitsandbytes `Linear4bit` (x cast to its compute_dtype, the result back to x's dtype),
@@ -1184,13 +1211,17 @@ def decode_linear(x: torch.Tensor, module: torch.nn.Module) -> torch.Tensor:
     Reads every weight, LoRA factor and scale from the module's storage at this call. No
     autograd (the output has no grad_fn): this is the sampler's forward.
     Raises UnsupportedLinear (a ValueError) with the reason for anything else.
+    `defer_sum`: where the fused kernel splits K and computes in x's dtype, the output is a
+    `split_sum.SplitSum` (the splits' partials, for `add_rmsnorm` or `rope_cache_write` to sum:
+    the same bits as the tensor); a tensor otherwise.
     """
     res = _resolve_lora(module)
     base = res.base
     if _is_linear4bit(base):
         part, cd = _fused_part(res, x.dtype, x.device)
-        (y,) = linear4bit_lora_group(x.reshape(-1, x.shape[-1]).to(cd), [part])  # (M, N)
-        return y.to(x.dtype).reshape(*x.shape[:-1], y.shape[1])
+        (y,) = linear4bit_lora_group(x.reshape(-1, x.shape[-1]).to(cd), [part],
+                                     defer_sum=defer_sum and cd == x.dtype)  # (M, N)
+        return _output(y, x)
     if type(base) is not torch.nn.Linear:
         raise UnsupportedLinear(f"base layer is {type(base).__name__}, expected bitsandbytes "
                                 "Linear4bit or torch.nn.Linear")

@@ -24,6 +24,7 @@ import triton.language as tl
 
 from ..kernels._interp import interpreting, to_dtype
 from .pdl import grid_wait, launch_args
+from .split_sum import CONSUMED, SplitSum, kernel_args, load_sum
 
 # norms whose forward is LlamaRMSNorm's (fp32 statistics, cast, then weight ·), read by name so
 # that transformers need not be imported here
@@ -32,24 +33,29 @@ LLAMA_STYLE_NORMS = ("LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "MistralRMS
 
 @triton.jit
 def _add_rmsnorm_kernel(
-    x_ptr, r_ptr, w_ptr, y_ptr, rout_ptr, H, eps,
-    stride_x, stride_r, stride_y, stride_ro,
-    HAS_RESIDUAL: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr, INTERP: tl.constexpr,
+    x_ptr, r_ptr, w_ptr, y_ptr, rout_ptr, xb_ptr, H, eps,
+    stride_x, stride_r, stride_y, stride_ro, stride_xs,
+    HAS_RESIDUAL: tl.constexpr, X_SPLITS: tl.constexpr, HAS_XBIAS: tl.constexpr,
+    BLOCK_H: tl.constexpr, PDL: tl.constexpr, INTERP: tl.constexpr,
 ):
-    """One row per program: the whole row is loaded before r' is stored, so rout may be r."""
+    """One row per program: the whole row is loaded before r' is stored, so rout may be r.
+    X_SPLITS > 0: x is a `split_sum.SplitSum`, its partials at x_ptr + s · stride_xs and its
+    bias at xb_ptr (HAS_XBIAS), summed here (`load_sum`) into x's values; x's dtype is then
+    rout's (a SplitSum comes with a residual)."""
     grid_wait(PDL)  # kernels.pdl: launched early, this kernel reads nothing before it
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_H)
     mask = offs < H
-    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
-    s = x.to(tl.float32)
+    X_DT: tl.constexpr = rout_ptr.dtype.element_ty  # x's dtype (rout is x without a residual)
+    s = load_sum(x_ptr + row * stride_x + offs, mask, stride_xs, xb_ptr + offs, X_SPLITS,
+                 HAS_XBIAS, X_DT, INTERP)
     if HAS_RESIDUAL:
         r = tl.load(r_ptr + row * stride_r + offs, mask=mask, other=0.0).to(tl.float32)
         s = to_dtype(s + r, rout_ptr.dtype.element_ty, INTERP)  # r', as torch's bf16 add
         tl.store(rout_ptr + row * stride_ro + offs, s, mask=mask)
         s = s.to(tl.float32)
     var = tl.sum(s * s, axis=0) / H  # masked lanes are 0
-    n = to_dtype(s * tl.rsqrt(var + eps), x_ptr.dtype.element_ty, INTERP).to(tl.float32)
+    n = to_dtype(s * tl.rsqrt(var + eps), X_DT, INTERP).to(tl.float32)
     w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     tl.store(y_ptr + row * stride_y + offs, to_dtype(w * n, y_ptr.dtype.element_ty, INTERP),
              mask=mask)
@@ -63,12 +69,15 @@ def add_rmsnorm_torch(x, residual, weight, eps):
     return weight * (h * torch.rsqrt(var + eps)).to(r_new.dtype), r_new
 
 
-def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
-                eps: float, *, residual_out: torch.Tensor | None = None):
+def add_rmsnorm(x: torch.Tensor | SplitSum, residual: torch.Tensor | None,
+                weight: torch.Tensor, eps: float, *, residual_out: torch.Tensor | None = None):
     """(y, r') for x (..., H): r' = residual + x (x itself if residual is None), y = the
     LlamaRMSNorm of r' with `weight` and `eps` (module docstring). `residual_out` receives r'
-    (it may be `residual`, for an in-place update). Triton on CUDA and under the interpreter,
-    the torch ops elsewhere."""
+    (it may be `residual`, for an in-place update). x may be a projection's
+    `split_sum.SplitSum` (with a residual): its partials are summed here, the same bits as the
+    projection's own sum. Triton on CUDA and under the interpreter, the torch ops elsewhere."""
+    if isinstance(x, SplitSum) and residual is None:
+        raise ValueError("x is a SplitSum: add_rmsnorm sums one only as the residual's delta")
     h = x.shape[-1]
     if weight.shape != (h,):
         raise ValueError(f"weight has shape {tuple(weight.shape)}, expected ({h},) for x of "
@@ -76,13 +85,17 @@ def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Te
     if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
         raise ValueError(f"residual is {tuple(residual.shape)} {residual.dtype}, expected x's "
                          f"{tuple(x.shape)} {x.dtype}")
-    if not (x.is_cuda or interpreting()):
+    if not (x.device.type == "cuda" or interpreting()):
+        if isinstance(x, SplitSum):
+            x = x.materialize()
         y, r_new = add_rmsnorm_torch(x, residual, weight, eps)
         if residual_out is not None and residual is not None:
             residual_out.copy_(r_new)
             r_new = residual_out
         return y, r_new
-    x2 = x.reshape(-1, h)  # (M, H)
+    if isinstance(x, SplitSum):
+        CONSUMED["add_rmsnorm"] += 1
+    x2, stride_xs, x_bias, x_splits = kernel_args(x, (-1, h))  # (M, H)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     m = x2.shape[0]
@@ -94,17 +107,18 @@ def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Te
         if r2.stride(-1) != 1:
             r2 = r2.contiguous()
         rout = (residual_out.view(m, h) if residual_out is not None
-                else torch.empty_like(x2))
+                else torch.empty(m, h, device=x2.device, dtype=residual.dtype))
     block_h = triton.next_power_of_2(h)
     _add_rmsnorm_kernel[(m,)](
-        x2, r2, weight, y, rout, h, float(eps),
-        x2.stride(0), r2.stride(0), y.stride(0), rout.stride(0),
-        HAS_RESIDUAL=residual is not None, BLOCK_H=block_h, INTERP=interpreting(),
+        x2, r2, weight, y, rout, x_bias if x_bias is not None else weight, h, float(eps),
+        x2.stride(0), r2.stride(0), y.stride(0), rout.stride(0), stride_xs,
+        HAS_RESIDUAL=residual is not None, X_SPLITS=x_splits, HAS_XBIAS=x_bias is not None,
+        BLOCK_H=block_h, INTERP=interpreting(),
         num_warps=min(16, max(1, block_h // 512)),
         **launch_args(_add_rmsnorm_kernel, x2.device),
     )
     r_new = x if residual is None else (residual_out if residual_out is not None
-                                        else rout.view(x.shape))
+                                        else rout.view(residual.shape))
     return y.view(*x.shape[:-1], h), r_new
 
 

@@ -51,6 +51,10 @@ import triton.language as tl
 from ..kernels._interp import interpreting, to_dtype
 from .pdl import grid_wait, launch_args
 from .rmsnorm import rmsnorm_params
+from .split_sum import CONSUMED, SplitSum, kernel_args, load_sum
+
+# the kernel's X_DT for each dtype q, k and v may hold
+_TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
 
 @triton.jit
@@ -85,21 +89,26 @@ def _norm_rope(x1, x2, w_ptr, c1, c2, s1, s2, offs, mask, eps, D,
 @triton.jit
 def _rope_cache_kernel(
     q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, ck_ptr, cv_ptr, slot_ptr, qo_ptr,
+    qb_ptr, kb_ptr, vb_ptr,
     G, D, M, eps_q, eps_k,
     stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh, stride_cb, stride_sb,
     stride_ckb, stride_ckh, stride_ckm, stride_cvb, stride_cvh, stride_cvm,
-    stride_ob, stride_oh,
+    stride_ob, stride_oh, stride_qs, stride_ks, stride_vs,
+    X_DT: tl.constexpr, Q_SPLITS: tl.constexpr, K_SPLITS: tl.constexpr, V_SPLITS: tl.constexpr,
+    HAS_QB: tl.constexpr, HAS_KB: tl.constexpr, HAS_VB: tl.constexpr,
     NORM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_HALF: tl.constexpr, PDL: tl.constexpr,
     INTERP: tl.constexpr,
 ):
-    """Program (b, h): query heads h·G .. h·G + G - 1, key and value head h of row b."""
+    """Program (b, h): query heads h·G .. h·G + G - 1, key and value head h of row b. q, k, v
+    hold X_DT values; each may be a `split_sum.SplitSum` (its _SPLITS > 0): its partials at
+    ptr + s · stride_s and its bias (HAS_*B, one (heads · D,) vector) summed here
+    (`load_sum`)."""
     grid_wait(PDL)  # kernels.pdl: launched early, this kernel reads nothing before it
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
     half = D // 2
     offs = tl.arange(0, BLOCK_HALF)
     mask = offs < half
-    X_DT: tl.constexpr = q_ptr.dtype.element_ty
     OUT_DT: tl.constexpr = qo_ptr.dtype.element_ty
     c1 = tl.load(cos_ptr + b * stride_cb + offs, mask=mask, other=0.0).to(tl.float32)[None, :]
     c2 = tl.load(cos_ptr + b * stride_cb + half + offs, mask=mask, other=0.0).to(tl.float32)
@@ -112,8 +121,9 @@ def _rope_cache_kernel(
     mq = (g < G)[:, None] & mask[None, :]
     heads = h * G + g
     qp = q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs[None, :]
-    q1 = tl.load(qp, mask=mq, other=0.0).to(tl.float32)
-    q2 = tl.load(qp + half, mask=mq, other=0.0).to(tl.float32)
+    qb = qb_ptr + heads[:, None] * D + offs[None, :]
+    q1 = load_sum(qp, mq, stride_qs, qb, Q_SPLITS, HAS_QB, X_DT, INTERP)
+    q2 = load_sum(qp + half, mq, stride_qs, qb + half, Q_SPLITS, HAS_QB, X_DT, INTERP)
     o1, o2 = _norm_rope(q1, q2, qw_ptr, c1, c2, s1, s2, offs, mask, eps_q, D,
                         X_DT, OUT_DT, NORM, INTERP)
     op = qo_ptr + b * stride_ob + heads[:, None] * stride_oh + offs[None, :]
@@ -125,8 +135,9 @@ def _rope_cache_kernel(
     ok = mask & (slot >= 0) & (slot < M)
     mk = mask[None, :]
     kp = k_ptr + b * stride_kb + h * stride_kh + offs[None, :]
-    k1 = tl.load(kp, mask=mk, other=0.0).to(tl.float32)
-    k2 = tl.load(kp + half, mask=mk, other=0.0).to(tl.float32)
+    kb = kb_ptr + h * D + offs[None, :]
+    k1 = load_sum(kp, mk, stride_ks, kb, K_SPLITS, HAS_KB, X_DT, INTERP)
+    k2 = load_sum(kp + half, mk, stride_ks, kb + half, K_SPLITS, HAS_KB, X_DT, INTERP)
     r1, r2 = _norm_rope(k1, k2, kw_ptr, c1, c2, s1, s2, offs, mask, eps_k, D,
                         X_DT, OUT_DT, NORM, INTERP)
     C_DT: tl.constexpr = ck_ptr.dtype.element_ty
@@ -135,8 +146,9 @@ def _rope_cache_kernel(
     tl.store(kc + half, to_dtype(r2, C_DT, INTERP), mask=ok[None, :])
     vp = v_ptr + b * stride_vb + h * stride_vh + offs
     vc = cv_ptr + b * stride_cvb + h * stride_cvh + slot * stride_cvm + offs
-    v1 = tl.load(vp, mask=mask, other=0.0).to(tl.float32)
-    v2 = tl.load(vp + half, mask=mask, other=0.0).to(tl.float32)
+    vb = vb_ptr + h * D + offs
+    v1 = load_sum(vp, mask, stride_vs, vb, V_SPLITS, HAS_VB, X_DT, INTERP)
+    v2 = load_sum(vp + half, mask, stride_vs, vb + half, V_SPLITS, HAS_VB, X_DT, INTERP)
     V_DT: tl.constexpr = cv_ptr.dtype.element_ty
     tl.store(vc, to_dtype(v1, V_DT, INTERP), mask=ok)
     tl.store(vc + half, to_dtype(v2, V_DT, INTERP), mask=ok)
@@ -206,20 +218,28 @@ def rope_cache_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: tor
                      k_norm: tuple | None = None) -> torch.Tensor:
     """Rotated q (B, Hq, D); writes rotated k and v to slot slots_b of row b of cache_k and
     cache_v (module docstring). q_norm / k_norm: (weight (D,), eps) of Qwen3's per-head norms
-    (`norm_params`), applied before the rotation. Triton on CUDA and under the interpreter, the
-    torch ops elsewhere. Any strides with a contiguous head dim."""
+    (`norm_params`), applied before the rotation. Each of q, k, v may be a projection's
+    `split_sum.SplitSum` (viewed per head): its partials are summed here, the same bits as the
+    projection's own sum. Triton on CUDA and under the interpreter, the torch ops elsewhere.
+    Any strides with a contiguous head dim."""
     _check(q, k, v, cos, sin, cache_k, cache_v, slots, q_norm, k_norm)
-    if not (q.is_cuda or interpreting()):
+    if not (q.device.type == "cuda" or interpreting()):
+        q, k, v = (t.materialize() if isinstance(t, SplitSum) else t for t in (q, k, v))
         return rope_cache_write_torch(q, k, v, cos, sin, cache_k, cache_v, slots,
                                       q_norm=q_norm, k_norm=k_norm)
     B, Hq, D = q.shape
     Hkv = k.shape[1]
-    tensors = [t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v, cos, sin)]
+    x_dtype = q.dtype
+    tensors = [t if isinstance(t, SplitSum) or t.stride(-1) == 1 else t.contiguous()
+               for t in (q, k, v, cos, sin)]
     for name, c in (("cache_k", cache_k), ("cache_v", cache_v)):
         if c.stride(-1) != 1:  # written in place: a copy would lose the write
             raise ValueError(f"{name} has strides {c.stride()}; its head dim must be contiguous")
     q, k, v, cos, sin = tensors
-    y_dtype = q.dtype if q_norm is None else torch.promote_types(q_norm[0].dtype, q.dtype)
+    CONSUMED["rope_cache_write"] += sum(isinstance(t, SplitSum) for t in (q, k, v))
+    (q, q_s, q_b, q_n), (k, k_s, k_b, k_n), (v, v_s, v_b, v_n) = (
+        kernel_args(t, tuple(t.shape)) for t in (q, k, v))
+    y_dtype = x_dtype if q_norm is None else torch.promote_types(q_norm[0].dtype, x_dtype)
     out = torch.empty(B, Hq, D, device=q.device, dtype=torch.promote_types(y_dtype, cos.dtype))
     qw, eps_q = q_norm if q_norm is not None else (q, 0.0)  # q: never read (NORM=False)
     kw, eps_k = k_norm if k_norm is not None else (q, 0.0)
@@ -227,12 +247,15 @@ def rope_cache_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: tor
     block_half = triton.next_power_of_2(D // 2)
     _rope_cache_kernel[(B, Hkv)](
         q, k, v, cos, sin, qw, kw, cache_k, cache_v, slots, out,
+        *(bias if bias is not None else cos for bias in (q_b, k_b, v_b)),
         G, D, cache_k.shape[2], float(eps_q), float(eps_k),
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         cos.stride(0), sin.stride(0),
         cache_k.stride(0), cache_k.stride(1), cache_k.stride(2),
         cache_v.stride(0), cache_v.stride(1), cache_v.stride(2),
-        out.stride(0), out.stride(1),
+        out.stride(0), out.stride(1), q_s, k_s, v_s,
+        X_DT=_TL_DTYPES[x_dtype], Q_SPLITS=q_n, K_SPLITS=k_n, V_SPLITS=v_n,
+        HAS_QB=q_b is not None, HAS_KB=k_b is not None, HAS_VB=v_b is not None,
         NORM=q_norm is not None, BLOCK_G=triton.next_power_of_2(G), BLOCK_HALF=block_half,
         INTERP=interpreting(), num_warps=1 if G * block_half <= 512 else 4,
         enable_fp_fusion=False,  # products and sums rounded separately, as torch's ops
