@@ -45,17 +45,16 @@ def compile_kernel(fn, types: dict, consts: dict, div16=(), **options):
         assert wait >= 0, f"{fn.__name__}: PDL=True but no griddepcontrol.wait"
         go = ptx.find("griddepcontrol.launch_dependents")
         assert (go > wait) if consts.get("EARLY_NEXT") else (go < 0), fn.__name__
-        # nothing is read before the wait but the decode linear's weights: the register
-        # tile's LoRA factor B (64 x 16 bf16, 8 elements a thread), the double-quant offset
-        # and the first step's packed words and scale operands: the register tile's (4 vector
-        # loads, 2 absmax bytes and 2 second-level scales a thread), the block loop's first
-        # block (a vector load, the scale: absmax byte, second-level scale, code2 entry) and
-        # the next block's scale operands
+        # nothing is read before the wait but the decode linear's packed weight words and
+        # scale operands, and the double-quant offset: the register tile's first step (4
+        # vector loads, 2 absmax bytes and 2 second-level scales a thread), the block loop's
+        # first block (a vector load, the scale: absmax byte, second-level scale, code2 entry)
+        # and the next block's scale operands
         early = [ln for ln in ptx[:wait].splitlines() if "ld.global" in ln or "cp.async" in ln]
         kinds = sorted(ln.split("ld.global")[1].split()[0] if "ld.global" in ln else ln
                        for ln in early)
         if fn is L._linear4bit_lora_kernel and consts.get("REG_TILE"):
-            assert kinds == [".b16"] * 8 + [".b32"] * 3 + [".b8"] * 2 + [".v4.b32"] * 4, kinds
+            assert kinds == [".b32"] * 3 + [".b8"] * 2 + [".v4.b32"] * 4, kinds
         elif fn is L._linear4bit_lora_kernel:
             assert kinds == [".b32"] * 4 + [".b8"] * 2 + [".v4.b32"], kinds
         else:

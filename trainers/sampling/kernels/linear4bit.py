@@ -29,8 +29,10 @@ Memory: the packed weight is read once, never expanded to a bf16 copy in memory;
 read from their storage at every call, so a captured CUDA graph sees each optimizer step's
 values. One launch: when the K loop is split over programs, each writes its partial output
 (SPLIT_K, M, N) fp32 and the last split of each output tile to arrive sums them in split order
-(the same bits as a second reduction launch, which `LAST_REDUCES=False` keeps). Each split
-carries its own LoRA term s · t_split @ Bᵀ, t_split = x[:, split] @ A[:, split]ᵀ: the term is
+(the same bits as a second reduction launch, which `LAST_REDUCES=False` keeps), or, asked
+with `defer_sum`, hands the partials on as a `split_sum.SplitSum` for the kernel that reads y
+next to sum the same way (the decode step's q/k/v into RoPE, o and down into RMSNorm). Each
+split carries its own LoRA term s · t_split @ Bᵀ, t_split = x[:, split] @ A[:, split]ᵀ: the term is
 linear in t, so the splits add up to s · t @ Bᵀ, and every sum stays fp32 (no chain longer than
 K + r + SPLIT_K terms).
 
@@ -535,12 +537,6 @@ def _linear4bit_lora_kernel(
     offset = tl.load(offset_ptr)  # the double-quant offset (a code entry, unused, otherwise)
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)  # yᵀ of this tile
     t = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-    if HAS_LORA and REG_TILE:
-        # B's tile, a weight: loaded before the K loop (and its grid_wait), so its latency
-        # hides under the loop's (the register tile's 64 x BLOCK_R tile is 8 elements a thread;
-        # the block loop's larger tiles would hold registers through the loop: loaded after it)
-        b = tl.load(b_ptr + offs_n[:, None] * stride_bn + offs_r[None, :],
-                    mask=n_ok[:, None] & r_ok[None, :], other=0.0)
     if REG_TILE:  # BLOCK_N 64 on 4 warps, BLOCKS_PER_SPLIT counts steps of 256 columns
         acc, t = _reg_tile_loop(
             acc, t, w_ptr, code_ptr, absmax_ptr, absmax2_ptr, code2_ptr, offset, x_ptr, a_ptr,
@@ -604,9 +600,8 @@ def _linear4bit_lora_kernel(
                     t += dot(x_blk, tl.trans(a_blk), INTERP)
     let_next_launch(EARLY_NEXT)
     if HAS_LORA:
-        if not REG_TILE:
-            b = tl.load(b_ptr + offs_n[:, None] * stride_bn + offs_r[None, :],
-                        mask=n_ok[:, None] & r_ok[None, :], other=0.0)
+        b = tl.load(b_ptr + offs_n[:, None] * stride_bn + offs_r[None, :],
+                    mask=n_ok[:, None] & r_ok[None, :], other=0.0)
         acc += scaling * tl.dot(b.to(tl.float32), tl.trans(t), input_precision="ieee")
     mask = n_ok[:, None] & m_ok[None, :]
     cols = col0 + offs_n  # the output columns (of y and of the partials)
