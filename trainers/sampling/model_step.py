@@ -61,6 +61,7 @@ from .kernels.head_logits import head_logits
 from .kernels.linear4bit import decode_linear, decode_linears, decode_silu_mul
 from .kernels.rmsnorm import add_rmsnorm
 from .kernels.rope import norm_params, rope_cache_write
+from .kernels.split_sum import SplitSum
 
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
 # RoPE types whose inverse frequencies are fixed at init; "dynamic" and "longrope" recompute
@@ -182,6 +183,8 @@ class ModelStep:
     def _add_norm(self, delta, h, norm):
         """(norm(h + delta), h + delta); delta None: (norm(h), h)."""
         if not self.plan.norms:
+            if isinstance(delta, SplitSum):  # a plan with norm_sums but not norms
+                delta = delta.materialize()
             h = h if delta is None else h + delta
             return norm(h), h
         return add_rmsnorm(h if delta is None else delta, None if delta is None else h,

@@ -32,9 +32,9 @@ values. One launch: when the K loop is split over programs, each writes its part
 (the same bits as a second reduction launch, which `LAST_REDUCES=False` keeps), or, asked
 with `defer_sum`, hands the partials on as a `split_sum.SplitSum` for the kernel that reads y
 next to sum the same way (the decode step's q/k/v into RoPE, o and down into RMSNorm). Each
-split carries its own LoRA term s · t_split @ Bᵀ, t_split = x[:, split] @ A[:, split]ᵀ: the term is
-linear in t, so the splits add up to s · t @ Bᵀ, and every sum stays fp32 (no chain longer than
-K + r + SPLIT_K terms).
+split carries its own LoRA term s · t_split @ Bᵀ, t_split = x[:, split] @ A[:, split]ᵀ: the
+term is linear in t, so the splits add up to s · t @ Bᵀ, and every sum stays fp32 (no chain
+longer than K + r + SPLIT_K terms).
 
 Up to 16 rows (and a blocksize that is a multiple of 64) the K loop forms each weight tile in
 registers, in the layout the warpgroup MMA takes its left operand in, with K permuted so that
