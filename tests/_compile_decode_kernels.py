@@ -9,9 +9,8 @@ off: TRITON_INTERPRET=0); prints one line per kernel with its registers and shar
 import itertools
 import sys
 
-import torch
-
 import triton
+import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
@@ -136,9 +135,7 @@ def main():
                         "kb_ptr": f"*{dt}", "vb_ptr": f"*{dt}", "eps_q": "fp32",
                         "eps_k": "fp32"},
                        {"NORM": norm, "BLOCK_G": 8, "BLOCK_HALF": 64, "INTERP": False,
-                        "X_DT": P._TL_DTYPES[getattr(torch, {"bf16": "bfloat16",
-                                                             "fp16": "float16",
-                                                             "fp32": "float32"}[dt])],
+                        "X_DT": {"bf16": tl.bfloat16, "fp16": tl.float16, "fp32": tl.float32}[dt],
                         "Q_SPLITS": splits, "K_SPLITS": splits, "V_SPLITS": splits,
                         "HAS_QB": splits > 0, "HAS_KB": splits > 0, "HAS_VB": splits > 0},
                        num_warps=1, enable_fp_fusion=False)
@@ -176,7 +173,7 @@ def main():
                     "cv_ptr": "*bf16", "slot_ptr": "*i64", "qo_ptr": "*bf16", "qb_ptr": "*bf16",
                     "kb_ptr": "*bf16", "vb_ptr": "*bf16", "eps_q": "fp32", "eps_k": "fp32"},
                    {"NORM": False, "BLOCK_G": 8, "BLOCK_HALF": 64, "PDL": True, "INTERP": False,
-                    "X_DT": P._TL_DTYPES[torch.bfloat16], "Q_SPLITS": 2, "K_SPLITS": 2,
+                    "X_DT": tl.bfloat16, "Q_SPLITS": 2, "K_SPLITS": 2,
                     "V_SPLITS": 2, "HAS_QB": True, "HAS_KB": True, "HAS_VB": True},
                    num_warps=1, enable_fp_fusion=False)
     compile_kernel(A._decode_attention_split_kernel,

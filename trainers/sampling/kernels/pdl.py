@@ -23,7 +23,7 @@ its K loop, and only when all of its programs run at once (`linear4bit._early_ne
 register tile, a grid of at most PROGRAMS_PER_SM programs a SM), so the next kernel's launch
 overlaps the linear's epilogues (the split-K sums): that measured faster on the H100, where
 letting the next kernel start at every kernel's beginning measured slower everywhere, and after
-every kernel's main loop slower at batch 64 and on the 8B shape (bench/README.md, session 26).
+every kernel's main loop slower at batch 64 and on the 8B shape (bench/README.md, the PDL runs).
 
 The rules every kernel launched with PDL follows, which make it exactly as ordered as a plain
 launch for every value it reads or writes:
