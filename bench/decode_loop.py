@@ -30,7 +30,7 @@ every row runs to --new. Variants (--variants):
     loop_sums_in_linear `loop` with every split projection summing its own partials (the kernel
                   plan's rope_sums and norm_sums off: an A/B of `kernels.split_sum`; optional)
     loop_no_norm_sums `loop` with o_proj and down_proj summing their own partials (norm_sums
-                  off, where the plan has it on: above 16 rows; optional)
+                  off, where the plan has it on; optional)
 
 Each loop variant runs once per --kernels value: "torch" (the modules' own forwards) and "auto"
 (the fused 4-bit + LoRA decode linear for the projections, add_rmsnorm for each residual add +

@@ -26,10 +26,8 @@
     rope_sums    a fused q/k/v launch that splits K leaves its partials to `rope_cache_write`,
                  which sums them (the same bits; `kernels.split_sum`): the projection's programs
                  skip the arrival counter and the re-read, where the rope kernel runs
-    norm_sums    the same for o_proj and down_proj into `add_rmsnorm`, above
-                 linear4bit.REG_TILE_ROWS rows: up to there the norm's M programs reading S
-                 fp32 partials of a row cost more than the register tile's own sum
-                 (bench/README.md, the split sums)
+    norm_sums    the same for o_proj and down_proj into `add_rmsnorm`, wherever the fused norm
+                 runs
 
 Only decode steps use the projections' and the RoPE kernels (M = batch rows, the projection
 kernel's small-M regime); the prefill's B·S rows go through the modules (bitsandbytes dequantizes
@@ -211,7 +209,7 @@ def make_plan(base, kernels: str, device_type: str, batch: int = 1) -> KernelPla
     line += ("; " + ("q/k norm + " if has_norms else "") + "RoPE + cache write by rope_cache_write"
              if rope_reason is None else f"; RoPE by torch ops ({rope_reason})")
     rope_sums = bool(fused) and rope_reason is None
-    norm_sums = bool(fused) and norm_reason is None and batch > linear4bit.REG_TILE_ROWS
+    norm_sums = bool(fused) and norm_reason is None
     if rope_sums or norm_sums:
         line += "; split-K " + " and ".join(
             what for what, on in (("q/k/v summed by rope_cache_write", rope_sums),

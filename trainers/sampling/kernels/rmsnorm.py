@@ -109,12 +109,16 @@ def add_rmsnorm(x: torch.Tensor | SplitSum, residual: torch.Tensor | None,
         rout = (residual_out.view(m, h) if residual_out is not None
                 else torch.empty(m, h, device=x2.device, dtype=residual.dtype))
     block_h = triton.next_power_of_2(h)
+    # 4 elements a thread (up to 16 warps): a row is one program, and with fewer threads its
+    # loads (a SplitSum's S partials each) queue behind each other. The layout sets the order
+    # of the fp32 sum of squares, so both inputs (a tensor, a SplitSum) take this one rule:
+    # the SplitSum path then gives the tensor path's bits.
     _add_rmsnorm_kernel[(m,)](
         x2, r2, weight, y, rout, x_bias if x_bias is not None else weight, h, float(eps),
         x2.stride(0), r2.stride(0), y.stride(0), rout.stride(0), stride_xs,
         HAS_RESIDUAL=residual is not None, X_SPLITS=x_splits, HAS_XBIAS=x_bias is not None,
         BLOCK_H=block_h, INTERP=interpreting(),
-        num_warps=min(16, max(1, block_h // 512)),
+        num_warps=min(16, max(1, block_h // 128)),
         **launch_args(_add_rmsnorm_kernel, x2.device),
     )
     r_new = x if residual is None else (residual_out if residual_out is not None
