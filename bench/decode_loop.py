@@ -31,11 +31,14 @@ every row runs to --new. Variants (--variants):
                   plan's rope_sums and norm_sums off: an A/B of `kernels.split_sum`; optional)
     loop_no_norm_sums `loop` with o_proj and down_proj summing their own partials (norm_sums
                   off, where the plan has it on; optional)
+    loop_torch_record `loop` with the step's record and row state by torch's ops (the kernel
+                  plan's record off: an A/B of `record_step`; optional)
 
 Each loop variant runs once per --kernels value: "torch" (the modules' own forwards) and "auto"
 (the fused 4-bit + LoRA decode linear for the projections, add_rmsnorm for each residual add +
 RMSNorm, rope_cache_write for each layer's RoPE + KV-cache write, race_sample for the sampling
-step's reductions, head_logits for the LM head, decode_attention for the attention); the row's
+step's reductions, record_step for its bookkeeping, head_logits for the LM head,
+decode_attention for the attention); the row's
 `kernels` column says which, `kernel_path` the loop's one-line plan.
 
 Reported: the first call's wall time (compile / capture / first-call check included; Triton
@@ -77,14 +80,15 @@ from bench import e2e_common as E
 
 VARIANTS = ("hf_eager", "fast_sampler", "loop", "loop_sdpa_attention", "loop_no_silu_mul",
             "loop_torch_sample", "loop_cublas_head", "loop_2_per_sm", "loop_no_pdl",
-            "loop_pdl_no_early", "loop_sums_in_linear", "loop_no_norm_sums")
+            "loop_pdl_no_early", "loop_sums_in_linear", "loop_no_norm_sums", "loop_torch_record")
 # the lab variants' kernel plans: `loop`'s without one piece
 PLAN_WITHOUT = {"loop_no_silu_mul": {"silu_mul": frozenset()},
                 "loop_torch_sample": {"sample": False},
                 "loop_cublas_head": {"head": False},
                 "loop_sdpa_attention": {"attention": False},
                 "loop_sums_in_linear": {"rope_sums": False, "norm_sums": False},
-                "loop_no_norm_sums": {"norm_sums": False}}
+                "loop_no_norm_sums": {"norm_sums": False},
+                "loop_torch_record": {"record": False}}
 DEFAULT_VARIANTS = ("hf_eager", "fast_sampler", "loop")
 
 

@@ -18,6 +18,7 @@ from trainers.sampling import decode_attention as A
 from trainers.sampling.kernels import head_logits as HL
 from trainers.sampling.kernels import linear4bit as L
 from trainers.sampling.kernels import race as S
+from trainers.sampling.kernels import record as RC
 from trainers.sampling.kernels import rmsnorm as R
 from trainers.sampling.kernels import rope as P
 
@@ -112,15 +113,24 @@ def main():
                    {"part_ptr": "*fp32", "bias_ptr": "*bf16", "y_ptr": "*bf16"},
                    {"HAS_BIAS": True, "BLOCK_M": 16, "BLOCK_N": 64, "INTERP": False})
     # the norm on a tensor, without and with the residual, and on a SplitSum's partials
-    for has_res, splits in ((False, 0), (True, 0), (True, 4)):
+    # (and the first layer's, looking its rows up in the embedding table)
+    for has_res, splits, gather in ((False, 0, False), (True, 0, False), (True, 4, False),
+                                    (False, 0, True)):
         compile_kernel(R._add_rmsnorm_kernel,
                        {"x_ptr": "*fp32" if splits else "*bf16", "r_ptr": "*bf16",
                         "w_ptr": "*bf16", "y_ptr": "*bf16", "rout_ptr": "*bf16",
-                        "xb_ptr": "*bf16", "eps": "fp32"},
+                        "xb_ptr": "*bf16", "ids_ptr": "*i64", "eps": "fp32"},
                        {"HAS_RESIDUAL": has_res, "X_SPLITS": splits, "HAS_XBIAS": splits > 0,
-                        "BLOCK_H": 4096, "INTERP": False}, num_warps=8)
+                        "GATHER": gather, "BLOCK_H": 4096, "INTERP": False}, num_warps=16)
+    for rows in (False, True):  # the step's record, a full batch and a bucket
+        compile_kernel(RC._record_kernel,
+                       {"y_ptr": "*i64", "lp_ptr": "*fp32", "done_ptr": "*i1", "eos_ptr": "*i64",
+                        "out_ptr": "*i64", "logp_ptr": "*fp32", "step_ptr": "*i64",
+                        "slot_ptr": "*i64", "cur_ptr": "*i64", "rows_ptr": "*i64"},
+                       {"HAS_ROWS": rows, "BLOCK_B": 64, "BLOCK_E": 2, "PDL": True},
+                       num_warps=1)
     # RoPE on tensors (each dtype, with and without Qwen3's norms), and on SplitSums' partials
-    # (fp32, with biases) holding bf16 values
+    # (fp32, with biases) holding bf16 values, those with cos / sin tables read at the slots
     for norm, dt, wdt, splits in ((False, "bf16", "bf16", 0), (True, "bf16", "bf16", 0),
                                   (True, "bf16", "fp32", 0), (False, "fp32", "fp32", 0),
                                   (True, "fp16", "fp16", 0), (False, "bf16", "bf16", 2),
@@ -134,7 +144,8 @@ def main():
                         "slot_ptr": "*i64", "qo_ptr": f"*{out}", "qb_ptr": f"*{dt}",
                         "kb_ptr": f"*{dt}", "vb_ptr": f"*{dt}", "eps_q": "fp32",
                         "eps_k": "fp32"},
-                       {"NORM": norm, "BLOCK_G": 8, "BLOCK_HALF": 64, "INTERP": False,
+                       {"NORM": norm, "TABLES": splits > 0, "BLOCK_G": 8, "BLOCK_HALF": 64,
+                        "INTERP": False,
                         "X_DT": {"bf16": tl.bfloat16, "fp16": tl.float16, "fp32": tl.float32}[dt],
                         "Q_SPLITS": splits, "K_SPLITS": splits, "V_SPLITS": splits,
                         "HAS_QB": splits > 0, "HAS_KB": splits > 0, "HAS_VB": splits > 0},
@@ -161,19 +172,21 @@ def main():
     _compile_linear(True, True, True, False, 64, True, "bf16", 2, glu=True, reg_tile=True,
                     pdl=True, early_next=True)
     _compile_linear(True, True, True, False, 64, True, "bf16", pdl=True)
-    compile_kernel(R._add_rmsnorm_kernel,  # on a SplitSum's partials, as the decode step runs it
-                   {"x_ptr": "*fp32", "r_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16",
-                    "rout_ptr": "*bf16", "xb_ptr": "*bf16", "eps": "fp32"},
-                   {"HAS_RESIDUAL": True, "X_SPLITS": 4, "HAS_XBIAS": False, "BLOCK_H": 4096,
-                    "PDL": True, "INTERP": False},
-                   num_warps=8)
+    for splits, gather in ((4, False), (0, True)):  # as the decode step runs the norms
+        compile_kernel(R._add_rmsnorm_kernel,
+                       {"x_ptr": "*fp32" if splits else "*bf16", "r_ptr": "*bf16",
+                        "w_ptr": "*bf16", "y_ptr": "*bf16", "rout_ptr": "*bf16",
+                        "xb_ptr": "*bf16", "ids_ptr": "*i64", "eps": "fp32"},
+                       {"HAS_RESIDUAL": not gather, "X_SPLITS": splits, "HAS_XBIAS": False,
+                        "GATHER": gather, "BLOCK_H": 4096, "PDL": True, "INTERP": False},
+                       num_warps=16)
     compile_kernel(P._rope_cache_kernel,
                    {"q_ptr": "*fp32", "k_ptr": "*fp32", "v_ptr": "*fp32", "cos_ptr": "*bf16",
                     "sin_ptr": "*bf16", "qw_ptr": "*bf16", "kw_ptr": "*bf16", "ck_ptr": "*bf16",
                     "cv_ptr": "*bf16", "slot_ptr": "*i64", "qo_ptr": "*bf16", "qb_ptr": "*bf16",
                     "kb_ptr": "*bf16", "vb_ptr": "*bf16", "eps_q": "fp32", "eps_k": "fp32"},
-                   {"NORM": False, "BLOCK_G": 8, "BLOCK_HALF": 64, "PDL": True, "INTERP": False,
-                    "X_DT": tl.bfloat16, "Q_SPLITS": 2, "K_SPLITS": 2,
+                   {"NORM": False, "TABLES": True, "BLOCK_G": 8, "BLOCK_HALF": 64, "PDL": True,
+                    "INTERP": False, "X_DT": tl.bfloat16, "Q_SPLITS": 2, "K_SPLITS": 2,
                     "V_SPLITS": 2, "HAS_QB": True, "HAS_KB": True, "HAS_VB": True},
                    num_warps=1, enable_fp_fusion=False)
     compile_kernel(A._decode_attention_split_kernel,

@@ -114,12 +114,34 @@ def test_in_place_residual_3d_and_no_residual():
     _check(y0, x, norm, x, torch.zeros_like(x))
 
 
+@pytest.mark.parametrize("h", [640, 1000])
+def test_ids_look_the_rows_up(h, device="cpu"):
+    """`ids`: the rows of an embedding table looked up in the same launch, bit for bit the call
+    on the looked-up rows (y and r' = table[ids], in ids' shape); an id outside the table
+    reads a zero row (y 0) instead of reading out of it."""
+    norm = _norm(LlamaRMSNorm, h, eps=1e-5, weight_dtype=torch.bfloat16, device=device)
+    table, _ = _rows(37, h, device=device)
+    ids = torch.tensor([[5], [0], [36], [5], [17]], device=device)
+    y, r_new = add_rmsnorm(table, None, norm.weight, 1e-5, ids=ids)
+    y_ref, _ = add_rmsnorm(table[ids[:, 0]], None, norm.weight, 1e-5)
+    assert y.shape == r_new.shape == (5, 1, h)
+    assert torch.equal(y[:, 0], y_ref) and torch.equal(r_new, table[ids])
+    outside = torch.tensor([3, 37, -1], device=device)
+    y_out, r_out = add_rmsnorm(table, None, norm.weight, 1e-5, ids=outside)
+    assert torch.equal(y_out[0], add_rmsnorm(table[3:4], None, norm.weight, 1e-5)[0][0])
+    assert not y_out[1:].any() and not r_out[1:].any()
+
+
 def test_bad_inputs_and_other_norms():
     x, r = _rows(2, 64)
     with pytest.raises(ValueError, match=r"weight has shape \(32,\)"):
         add_rmsnorm(x, r, torch.ones(32), 1e-6)
     with pytest.raises(ValueError, match="residual is"):
         add_rmsnorm(x, r.float(), torch.ones(64), 1e-6)
+    with pytest.raises(ValueError, match="ids given"):
+        add_rmsnorm(x, r, torch.ones(64), 1e-6, ids=torch.zeros(2, dtype=torch.long))
+    with pytest.raises(ValueError, match="ids is torch.float32"):
+        add_rmsnorm(x, None, torch.ones(64), 1e-6, ids=torch.zeros(2))
     with pytest.raises(ValueError, match="LayerNorm"):
         rmsnorm_params(torch.nn.LayerNorm(64))
     assert len(LLAMA_STYLE_NORMS) == 4
@@ -134,3 +156,9 @@ def test_matches_transformers_norm_gpu(cls, h, m):
     x, r = _rows(m, h, device="cuda")
     y, r_new = add_rmsnorm(x, r, norm.weight, norm.variance_epsilon)
     _check(y, r_new, norm, x, r)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("h", [2048, 4096])
+def test_ids_look_the_rows_up_gpu(h):
+    test_ids_look_the_rows_up(h, device="cuda")

@@ -231,6 +231,43 @@ def test_torch_path_is_transformers_bit_for_bit():
     assert torch.equal(q, q_ref) and torch.equal(ck, ck_ref) and torch.equal(cv, cv_ref)
 
 
+@pytest.mark.parametrize("norm", [False, True], ids=["plain", "qwen3"])
+def test_tables_read_each_rows_slot(norm, monkeypatch, device="cpu"):
+    """`tables`: cos / sin (P, D) over positions, row b's at slots_b, bit for bit the same call
+    with the rows gathered (cos[slots]); and on the torch path. A wrong row would rotate by
+    another position's angles."""
+    g = torch.Generator().manual_seed(3)
+    B, Hkv, G, D, M = 5, 2, 4, 64, 11
+    q, k, v = (torch.randn(B, h, D, generator=g).to(device, torch.bfloat16)
+               for h in (Hkv * G, Hkv, Hkv))
+    angles = torch.arange(M)[:, None] * torch.rand(D // 2, generator=g)[None]
+    cos = torch.cat([angles.cos()] * 2, 1).to(device, torch.bfloat16)  # (M, D)
+    sin = torch.cat([angles.sin()] * 2, 1).to(device, torch.bfloat16)
+    slots = torch.tensor([0, 7, 3, M - 1, 7], device=device)
+    norms = {}
+    if norm:
+        w = (1 + torch.rand(D, generator=g)).to(device, torch.bfloat16)
+        norms = {"q_norm": (w, 1e-6), "k_norm": (w.flip(0), 1e-6)}
+    caches = [torch.zeros(B, Hkv, M, D, device=device, dtype=torch.bfloat16) for _ in range(4)]
+    out = rope_cache_write(q, k, v, cos, sin, caches[0], caches[1], slots, tables=True, **norms)
+    ref = rope_cache_write(q, k, v, cos[slots], sin[slots], caches[2], caches[3], slots, **norms)
+    assert torch.equal(out, ref) and torch.equal(caches[0], caches[2])
+    assert torch.equal(caches[1], caches[3])
+    if device == "cpu":  # the torch path (no interpreter) takes the same tables
+        from trainers.sampling.kernels import rope
+
+        monkeypatch.setattr(rope, "interpreting", lambda: False)
+        torch_caches = [c.zero_() for c in caches]
+        torch_out = rope_cache_write(q, k, v, cos, sin, *torch_caches[:2], slots, tables=True,
+                                     **norms)
+        torch_ref = rope_cache_write_torch(q, k, v, cos[slots], sin[slots], *torch_caches[2:],
+                                           slots, **norms)
+        assert torch.equal(torch_out, torch_ref) and torch.equal(torch_caches[0], torch_caches[2])
+    with pytest.raises(ValueError, match=r"must be \(P, D\)"):
+        rope_cache_write(q, k, v, cos[:, :8], sin[:, :8], caches[0], caches[1], slots,
+                         tables=True)
+
+
 def test_bad_inputs():
     B, D = 2, 8
     q, k = torch.zeros(B, 4, D), torch.zeros(B, 2, D)
@@ -274,3 +311,10 @@ def test_matches_transformers_gpu(name, shape, dtype, batch):
     transformers' CUDA ops, bit for bit without q/k norms, within the bound with them."""
     hkv, g, d = shape
     _check(name, hkv=hkv, g=g, d=d, dtype=dtype, batch=batch, device="cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("norm", [False, True], ids=["plain", "qwen3"])
+def test_tables_read_each_rows_slot_gpu(norm, monkeypatch):
+    test_tables_read_each_rows_slot(norm, monkeypatch, device="cuda")

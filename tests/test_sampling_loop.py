@@ -594,9 +594,18 @@ def kernels_on_cpu(monkeypatch):
     from trainers.sampling import kernel_plan, model_step
 
     monkeypatch.setattr(kernel_plan, "KERNEL_DEVICES", ("cuda", "cpu"))
+    from trainers.sampling import loop as loop_module
+
     names = ("decode_linear", "decode_linears", "decode_silu_mul", "add_rmsnorm",
              "rope_cache_write", "head_logits", "decode_attention")
-    calls = dict.fromkeys(names + ("projections",), 0)
+    calls = dict.fromkeys(names + ("projections", "record_step", "embedding_lookups"), 0)
+    real_record = loop_module.record_step
+
+    def counted_record(*a, **kw):
+        calls["record_step"] += 1
+        return real_record(*a, **kw)
+
+    monkeypatch.setattr(loop_module, "record_step", counted_record)
     for name in names:
         real = getattr(model_step, name)
 
@@ -608,6 +617,8 @@ def kernels_on_cpu(monkeypatch):
                 calls["projections"] += len(a[1])
             elif _name == "decode_silu_mul":
                 calls["projections"] += 2
+            elif _name == "add_rmsnorm" and kw.get("ids") is not None:
+                calls["embedding_lookups"] += 1
             return _real(*a, **kw)
 
         monkeypatch.setattr(model_step, name, counted)
@@ -664,6 +675,7 @@ def test_kernel_forward_equals_the_modules(tok, family, kernels_on_cpu):
     assert kernels_on_cpu["decode_linears"] == 2 * 2  # q/k/v in one launch
     assert kernels_on_cpu["decode_silu_mul"] == 2 * 2  # gate/up and silu · mul in one launch
     assert kernels_on_cpu["add_rmsnorm"] == 3 * 5  # prefill and decodes, 2 x 2 + final
+    assert plan.embed and kernels_on_cpu["embedding_lookups"] == 2  # in the decode steps' first
     assert plan.head and kernels_on_cpu["head_logits"] == 2  # the decode steps' heads
     assert plan.attention and kernels_on_cpu["decode_attention"] == 2 * 2  # decode steps only
     err = (runs["kernels"] - runs["torch"]).abs().amax(-1)  # (B, 3)
@@ -753,6 +765,37 @@ def test_loop_with_kernels_equals_without(tok, kernels_on_cpu, caplog):
         delta = (2 * layers + 2) * _bf16_ulp(m)
         assert all(abs(a - b) <= 4 * delta for a, b in zip(lt[:n + 1], lk[:n + 1])), \
             (t, k, lt, lk, delta)
+
+
+def test_record_kernel_changes_no_token(tok, kernels_on_cpu, monkeypatch):
+    """The loop with kernels="auto", sampling with a seed, rows ending at an EOS id at different
+    steps: the step's record by `record_step` (one launch, counted) against its torch ops,
+    token ids and log-probs equal (the only difference is the record's path, whose results
+    are integers and copies)."""
+    from trainers.sampling import loop as loop_module
+    from trainers.sampling.kernels.record import record_step_torch
+
+    model = with_lora(build(tok, "llama"), seed=0)
+    ids, mask = batch(tok)
+
+    def run(eos):
+        torch.manual_seed(5)
+        out = cpu_loop(kernels="auto").generate(
+            model, ids, mask, config(tok, [eos], new=10, do_sample=True, temperature=1.0))
+        assert out is not None
+        return out
+
+    first = run(len(tok) + 7)  # never drawn: every row's 10 tokens
+    # an id row 0 draws at step 3: at least that row ends early
+    eos = first.token_ids[0][3]
+    before = kernels_on_cpu["record_step"]
+    kernel = run(eos)
+    assert kernels_on_cpu["record_step"] > before
+    monkeypatch.setattr(loop_module, "record_step", record_step_torch)
+    torch_ops = run(eos)
+    assert kernel.token_ids == torch_ops.token_ids and kernel.logprobs == torch_ops.logprobs
+    lengths = [len(t) for t in kernel.token_ids]
+    assert min(lengths) <= 4 and lengths[0] <= 4 and kernel.token_ids[0][-1] == eos, lengths
 
 
 def test_unservable_projections_fall_back_with_one_line(tok, kernels_on_cpu, caplog):

@@ -6,6 +6,9 @@
     norms        each residual add + RMSNorm pair (the decoder layer's two, and the last layer's
                  add with the final norm): `add_rmsnorm`, when every such norm is LlamaRMSNorm's
                  forward; transformers' modules otherwise
+    embed        each decode step's embedding lookup inside the first layer's input norm
+                 (`add_rmsnorm(..., ids=)`), where the norms run there and the input embedding
+                 is a plain nn.Embedding (no max_norm)
     groups       the projections of one input, q/k/v and gate/up of each layer, in one launch
                  of the fused kernel (`decode_linears`) where all of them take it and
                  `linear4bit.group_modules_reason` accepts them together; a gate/up group whose
@@ -13,6 +16,9 @@
                  (`decode_silu_mul`) where `linear4bit.silu_mul_modules_reason` accepts it
     sample       the sampling step's reductions over the vocabulary (log-sum-exp, the race or
                  the argmax, the token's log-prob): `race_sample`, split over programs
+    record       after sampling, the token's record (pad for finished rows, the column write)
+                 and the row state (slot, EOS, current token, step) in one launch:
+                 `record_step`, the same integer results as its torch ops
     head         each decode step's LM head: `head_logits`, where `head_logits.head_reason`
                  accepts the output embeddings (a plain 16-bit nn.Linear without bias), so a
                  captured step holds no cuBLAS call of its own
@@ -70,8 +76,10 @@ class KernelPlan:
     groups: frozenset = frozenset()  # tuples of the id()s of projections run in one launch
     silu_mul: frozenset = frozenset()  # id() of MLPs whose gate/up launch forms silu(gate)·up
     norms: bool = False  # residual add + RMSNorm by add_rmsnorm
+    embed: bool = False  # decode steps: the embedding lookup inside layer 0's add_rmsnorm
     rope: bool = False  # decode steps: (q/k norm +) RoPE + cache write by rope_cache_write
     sample: bool = False  # the sampling reductions by race_sample
+    record: bool = False  # the step's token record and row state by record_step
     head: bool = False  # decode steps: the LM head by head_logits
     attention: bool = False  # decode steps: attention by decode_attention
     rope_sums: bool = False  # split q/k/v partials summed by rope_cache_write
@@ -80,8 +88,8 @@ class KernelPlan:
 
     @property
     def active(self) -> bool:
-        return bool(self.fused) or self.norms or self.rope or self.sample or self.head or \
-            self.attention
+        return bool(self.fused) or self.norms or self.embed or self.rope or self.sample or \
+            self.record or self.head or self.attention
 
 
 TORCH = KernelPlan()
@@ -202,8 +210,12 @@ def make_plan(base, kernels: str, device_type: str, batch: int = 1) -> KernelPla
         line += f"; {len(groups)} q/k/v or gate/up groups in one launch each"
         line += f" ({len(silu_mul)} gate/up with silu · mul)" if silu_mul else ""
         line += "" if group_reason is None else f" (not grouped: {group_reason})"
+    embed = base.get_input_embeddings()
+    embed_ok = norm_reason is None and bool(base.model.layers) and \
+        type(embed) is torch.nn.Embedding and embed.max_norm is None
     line += ("; residual add + RMSNorm by add_rmsnorm" if norm_reason is None
              else f"; RMSNorm by the modules ({norm_reason})")
+    line += " (the first with the embedding lookup)" if embed_ok else ""
     rope_reason = _rope_reason(base)
     has_norms = hasattr(base.model.layers[0].self_attn, "q_norm") if base.model.layers else False
     line += ("; " + ("q/k norm + " if has_norms else "") + "RoPE + cache write by rope_cache_write"
@@ -214,7 +226,7 @@ def make_plan(base, kernels: str, device_type: str, batch: int = 1) -> KernelPla
         line += "; split-K " + " and ".join(
             what for what, on in (("q/k/v summed by rope_cache_write", rope_sums),
                                   ("o/down summed by add_rmsnorm", norm_sums)) if on)
-    line += "; sampling reductions by race_sample"
+    line += "; sampling reductions by race_sample; the step's record by record_step"
     attention = _attention_reason(base)
     line += ("; attention by decode_attention" if attention is None
              else f"; attention by SDPA over the cache ({attention})")
@@ -223,6 +235,7 @@ def make_plan(base, kernels: str, device_type: str, batch: int = 1) -> KernelPla
     if not fused:
         split_mlp = set()  # nothing to gain from running the MLP piecewise
     return KernelPlan(frozenset(fused), frozenset(split_mlp), frozenset(groups),
-                      frozenset(silu_mul), norms=norm_reason is None, rope=rope_reason is None,
-                      sample=True, head=head is None, attention=attention is None,
+                      frozenset(silu_mul), norms=norm_reason is None, embed=embed_ok,
+                      rope=rope_reason is None, sample=True, record=True, head=head is None,
+                      attention=attention is None,
                       rope_sums=rope_sums, norm_sums=norm_sums, line=line)

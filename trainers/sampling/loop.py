@@ -73,6 +73,7 @@ from . import processors
 from .cache import MAX_GROWTHS, KVCache, prompt_room
 from .kernel_plan import KERNELS, TORCH, make_plan
 from .kernels import pdl
+from .kernels.record import record_step, record_step_torch
 from .model_step import ModelStep, base_model, model_reason
 
 logger = logging.get_logger(__name__)
@@ -365,29 +366,18 @@ class DecodeLoop:
 
     # -- the steps --------------------------------------------------------------------------
 
-    def _sample_record(self, st, z, spec, eos, pad, fused):
-        """Process logits z (B, V) and sample token y (B,) with log p_y (`processors`; `fused`:
-        the plan's sampling kernel), write them at column `step`, then advance the row state.
-        With a repetition penalty, `seen` is read for the processing and y is marked in it."""
+    def _sample_record(self, st, z, spec, eos, pad, plan):
+        """Process logits z (B, V) and sample token y (B,) with log p_y (`processors`; the plan's
+        `sample`: its sampling kernel), write them at column `step`, then advance the row state
+        (`kernels.record`; the plan's `record`: one launch). With a repetition penalty, `seen`
+        is read for the processing and y is marked in it."""
         penalty = spec.repetition_penalty != 1.0
         y, lp = processors.sample(processors.process(z, spec, st.seen[:, :-1] if penalty else None),
-                                  spec, fused=fused)
-        y = torch.where(st.done, pad, y)
-        lp = torch.where(st.done, torch.zeros_like(lp), lp)
-        if st.rows is None:
-            col = st.step.view(1, 1).expand(y.shape[0], 1)
-            st.out.scatter_(1, col, y[:, None])
-            st.logp.scatter_(1, col, lp[:, None])
-        else:  # a bucket: working row j writes original row rows_j (flat index into (B, width))
-            flat = st.rows * st.out.shape[1] + st.step
-            st.out.view(-1).scatter_(0, flat, y)
-            st.logp.view(-1).scatter_(0, flat, lp)
-        st.slot.add_((~st.done).long())
-        st.done.logical_or_((y[:, None] == eos[None]).any(1))  # (B, E) compare, E EOS ids
-        st.cur.copy_(y)
-        st.step.add_(1)
-        if penalty:
-            st.seen.scatter_(1, y[:, None], True)
+                                  spec, fused=plan.sample)
+        record = record_step if plan.record else record_step_torch
+        record(y, lp, st.done, eos, pad, st.out, st.logp, st.step, st.slot, st.cur, st.rows)
+        if penalty:  # cur: y, with pad where the row had finished
+            st.seen.scatter_(1, st.cur[:, None], True)
 
     def _decode_steps(self, step_fn, cache, st, spec, eos, pad, n):
         with pdl.decode_step():  # the decode kernels may launch with PDL (kernels.pdl)
@@ -395,7 +385,7 @@ class DecodeLoop:
                 # slot: where `cur` is written; its slot advanced when it was recorded, so it
                 # is one past the last written slot of a live row: cur sits at slot - 1
                 z = step_fn.decode(cache, st.cur, st.slot - 1)
-                self._sample_record(st, z, spec, eos, pad, step_fn.plan.sample)
+                self._sample_record(st, z, spec, eos, pad, step_fn.plan)
 
     def _capture(self, step_fn, cache, st, spec, eos, pad):
         t0 = time.perf_counter()
@@ -597,7 +587,7 @@ class DecodeLoop:
             seen.zero_()
             seen.scatter_(1, torch.where(pos[None] < lengths[:, None], ids_left, V), True)
         st.slot.copy_(lengths)
-        self._sample_record(st, z, spec, eos, pad, step_fn.plan.sample)
+        self._sample_record(st, z, spec, eos, pad, step_fn.plan)
         if first_call:
             if dev.type == "cuda":
                 torch.cuda.synchronize()

@@ -203,15 +203,16 @@ class ModelStep:
     def _qkv_write(self, attn, x, cos, sin, cache_k, cache_v, slots):
         """One decode token per row: the projections, then `rope_cache_write` writes rotated k
         and v to slot slots_b of cache_k / cache_v (B, H_kv, M, D) and returns rotated q
-        (B, H, 1, D). The projections' (B, 1, H·D) outputs are read through (B, H, D) views."""
+        (B, H, 1, D). cos, sin: the (M, D) tables, row b's position is slots_b. The
+        projections' (B, 1, H·D) outputs are read through (B, H, D) views."""
         B, _, _ = x.shape
         D = attn.head_dim
         q, k, v = (y.view(B, -1, D) for y in
                    self._projs((attn.q_proj, attn.k_proj, attn.v_proj), x, True,
                                self.plan.rope_sums))
         norms = norm_params(attn)  # Qwen3's q_norm / k_norm, or None
-        q = rope_cache_write(q, k, v, cos[:, 0], sin[:, 0], cache_k, cache_v, slots,
-                             q_norm=norms and norms[0], k_norm=norms and norms[1])
+        q = rope_cache_write(q, k, v, cos, sin, cache_k, cache_v, slots,
+                             q_norm=norms and norms[0], k_norm=norms and norms[1], tables=True)
         return q[:, :, None]
 
     def rope_table(self, M: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -225,17 +226,22 @@ class ModelStep:
             table = tables[key] = (cos[0], sin[0])
         return table
 
-    def _layers(self, h, cos, sin, attend, write, keys, fused=False, qkv_write=None):
+    def _layers(self, h, cos, sin, attend, write, keys, fused=False, qkv_write=None,
+                first=None):
         """Runs every layer, with RoPE's cos / sin (B or 1, S, D): `write(i, k, v)` stores this
         step's keys and values in layer i's cache; `keys(i)` returns the (K, V) the queries
         attend to; `attend(q, K, V, window, scale)` the attention output (B, H, S, D). `fused`:
         the plan's projections run through decode_linear. `qkv_write(i, attn, x, cos, sin)`, if
-        given, replaces the projections, RoPE and `write` (it returns q). Returns (h, delta):
-        the residual stream is h + delta."""
+        given, replaces the projections, RoPE and `write` (it returns q). `first`: (x, h) of the
+        first layer's input norm, formed by the caller. Returns (h, delta): the residual stream
+        is h + delta."""
         delta = None  # the last block's output, not yet added to h
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
-            x, h = self._add_norm(delta, h, layer.input_layernorm)
+            if i == 0 and first is not None:
+                x, h = first
+            else:
+                x, h = self._add_norm(delta, h, layer.input_layernorm)
             if qkv_write is not None:
                 q = qkv_write(i, attn, x, cos, sin)
             else:
@@ -296,19 +302,17 @@ class ModelStep:
         B = tokens.shape[0]
         M = cache.k.shape[3]
         dev = tokens.device
-        kpos = torch.arange(M, device=dev)
-        rows = torch.arange(B, device=dev)
-        masks = {}
-        for w in set(self.windows):
-            m = kpos[None, :] <= slots[:, None]  # (B, M)
-            if w is not None:
-                m = m & (slots[:, None] - kpos[None, :] < w)
-            masks[w] = m[:, None, None, :]  # (B, 1, 1, M)
-        additive = {}  # (window, dtype) -> the mask SDPA makes of a boolean one, made once
+        # what only the torch paths read is made on their first use, so a step whose kernels
+        # take slots directly launches none of it
+        additive = {}  # (window, dtype) -> 0 where a key is seen, -inf where not (B, 1, 1, M)
+        made = {}  # "rows" -> arange(B)
 
         def write(i, k, v):
             # k (B, H_kv, 1, D) -> slot slots_b of row b; indices separated by a slice put the
             # broadcast (B,) dimension first: the target view is (B, H_kv, D)
+            rows = made.get("rows")
+            if rows is None:
+                rows = made["rows"] = torch.arange(B, device=dev)
             cache.k[i][rows, :, slots] = k[:, :, 0].to(cache.k.dtype)
             cache.v[i][rows, :, slots] = v[:, :, 0].to(cache.v.dtype)
 
@@ -322,21 +326,33 @@ class ModelStep:
                 o = decode_attention(q.reshape(B, Hkv, G, D), K, V, slots,
                                      scale=scale, window=window)
                 return o.reshape(B, Hkv * G, 1, -1)
-            # 0 where a key is seen, -inf where not: what SDPA would build from the boolean
-            # mask in every layer, built in the first
+            # what SDPA would build from the boolean mask in every layer, built in the first
             mask = additive.get((window, q.dtype))
             if mask is None:
+                kpos = torch.arange(M, device=dev)
+                seen = kpos[None, :] <= slots[:, None]  # (B, M)
+                if window is not None:
+                    seen = seen & (slots[:, None] - kpos[None, :] < window)
                 mask = additive[window, q.dtype] = torch.zeros(
-                    masks[window].shape, dtype=q.dtype, device=dev).masked_fill_(
-                    ~masks[window], float("-inf"))
+                    B, 1, 1, M, dtype=q.dtype, device=dev).masked_fill_(
+                    ~seen[:, None, None, :], float("-inf"))
             return _attention(q, K, V, mask, scale)
 
         def qkv_write(i, attn, x, cos, sin):
             return self._qkv_write(attn, x, cos, sin, cache.k[i], cache.v[i], slots)
 
-        h = self.inner.embed_tokens(tokens[:, None])  # (B, 1, hidden)
+        first = None
+        if self.plan.embed:  # the lookup inside layer 0's input norm: (x, h) (B, 1, hidden)
+            norm = self.layers[0].input_layernorm
+            first = add_rmsnorm(self.inner.embed_tokens.weight, None, norm.weight,
+                                norm.variance_epsilon, ids=tokens[:, None])
+            h = first[1]
+        else:
+            h = self.inner.embed_tokens(tokens[:, None])  # (B, 1, hidden)
         cos, sin = self.rope_table(M, h)
-        h, delta = self._layers(h, cos[slots][:, None], sin[slots][:, None], attend, write, keys,
-                                fused=True, qkv_write=qkv_write if self.plan.rope else None)
+        if not self.plan.rope:  # rope_cache_write reads the tables at each row's slot itself
+            cos, sin = cos[slots][:, None], sin[slots][:, None]  # (B, 1, D)
+        h, delta = self._layers(h, cos, sin, attend, write, keys, fused=True,
+                                qkv_write=qkv_write if self.plan.rope else None, first=first)
         # delta (B, 1, hidden), possibly a SplitSum (the last down_proj's): (B, hidden)
         return self._logits(h[:, 0], None if delta is None else delta.reshape(B, -1), fused=True)

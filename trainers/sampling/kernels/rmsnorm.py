@@ -33,27 +33,37 @@ LLAMA_STYLE_NORMS = ("LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "MistralRMS
 
 @triton.jit
 def _add_rmsnorm_kernel(
-    x_ptr, r_ptr, w_ptr, y_ptr, rout_ptr, xb_ptr, H, eps,
+    x_ptr, r_ptr, w_ptr, y_ptr, rout_ptr, xb_ptr, ids_ptr, H, V, eps,
     stride_x, stride_r, stride_y, stride_ro, stride_xs,
     HAS_RESIDUAL: tl.constexpr, X_SPLITS: tl.constexpr, HAS_XBIAS: tl.constexpr,
-    BLOCK_H: tl.constexpr, PDL: tl.constexpr, INTERP: tl.constexpr,
+    GATHER: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr, INTERP: tl.constexpr,
 ):
     """One row per program: the whole row is loaded before r' is stored, so rout may be r.
     X_SPLITS > 0: x is a `split_sum.SplitSum`, its partials at x_ptr + s · stride_xs and its
     bias at xb_ptr (HAS_XBIAS), summed here (`load_sum`) into x's values; x's dtype is then
-    rout's (a SplitSum comes with a residual)."""
+    rout's (a SplitSum comes with a residual). GATHER: x is an embedding table of V rows, the
+    row's x is its row ids[row] (zeros for an id outside [0, V): no read out of the table),
+    stored to rout as r' (no residual)."""
     grid_wait(PDL)  # kernels.pdl: launched early, this kernel reads nothing before it
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_H)
     mask = offs < H
     X_DT: tl.constexpr = rout_ptr.dtype.element_ty  # x's dtype (rout is x without a residual)
-    s = load_sum(x_ptr + row * stride_x + offs, mask, stride_xs, xb_ptr + offs, X_SPLITS,
+    if GATHER:
+        x_row = tl.load(ids_ptr + row + offs * 0).to(tl.int64)  # (BLOCK_H,), all lanes the id
+        x_mask = mask & (x_row >= 0) & (x_row < V)
+    else:
+        x_row = row
+        x_mask = mask
+    s = load_sum(x_ptr + x_row * stride_x + offs, x_mask, stride_xs, xb_ptr + offs, X_SPLITS,
                  HAS_XBIAS, X_DT, INTERP)
     if HAS_RESIDUAL:
         r = tl.load(r_ptr + row * stride_r + offs, mask=mask, other=0.0).to(tl.float32)
         s = to_dtype(s + r, rout_ptr.dtype.element_ty, INTERP)  # r', as torch's bf16 add
         tl.store(rout_ptr + row * stride_ro + offs, s, mask=mask)
         s = s.to(tl.float32)
+    elif GATHER:  # r' is the looked-up row itself (exact: s holds X_DT values)
+        tl.store(rout_ptr + row * stride_ro + offs, s.to(X_DT), mask=mask)
     var = tl.sum(s * s, axis=0) / H  # masked lanes are 0
     n = to_dtype(s * tl.rsqrt(var + eps), X_DT, INTERP).to(tl.float32)
     w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
@@ -70,14 +80,25 @@ def add_rmsnorm_torch(x, residual, weight, eps):
 
 
 def add_rmsnorm(x: torch.Tensor | SplitSum, residual: torch.Tensor | None,
-                weight: torch.Tensor, eps: float, *, residual_out: torch.Tensor | None = None):
+                weight: torch.Tensor, eps: float, *, residual_out: torch.Tensor | None = None,
+                ids: torch.Tensor | None = None):
     """(y, r') for x (..., H): r' = residual + x (x itself if residual is None), y = the
     LlamaRMSNorm of r' with `weight` and `eps` (module docstring). `residual_out` receives r'
     (it may be `residual`, for an in-place update). x may be a projection's
     `split_sum.SplitSum` (with a residual): its partials are summed here, the same bits as the
-    projection's own sum. Triton on CUDA and under the interpreter, the torch ops elsewhere."""
+    projection's own sum. `ids` (any shape, integer): x is an embedding table (V, H) and the
+    input is its rows x[ids] (the lookup in the same launch; no residual): y and r' = x[ids]
+    then have shape ids.shape + (H,). Triton on CUDA and under the interpreter, the torch ops
+    elsewhere."""
     if isinstance(x, SplitSum) and residual is None:
         raise ValueError("x is a SplitSum: add_rmsnorm sums one only as the residual's delta")
+    if ids is not None:
+        if residual is not None or isinstance(x, SplitSum) or x.dim() != 2:
+            raise ValueError(f"ids given: x must be an embedding table (V, H) and residual None "
+                             f"(x {tuple(x.shape)}, residual "
+                             f"{None if residual is None else tuple(residual.shape)})")
+        if ids.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"ids is {ids.dtype}, expected an integer tensor")
     h = x.shape[-1]
     if weight.shape != (h,):
         raise ValueError(f"weight has shape {tuple(weight.shape)}, expected ({h},) for x of "
@@ -88,6 +109,8 @@ def add_rmsnorm(x: torch.Tensor | SplitSum, residual: torch.Tensor | None,
     if not (x.device.type == "cuda" or interpreting()):
         if isinstance(x, SplitSum):
             x = x.materialize()
+        if ids is not None:
+            x = x[ids]
         y, r_new = add_rmsnorm_torch(x, residual, weight, eps)
         if residual_out is not None and residual is not None:
             residual_out.copy_(r_new)
@@ -95,13 +118,17 @@ def add_rmsnorm(x: torch.Tensor | SplitSum, residual: torch.Tensor | None,
         return y, r_new
     if isinstance(x, SplitSum):
         CONSUMED["add_rmsnorm"] += 1
-    x2, stride_xs, x_bias, x_splits = kernel_args(x, (-1, h))  # (M, H)
+    x2, stride_xs, x_bias, x_splits = kernel_args(x, (-1, h))  # (M, H), or the table (V, H)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
-    m = x2.shape[0]
+    ids_flat = None if ids is None else ids.reshape(-1)
+    m = x2.shape[0] if ids is None else ids_flat.numel()
+    out_shape = (*(x.shape[:-1] if ids is None else ids.shape), h)
     y = torch.empty(m, h, device=x.device, dtype=torch.promote_types(weight.dtype, x.dtype))
     if residual is None:
-        r2, rout = x2, x2  # never read or written (HAS_RESIDUAL=False)
+        r2 = x2  # never read (HAS_RESIDUAL=False)
+        # r' is x itself (never written), or with ids the looked-up rows (written)
+        rout = x2 if ids is None else torch.empty(m, h, device=x.device, dtype=x.dtype)
     else:
         r2 = residual.reshape(-1, h)
         if r2.stride(-1) != 1:
@@ -114,16 +141,20 @@ def add_rmsnorm(x: torch.Tensor | SplitSum, residual: torch.Tensor | None,
     # of the fp32 sum of squares, so both inputs (a tensor, a SplitSum) take this one rule:
     # the SplitSum path then gives the tensor path's bits.
     _add_rmsnorm_kernel[(m,)](
-        x2, r2, weight, y, rout, x_bias if x_bias is not None else weight, h, float(eps),
+        x2, r2, weight, y, rout, x_bias if x_bias is not None else weight,
+        ids_flat if ids_flat is not None else weight, h, x2.shape[0], float(eps),
         x2.stride(0), r2.stride(0), y.stride(0), rout.stride(0), stride_xs,
         HAS_RESIDUAL=residual is not None, X_SPLITS=x_splits, HAS_XBIAS=x_bias is not None,
-        BLOCK_H=block_h, INTERP=interpreting(),
+        GATHER=ids is not None, BLOCK_H=block_h, INTERP=interpreting(),
         num_warps=min(16, max(1, block_h // 128)),
         **launch_args(_add_rmsnorm_kernel, x2.device),
     )
-    r_new = x if residual is None else (residual_out if residual_out is not None
-                                        else rout.view(residual.shape))
-    return y.view(*x.shape[:-1], h), r_new
+    if ids is not None:
+        r_new = rout.view(out_shape)
+    else:
+        r_new = x if residual is None else (residual_out if residual_out is not None
+                                            else rout.view(residual.shape))
+    return y.view(out_shape), r_new
 
 
 def rmsnorm_params(norm: torch.nn.Module) -> tuple[torch.Tensor, float]:

@@ -3,7 +3,8 @@
 q (B, Hq, D), k and v (B, Hkv, D) (the q/k/v projections' outputs, viewed per head; Hq = G·Hkv),
 cos and sin (B, D) as the model's `rotary_emb` returns them for each row's position (any rope
 type: default, linear, llama3, dynamic, yarn scale the inverse frequencies or cos / sin before
-they get here), the layer's cache K, V (B, Hkv, M, D) and slots (B,):
+they get here; or, with `tables`, (P, D) over positions 0 .. P - 1, row b's at its slot), the
+layer's cache K, V (B, Hkv, M, D) and slots (B,):
 
     y      = x                                     (Llama, Qwen2, Mistral)
     y      = round_Y(w · round_x(x · (mean_d x² + ε)^(-1/2)))   (Qwen3's q_norm / k_norm over D)
@@ -90,19 +91,19 @@ def _norm_rope(x1, x2, w_ptr, c1, c2, s1, s2, offs, mask, eps, D,
 def _rope_cache_kernel(
     q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, ck_ptr, cv_ptr, slot_ptr, qo_ptr,
     qb_ptr, kb_ptr, vb_ptr,
-    G, D, M, eps_q, eps_k,
+    G, D, M, P, eps_q, eps_k,
     stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh, stride_cb, stride_sb,
     stride_ckb, stride_ckh, stride_ckm, stride_cvb, stride_cvh, stride_cvm,
     stride_ob, stride_oh, stride_qs, stride_ks, stride_vs,
     X_DT: tl.constexpr, Q_SPLITS: tl.constexpr, K_SPLITS: tl.constexpr, V_SPLITS: tl.constexpr,
     HAS_QB: tl.constexpr, HAS_KB: tl.constexpr, HAS_VB: tl.constexpr,
-    NORM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_HALF: tl.constexpr, PDL: tl.constexpr,
-    INTERP: tl.constexpr,
+    NORM: tl.constexpr, TABLES: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    PDL: tl.constexpr, INTERP: tl.constexpr,
 ):
     """Program (b, h): query heads h·G .. h·G + G - 1, key and value head h of row b. q, k, v
     hold X_DT values; each may be a `split_sum.SplitSum` (its _SPLITS > 0): its partials at
     ptr + s · stride_s and its bias (HAS_*B, one (heads · D,) vector) summed here
-    (`load_sum`)."""
+    (`load_sum`). TABLES: cos and sin are P rows over positions, row b's at row slots_b."""
     grid_wait(PDL)  # kernels.pdl: launched early, this kernel reads nothing before it
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
@@ -110,11 +111,19 @@ def _rope_cache_kernel(
     offs = tl.arange(0, BLOCK_HALF)
     mask = offs < half
     OUT_DT: tl.constexpr = qo_ptr.dtype.element_ty
-    c1 = tl.load(cos_ptr + b * stride_cb + offs, mask=mask, other=0.0).to(tl.float32)[None, :]
-    c2 = tl.load(cos_ptr + b * stride_cb + half + offs, mask=mask, other=0.0).to(tl.float32)
-    s1 = tl.load(sin_ptr + b * stride_sb + offs, mask=mask, other=0.0).to(tl.float32)[None, :]
-    s2 = tl.load(sin_ptr + b * stride_sb + half + offs, mask=mask, other=0.0).to(tl.float32)
-    c2, s2 = c2[None, :], s2[None, :]
+    slot = tl.load(slot_ptr + b + offs * 0).to(tl.int64)  # (BLOCK_HALF,), all lanes slots_b
+    if TABLES:  # a slot past the table reads zeros (and is not written below)
+        cs_row = slot
+        cs_ok = mask & (slot >= 0) & (slot < P)
+    else:
+        cs_row = b
+        cs_ok = mask
+    c1 = tl.load(cos_ptr + cs_row * stride_cb + offs, mask=cs_ok, other=0.0).to(tl.float32)
+    c2 = tl.load(cos_ptr + cs_row * stride_cb + half + offs, mask=cs_ok, other=0.0)
+    s1 = tl.load(sin_ptr + cs_row * stride_sb + offs, mask=cs_ok, other=0.0).to(tl.float32)
+    s2 = tl.load(sin_ptr + cs_row * stride_sb + half + offs, mask=cs_ok, other=0.0)
+    c1, s1 = c1[None, :], s1[None, :]
+    c2, s2 = c2.to(tl.float32)[None, :], s2.to(tl.float32)[None, :]
 
     # the G query heads of kv head h: (BLOCK_G, BLOCK_HALF) per half
     g = tl.arange(0, BLOCK_G)
@@ -131,7 +140,6 @@ def _rope_cache_kernel(
     tl.store(op + half, o2.to(OUT_DT), mask=mq)
 
     # key head h -> K[b, h, slot], value head h -> V[b, h, slot]
-    slot = tl.load(slot_ptr + b + offs * 0).to(tl.int64)  # (BLOCK_HALF,), all lanes slots_b
     ok = mask & (slot >= 0) & (slot < M)
     mk = mask[None, :]
     kp = k_ptr + b * stride_kb + h * stride_kh + offs[None, :]
@@ -181,7 +189,7 @@ def rope_cache_write_torch(q, k, v, cos, sin, cache_k, cache_v, slots, *, q_norm
     return q_rot
 
 
-def _check(q, k, v, cos, sin, cache_k, cache_v, slots, q_norm, k_norm):
+def _check(q, k, v, cos, sin, cache_k, cache_v, slots, q_norm, k_norm, tables):
     B, Hq, D = q.shape
     if k.dim() != 3 or k.shape[0] != B or k.shape[2] != D or v.shape != k.shape:
         raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must both be (B, Hkv, D) "
@@ -190,9 +198,11 @@ def _check(q, k, v, cos, sin, cache_k, cache_v, slots, q_norm, k_norm):
     if Hq % Hkv or D % 2:
         raise ValueError(f"q has {Hq} heads of dim {D}, k has {Hkv}: need Hq % Hkv == 0 and an "
                          "even head dim")
-    if cos.shape != (B, D) or sin.shape != (B, D):
-        raise ValueError(f"cos {tuple(cos.shape)} and sin {tuple(sin.shape)} must be (B, D) = "
-                         f"({B}, {D}) (a rotary dim below the head dim is not supported)")
+    rows = "P" if tables else B
+    if cos.dim() != 2 or cos.shape[1] != D or sin.shape != cos.shape or \
+            (not tables and cos.shape[0] != B):
+        raise ValueError(f"cos {tuple(cos.shape)} and sin {tuple(sin.shape)} must be ({rows}, D) "
+                         f"= ({rows}, {D}) (a rotary dim below the head dim is not supported)")
     if cache_k.dim() != 4 or cache_k.shape[:2] != (B, Hkv) or cache_k.shape[3] != D \
             or cache_v.shape != cache_k.shape:
         raise ValueError(f"cache_k {tuple(cache_k.shape)} and cache_v {tuple(cache_v.shape)} "
@@ -215,16 +225,20 @@ def _check(q, k, v, cos, sin, cache_k, cache_v, slots, q_norm, k_norm):
 def rope_cache_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
                      sin: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor,
                      slots: torch.Tensor, *, q_norm: tuple | None = None,
-                     k_norm: tuple | None = None) -> torch.Tensor:
+                     k_norm: tuple | None = None, tables: bool = False) -> torch.Tensor:
     """Rotated q (B, Hq, D); writes rotated k and v to slot slots_b of row b of cache_k and
     cache_v (module docstring). q_norm / k_norm: (weight (D,), eps) of Qwen3's per-head norms
-    (`norm_params`), applied before the rotation. Each of q, k, v may be a projection's
+    (`norm_params`), applied before the rotation. `tables`: cos and sin are (P, D) over
+    positions and row b takes row slots_b of them (its position is its slot, as in the decode
+    loop's caches), instead of (B, D) rows; no gather launch. Each of q, k, v may be a projection's
     `split_sum.SplitSum` (viewed per head): its partials are summed here, the same bits as the
     projection's own sum. Triton on CUDA and under the interpreter, the torch ops elsewhere.
     Any strides with a contiguous head dim."""
-    _check(q, k, v, cos, sin, cache_k, cache_v, slots, q_norm, k_norm)
+    _check(q, k, v, cos, sin, cache_k, cache_v, slots, q_norm, k_norm, tables)
     if not (q.device.type == "cuda" or interpreting()):
         q, k, v = (t.materialize() if isinstance(t, SplitSum) else t for t in (q, k, v))
+        if tables:
+            cos, sin = cos[slots], sin[slots]
         return rope_cache_write_torch(q, k, v, cos, sin, cache_k, cache_v, slots,
                                       q_norm=q_norm, k_norm=k_norm)
     B, Hq, D = q.shape
@@ -248,7 +262,7 @@ def rope_cache_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: tor
     _rope_cache_kernel[(B, Hkv)](
         q, k, v, cos, sin, qw, kw, cache_k, cache_v, slots, out,
         *(bias if bias is not None else cos for bias in (q_b, k_b, v_b)),
-        G, D, cache_k.shape[2], float(eps_q), float(eps_k),
+        G, D, cache_k.shape[2], cos.shape[0], float(eps_q), float(eps_k),
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         cos.stride(0), sin.stride(0),
         cache_k.stride(0), cache_k.stride(1), cache_k.stride(2),
@@ -256,7 +270,8 @@ def rope_cache_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: tor
         out.stride(0), out.stride(1), q_s, k_s, v_s,
         X_DT=_TL_DTYPES[x_dtype], Q_SPLITS=q_n, K_SPLITS=k_n, V_SPLITS=v_n,
         HAS_QB=q_b is not None, HAS_KB=k_b is not None, HAS_VB=v_b is not None,
-        NORM=q_norm is not None, BLOCK_G=triton.next_power_of_2(G), BLOCK_HALF=block_half,
+        NORM=q_norm is not None, TABLES=tables, BLOCK_G=triton.next_power_of_2(G),
+        BLOCK_HALF=block_half,
         INTERP=interpreting(), num_warps=1 if G * block_half <= 512 else 4,
         enable_fp_fusion=False,  # products and sums rounded separately, as torch's ops
         **launch_args(_rope_cache_kernel, q.device),
