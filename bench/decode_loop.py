@@ -31,6 +31,8 @@ every row runs to --new. Variants (--variants):
                   plan's rope_sums and norm_sums off: an A/B of `kernels.split_sum`; optional)
     loop_no_norm_sums `loop` with o_proj and down_proj summing their own partials (norm_sums
                   off, where the plan has it on; optional)
+    loop_one_step_splits `loop` with the decode linear's split rule letting a program run one K
+                  step (`linear4bit.MIN_STEPS` 1; the 1B q/k/v and o launches split 8, not 4)
     loop_torch_record `loop` with the step's record and row state by torch's ops (the kernel
                   plan's record off: an A/B of `record_step`; optional)
 
@@ -80,7 +82,8 @@ from bench import e2e_common as E
 
 VARIANTS = ("hf_eager", "fast_sampler", "loop", "loop_sdpa_attention", "loop_no_silu_mul",
             "loop_torch_sample", "loop_cublas_head", "loop_2_per_sm", "loop_no_pdl",
-            "loop_pdl_no_early", "loop_sums_in_linear", "loop_no_norm_sums", "loop_torch_record")
+            "loop_pdl_no_early", "loop_sums_in_linear", "loop_no_norm_sums", "loop_torch_record",
+            "loop_one_step_splits")
 # the lab variants' kernel plans: `loop`'s without one piece
 PLAN_WITHOUT = {"loop_no_silu_mul": {"silu_mul": frozenset()},
                 "loop_torch_sample": {"sample": False},
@@ -160,13 +163,15 @@ class Variant:
 def _lab_patch(name: str):
     """What a lab variant runs under (its graphs are captured inside, so they keep it): `loop`'s
     kernel plans with PLAN_WITHOUT's fields replaced, the decode linear's tile rule at 2
-    programs per SM, PDL off, or PDL without the linear's early start; a null context for every
+    programs per SM or with one-step splits, PDL off, or PDL without the linear's early start; a null context for every
     other variant."""
     from trainers.sampling import loop
     from trainers.sampling.kernels import linear4bit, pdl
 
     if name == "loop_2_per_sm":
         return mock.patch.object(linear4bit, "PROGRAMS_PER_SM", 2)
+    if name == "loop_one_step_splits":
+        return mock.patch.object(linear4bit, "MIN_STEPS", 1)
     if name == "loop_no_pdl":
         return mock.patch.dict(os.environ, {pdl.ENV: "0"})
     if name == "loop_pdl_no_early":

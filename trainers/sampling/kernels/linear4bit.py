@@ -715,6 +715,8 @@ def _num_sms(device: torch.device) -> int:
 # the split-K grid's programs per SM (pick_config): at the Llama and Qwen layer shapes only the
 # q/k/v launch depends on it between 2 and 3, and takes 3 (bench/README.md, the group sweep)
 PROGRAMS_PER_SM = 3
+# the fewest K steps a split program runs (`_split_rule`)
+MIN_STEPS = 2
 # the most rows the register tile takes (BLOCK_M 16, the smallest dot tile)
 REG_TILE_ROWS = 16
 # registers per thread of the register tile: 168 lets three programs of 4 warps share an SM
@@ -766,12 +768,12 @@ def pick_config(m: int, n, k: int, blocksize: int, num_sms: int, glu: bool = Fal
 def _split_rule(programs: int, steps: int, max_steps: int, num_sms: int) -> int:
     """SPLIT_K for `programs` output tiles of `steps` K steps each: the largest power of two
     that keeps the grid within PROGRAMS_PER_SM programs per SM, raised to the power of two
-    that keeps each program within `max_steps` steps, at most 32 and at most steps // 2 (every
-    program at least two steps), at least 1."""
+    that keeps each program within `max_steps` steps, at most 32 and at most
+    steps // MIN_STEPS (every program at least MIN_STEPS steps), at least 1."""
     by_sms = max(1, PROGRAMS_PER_SM * num_sms // programs)
     by_sms = 1 << (by_sms.bit_length() - 1)
     by_steps = triton.next_power_of_2(triton.cdiv(steps, max_steps))
-    return max(1, min(max(by_sms, by_steps), 32, steps // 2))
+    return max(1, min(max(by_sms, by_steps), 32, steps // MIN_STEPS))
 
 
 def reg_tile_reason(cfg: dict, blocksize: int, parts) -> str | None:
