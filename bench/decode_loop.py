@@ -33,6 +33,8 @@ every row runs to --new. Variants (--variants):
                   off, where the plan has it on; optional)
     loop_one_step_splits `loop` with the decode linear's split rule letting a program run one K
                   step (`linear4bit.MIN_STEPS` 1; the 1B q/k/v and o launches split 8, not 4)
+    loop_rope_warps2, loop_rope_warps4 `loop` with `rope_cache_write` on 2 or 4 warps a program
+                  (`rope.rope_warps`; an A/B of its rule)
     loop_torch_record `loop` with the step's record and row state by torch's ops (the kernel
                   plan's record off: an A/B of `record_step`; optional)
 
@@ -83,7 +85,7 @@ from bench import e2e_common as E
 VARIANTS = ("hf_eager", "fast_sampler", "loop", "loop_sdpa_attention", "loop_no_silu_mul",
             "loop_torch_sample", "loop_cublas_head", "loop_2_per_sm", "loop_no_pdl",
             "loop_pdl_no_early", "loop_sums_in_linear", "loop_no_norm_sums", "loop_torch_record",
-            "loop_one_step_splits")
+            "loop_one_step_splits", "loop_rope_warps2", "loop_rope_warps4")
 # the lab variants' kernel plans: `loop`'s without one piece
 PLAN_WITHOUT = {"loop_no_silu_mul": {"silu_mul": frozenset()},
                 "loop_torch_sample": {"sample": False},
@@ -172,6 +174,10 @@ def _lab_patch(name: str):
         return mock.patch.object(linear4bit, "PROGRAMS_PER_SM", 2)
     if name == "loop_one_step_splits":
         return mock.patch.object(linear4bit, "MIN_STEPS", 1)
+    if name.startswith("loop_rope_warps"):  # loop_rope_warps2, loop_rope_warps4
+        from trainers.sampling.kernels import rope
+
+        return mock.patch.object(rope, "rope_warps", lambda g, h, w=int(name[-1]): w)
     if name == "loop_no_pdl":
         return mock.patch.dict(os.environ, {pdl.ENV: "0"})
     if name == "loop_pdl_no_early":

@@ -222,6 +222,11 @@ def _check(q, k, v, cos, sin, cache_k, cache_v, slots, q_norm, k_norm, tables):
             raise ValueError(f"q_norm weight is {q_norm[0].dtype}, k_norm's {k_norm[0].dtype}")
 
 
+def rope_warps(g: int, block_half: int) -> int:
+    """Warps of a program of G query heads: one up to 512 elements of a half head block."""
+    return 1 if g * block_half <= 512 else 4
+
+
 def rope_cache_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
                      sin: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor,
                      slots: torch.Tensor, *, q_norm: tuple | None = None,
@@ -272,7 +277,7 @@ def rope_cache_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: tor
         HAS_QB=q_b is not None, HAS_KB=k_b is not None, HAS_VB=v_b is not None,
         NORM=q_norm is not None, TABLES=tables, BLOCK_G=triton.next_power_of_2(G),
         BLOCK_HALF=block_half,
-        INTERP=interpreting(), num_warps=1 if G * block_half <= 512 else 4,
+        INTERP=interpreting(), num_warps=rope_warps(G, block_half),
         enable_fp_fusion=False,  # products and sums rounded separately, as torch's ops
         **launch_args(_rope_cache_kernel, q.device),
     )
