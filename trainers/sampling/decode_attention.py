@@ -36,6 +36,7 @@ SPLIT_N = 256  # keys per split
 # program's latency is the launch's; the shorter where many programs share the SMs (the launch
 # grid's measured choice, bench/README.md)
 BLOCK_N_FEW, BLOCK_N_MANY, FEW_PAIRS = 64, 32, 64
+NUM_WARPS = 4  # a program's warps
 
 
 @triton.jit
@@ -139,11 +140,11 @@ def decode_attention(q, K, V, last, *, scale: float, window: int | None = None,
     """o (B, H_kv, G, D) in q's dtype for q (B, H_kv, G, D), K / V (B, H_kv, M, D) (last dim
     contiguous), last (B,) int: the module docstring's attention over keys lo_b..last_b.
     `config` (benchmarks): SPLIT_N, BLOCK_N, num_warps (defaults: SPLIT_N, BLOCK_N_FEW for at
-    most FEW_PAIRS (b, h) pairs else BLOCK_N_MANY, 4 warps) and COMBINE (default True; False
+    most FEW_PAIRS (b, h) pairs else BLOCK_N_MANY, NUM_WARPS) and COMBINE (default True; False
     combines by torch ops, as a first call under capture does)."""
     B, HKV, G, D = q.shape
     cfg = {"SPLIT_N": SPLIT_N, "BLOCK_N": BLOCK_N_FEW if B * HKV <= FEW_PAIRS else BLOCK_N_MANY,
-           "num_warps": 4, "COMBINE": True, **(config or {})}
+           "num_warps": NUM_WARPS, "COMBINE": True, **(config or {})}
     M = K.shape[2]
     if K.stride(-1) != 1 or V.stride(-1) != 1 or D & (D - 1) or D < 16:
         raise ValueError(f"decode_attention needs contiguous rows and a power-of-2 head dim "

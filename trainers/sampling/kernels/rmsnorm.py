@@ -79,6 +79,14 @@ def add_rmsnorm_torch(x, residual, weight, eps):
     return weight * (h * torch.rsqrt(var + eps)).to(r_new.dtype), r_new
 
 
+def norm_warps(block_h: int) -> int:
+    """Warps of a row's program: 4 elements a thread, up to 16 warps. A row is one program, and
+    with fewer threads its loads (a SplitSum's S partials each) queue behind each other. The
+    layout sets the order of the fp32 sum of squares, so both inputs (a tensor, a SplitSum)
+    take this one rule: the SplitSum path then gives the tensor path's bits."""
+    return min(16, max(1, block_h // 128))
+
+
 def add_rmsnorm(x: torch.Tensor | SplitSum, residual: torch.Tensor | None,
                 weight: torch.Tensor, eps: float, *, residual_out: torch.Tensor | None = None,
                 ids: torch.Tensor | None = None):
@@ -136,17 +144,13 @@ def add_rmsnorm(x: torch.Tensor | SplitSum, residual: torch.Tensor | None,
         rout = (residual_out.view(m, h) if residual_out is not None
                 else torch.empty(m, h, device=x2.device, dtype=residual.dtype))
     block_h = triton.next_power_of_2(h)
-    # 4 elements a thread (up to 16 warps): a row is one program, and with fewer threads its
-    # loads (a SplitSum's S partials each) queue behind each other. The layout sets the order
-    # of the fp32 sum of squares, so both inputs (a tensor, a SplitSum) take this one rule:
-    # the SplitSum path then gives the tensor path's bits.
     _add_rmsnorm_kernel[(m,)](
         x2, r2, weight, y, rout, x_bias if x_bias is not None else weight,
         ids_flat if ids_flat is not None else weight, h, x2.shape[0], float(eps),
         x2.stride(0), r2.stride(0), y.stride(0), rout.stride(0), stride_xs,
         HAS_RESIDUAL=residual is not None, X_SPLITS=x_splits, HAS_XBIAS=x_bias is not None,
         GATHER=ids is not None, BLOCK_H=block_h, INTERP=interpreting(),
-        num_warps=min(16, max(1, block_h // 128)),
+        num_warps=norm_warps(block_h),
         **launch_args(_add_rmsnorm_kernel, x2.device),
     )
     if ids is not None:
