@@ -33,9 +33,9 @@ every row runs to --new. Variants (--variants):
                   off, where the plan has it on; optional)
     loop_one_step_splits `loop` with the decode linear's split rule letting a program run one K
                   step (`linear4bit.MIN_STEPS` 1; the 1B q/k/v and o launches split 8, not 4)
-    loop_rope_warps2, loop_rope_warps4 `loop` with `rope_cache_write` on 2 or 4 warps a program
+    loop_rope_warps1, loop_rope_warps2 `loop` with `rope_cache_write` on 1 or 2 warps a program
                   (`rope.rope_warps`; an A/B of its rule)
-    loop_norm_warps32 `loop` with `add_rmsnorm` at 2 elements a thread, up to 32 warps
+    loop_norm_warps16 `loop` with `add_rmsnorm` at 4 elements a thread, up to 16 warps
                   (`rmsnorm.norm_warps`; an A/B of its rule)
     loop_attention_warps2, loop_attention_warps8 `loop` with `decode_attention` on 2 or 8 warps
                   a program (`decode_attention.NUM_WARPS`)
@@ -89,7 +89,7 @@ from bench import e2e_common as E
 VARIANTS = ("hf_eager", "fast_sampler", "loop", "loop_sdpa_attention", "loop_no_silu_mul",
             "loop_torch_sample", "loop_cublas_head", "loop_2_per_sm", "loop_no_pdl",
             "loop_pdl_no_early", "loop_sums_in_linear", "loop_no_norm_sums", "loop_torch_record",
-            "loop_one_step_splits", "loop_rope_warps2", "loop_rope_warps4", "loop_norm_warps32",
+            "loop_one_step_splits", "loop_rope_warps1", "loop_rope_warps2", "loop_norm_warps16",
             "loop_attention_warps2", "loop_attention_warps8")
 # the lab variants' kernel plans: `loop`'s without one piece
 PLAN_WITHOUT = {"loop_no_silu_mul": {"silu_mul": frozenset()},
@@ -179,14 +179,14 @@ def _lab_patch(name: str):
         return mock.patch.object(linear4bit, "PROGRAMS_PER_SM", 2)
     if name == "loop_one_step_splits":
         return mock.patch.object(linear4bit, "MIN_STEPS", 1)
-    if name.startswith("loop_rope_warps"):  # loop_rope_warps2, loop_rope_warps4
+    if name.startswith("loop_rope_warps"):  # loop_rope_warps1, loop_rope_warps2
         from trainers.sampling.kernels import rope
 
         return mock.patch.object(rope, "rope_warps", lambda g, h, w=int(name[-1]): w)
-    if name == "loop_norm_warps32":
+    if name == "loop_norm_warps16":
         from trainers.sampling.kernels import rmsnorm
 
-        return mock.patch.object(rmsnorm, "norm_warps", lambda h: min(32, max(1, h // 64)))
+        return mock.patch.object(rmsnorm, "norm_warps", lambda h: min(16, max(1, h // 128)))
     if name.startswith("loop_attention_warps"):  # loop_attention_warps2, loop_attention_warps8
         from trainers.sampling import decode_attention
 

@@ -121,7 +121,7 @@ def main():
                         "w_ptr": "*bf16", "y_ptr": "*bf16", "rout_ptr": "*bf16",
                         "xb_ptr": "*bf16", "ids_ptr": "*i64", "eps": "fp32"},
                        {"HAS_RESIDUAL": has_res, "X_SPLITS": splits, "HAS_XBIAS": splits > 0,
-                        "GATHER": gather, "BLOCK_H": 4096, "INTERP": False}, num_warps=16)
+                        "GATHER": gather, "BLOCK_H": 4096, "INTERP": False}, num_warps=32)
     for rows in (False, True):  # the step's record, a full batch and a bucket
         compile_kernel(RC._record_kernel,
                        {"y_ptr": "*i64", "lp_ptr": "*fp32", "done_ptr": "*i1", "eos_ptr": "*i64",
@@ -149,7 +149,7 @@ def main():
                         "X_DT": {"bf16": tl.bfloat16, "fp16": tl.float16, "fp32": tl.float32}[dt],
                         "Q_SPLITS": splits, "K_SPLITS": splits, "V_SPLITS": splits,
                         "HAS_QB": splits > 0, "HAS_KB": splits > 0, "HAS_VB": splits > 0},
-                       num_warps=1, enable_fp_fusion=False)
+                       num_warps=4, enable_fp_fusion=False)
     compile_kernel(S._chunk_lse_kernel, {"z_ptr": "*fp32", "m_ptr": "*fp32", "s_ptr": "*fp32"},
                    {"BLOCK": S.BLOCK}, num_warps=8)
     for sample in (False, True):
@@ -179,7 +179,7 @@ def main():
                         "xb_ptr": "*bf16", "ids_ptr": "*i64", "eps": "fp32"},
                        {"HAS_RESIDUAL": not gather, "X_SPLITS": splits, "HAS_XBIAS": False,
                         "GATHER": gather, "BLOCK_H": 4096, "PDL": True, "INTERP": False},
-                       num_warps=16)
+                       num_warps=32)
     compile_kernel(P._rope_cache_kernel,
                    {"q_ptr": "*fp32", "k_ptr": "*fp32", "v_ptr": "*fp32", "cos_ptr": "*bf16",
                     "sin_ptr": "*bf16", "qw_ptr": "*bf16", "kw_ptr": "*bf16", "ck_ptr": "*bf16",
@@ -188,7 +188,7 @@ def main():
                    {"NORM": False, "TABLES": True, "BLOCK_G": 8, "BLOCK_HALF": 64, "PDL": True,
                     "INTERP": False, "X_DT": tl.bfloat16, "Q_SPLITS": 2, "K_SPLITS": 2,
                     "V_SPLITS": 2, "HAS_QB": True, "HAS_KB": True, "HAS_VB": True},
-                   num_warps=1, enable_fp_fusion=False)
+                   num_warps=4, enable_fp_fusion=False)
     compile_kernel(A._decode_attention_split_kernel,
                    {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "last_ptr": "*i64",
                     "m_ptr": "*fp32", "l_ptr": "*fp32", "acc_ptr": "*fp32", "o_ptr": "*bf16",

@@ -80,11 +80,11 @@ def add_rmsnorm_torch(x, residual, weight, eps):
 
 
 def norm_warps(block_h: int) -> int:
-    """Warps of a row's program: 4 elements a thread, up to 16 warps. A row is one program, and
+    """Warps of a row's program: 2 elements a thread, up to 32 warps. A row is one program, and
     with fewer threads its loads (a SplitSum's S partials each) queue behind each other. The
     layout sets the order of the fp32 sum of squares, so both inputs (a tensor, a SplitSum)
     take this one rule: the SplitSum path then gives the tensor path's bits."""
-    return min(16, max(1, block_h // 128))
+    return min(32, max(1, block_h // 64))
 
 
 def add_rmsnorm(x: torch.Tensor | SplitSum, residual: torch.Tensor | None,

@@ -223,8 +223,10 @@ def _check(q, k, v, cos, sin, cache_k, cache_v, slots, q_norm, k_norm, tables):
 
 
 def rope_warps(g: int, block_half: int) -> int:
-    """Warps of a program of G query heads: one up to 512 elements of a half head block."""
-    return 1 if g * block_half <= 512 else 4
+    """Warps of a program of G query heads and BLOCK_HALF elements of a half head: 4, so the
+    program's loads (each of q's G heads, k and v, and a SplitSum's partials of each) are
+    spread over 128 threads rather than queued in a few."""
+    return 4
 
 
 def rope_cache_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
