@@ -776,16 +776,16 @@ def test_record_kernel_changes_no_token(tok, kernels_on_cpu, monkeypatch):
     from trainers.sampling.kernels.record import record_step_torch
 
     model = with_lora(build(tok, "llama"), seed=0)
-    ids, mask = batch(tok)
+    ids, mask = batch(tok, PROMPTS[:3])
 
     def run(eos):
         torch.manual_seed(5)
         out = cpu_loop(kernels="auto").generate(
-            model, ids, mask, config(tok, [eos], new=10, do_sample=True, temperature=1.0))
+            model, ids, mask, config(tok, [eos], new=7, do_sample=True, temperature=1.0))
         assert out is not None
         return out
 
-    first = run(len(tok) + 7)  # never drawn: every row's 10 tokens
+    first = run(len(tok) + 7)  # never drawn: every row's 7 tokens
     # an id row 0 draws at step 3: at least that row ends early
     eos = first.token_ids[0][3]
     before = kernels_on_cpu["record_step"]

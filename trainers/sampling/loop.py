@@ -10,7 +10,8 @@ Device-side state of one call, in static buffers per (cache, vocabulary):
 
 One decode step: logits = decode(cur at slot) → process → sample (y, log p_y);
 y <- pad where done (a finished row emits padding and its slot stops advancing); write y and
-log p_y at column `step`; done |= y ∈ EOS; cur <- y; slot += ¬done_before; step += 1.
+log p_y at column `step`; done |= y ∈ EOS; cur <- y; slot += ¬done_before; step += 1 (with
+the plan's `record`, one launch: `kernels.record.record_step`).
 No value reaches the host inside a step. On CUDA with capture, k = `check_every` steps are one
 graph, replayed until N tokens are written; after each replay the host reads `done.all()` once
 (the only sync per k tokens) and stops early when every row has finished. Steps past N (the

@@ -40,7 +40,9 @@ and both forwards fuse each residual add with the RMSNorm that follows it
 (`add_rmsnorm`): the residual stream then carries the last block's output `delta` not yet added
 to `h`, and the next norm (a layer's input norm, or the final norm) adds it. With the plan's
 `rope`, a decode step's q/k norms (Qwen3), RoPE and cache write of each layer run as one
-`rope_cache_write` on the projections' outputs (the prefill keeps the torch ops). With the plan's
+`rope_cache_write` on the projections' outputs, reading the cos / sin tables at each row's slot
+itself (the prefill keeps the torch ops). With the plan's `embed`, a decode step's embedding
+lookup runs inside the first layer's input `add_rmsnorm` (`ids=`). With the plan's
 `rope_sums` (`norm_sums`), a q/k/v (o_proj, down_proj) launch that splits K hands
 `rope_cache_write` (`add_rmsnorm`) its partials (`kernels.split_sum.SplitSum`), which that
 kernel sums as the projection would have. All compute the
