@@ -92,9 +92,9 @@ def add_rmsnorm(x: torch.Tensor | SplitSum, residual: torch.Tensor | None,
                 ids: torch.Tensor | None = None):
     """(y, r') for x (..., H): r' = residual + x (x itself if residual is None), y = the
     LlamaRMSNorm of r' with `weight` and `eps` (module docstring). `residual_out` receives r'
-    (it may be `residual`, for an in-place update). x may be a projection's
-    `split_sum.SplitSum` (with a residual): its partials are summed here, the same bits as the
-    projection's own sum. `ids` (any shape, integer): x is an embedding table (V, H) and the
+    (it may be `residual`, for an in-place update; with `ids`, the looked-up rows). x may be a
+    projection's `split_sum.SplitSum` (with a residual): its partials are summed here, the same
+    bits as the projection's own sum. `ids` (any shape, integer): x is an embedding table (V, H) and the
     input is its rows x[ids] (the lookup in the same launch; no residual): y and r' = x[ids]
     then have shape ids.shape + (H,). Triton on CUDA and under the interpreter, the torch ops
     elsewhere."""
@@ -120,7 +120,7 @@ def add_rmsnorm(x: torch.Tensor | SplitSum, residual: torch.Tensor | None,
         if ids is not None:
             x = x[ids]
         y, r_new = add_rmsnorm_torch(x, residual, weight, eps)
-        if residual_out is not None and residual is not None:
+        if residual_out is not None and (residual is not None or ids is not None):
             residual_out.copy_(r_new)
             r_new = residual_out
         return y, r_new
@@ -136,7 +136,12 @@ def add_rmsnorm(x: torch.Tensor | SplitSum, residual: torch.Tensor | None,
     if residual is None:
         r2 = x2  # never read (HAS_RESIDUAL=False)
         # r' is x itself (never written), or with ids the looked-up rows (written)
-        rout = x2 if ids is None else torch.empty(m, h, device=x.device, dtype=x.dtype)
+        if ids is None:
+            rout = x2
+        elif residual_out is not None:
+            rout = residual_out.view(m, h)
+        else:
+            rout = torch.empty(m, h, device=x.device, dtype=x.dtype)
     else:
         r2 = residual.reshape(-1, h)
         if r2.stride(-1) != 1:
@@ -154,7 +159,7 @@ def add_rmsnorm(x: torch.Tensor | SplitSum, residual: torch.Tensor | None,
         **launch_args(_add_rmsnorm_kernel, x2.device),
     )
     if ids is not None:
-        r_new = rout.view(out_shape)
+        r_new = residual_out if residual_out is not None else rout.view(out_shape)
     else:
         r_new = x if residual is None else (residual_out if residual_out is not None
                                             else rout.view(residual.shape))
