@@ -94,10 +94,10 @@ def add_rmsnorm(x: torch.Tensor | SplitSum, residual: torch.Tensor | None,
     LlamaRMSNorm of r' with `weight` and `eps` (module docstring). `residual_out` receives r'
     (it may be `residual`, for an in-place update; with `ids`, the looked-up rows). x may be a
     projection's `split_sum.SplitSum` (with a residual): its partials are summed here, the same
-    bits as the projection's own sum. `ids` (any shape, integer): x is an embedding table (V, H) and the
-    input is its rows x[ids] (the lookup in the same launch; no residual): y and r' = x[ids]
-    then have shape ids.shape + (H,). Triton on CUDA and under the interpreter, the torch ops
-    elsewhere."""
+    bits as the projection's own sum. `ids` (any shape, integer): x is an embedding table
+    (V, H) and the input is its rows x[ids] (the lookup in the same launch; no residual): y and
+    r' = x[ids] then have shape ids.shape + (H,). Triton on CUDA and under the interpreter, the
+    torch ops elsewhere."""
     if isinstance(x, SplitSum) and residual is None:
         raise ValueError("x is a SplitSum: add_rmsnorm sums one only as the residual's delta")
     if ids is not None:

@@ -237,10 +237,10 @@ def rope_cache_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: tor
     cache_v (module docstring). q_norm / k_norm: (weight (D,), eps) of Qwen3's per-head norms
     (`norm_params`), applied before the rotation. `tables`: cos and sin are (P, D) over
     positions and row b takes row slots_b of them (its position is its slot, as in the decode
-    loop's caches), instead of (B, D) rows; no gather launch. Each of q, k, v may be a projection's
-    `split_sum.SplitSum` (viewed per head): its partials are summed here, the same bits as the
-    projection's own sum. Triton on CUDA and under the interpreter, the torch ops elsewhere.
-    Any strides with a contiguous head dim."""
+    loop's caches), instead of (B, D) rows; no gather launch. Each of q, k, v may be a
+    projection's `split_sum.SplitSum` (viewed per head): its partials are summed here, the same
+    bits as the projection's own sum. Triton on CUDA and under the interpreter, the torch ops
+    elsewhere. Any strides with a contiguous head dim."""
     _check(q, k, v, cos, sin, cache_k, cache_v, slots, q_norm, k_norm, tables)
     if not (q.device.type == "cuda" or interpreting()):
         q, k, v = (t.materialize() if isinstance(t, SplitSum) else t for t in (q, k, v))
