@@ -46,13 +46,15 @@ def _run(fn, st, rows, pad):
     return st
 
 
-@pytest.mark.parametrize("B,R,E,pad", [(1, 1, 1, 0), (5, 5, 3, 7), (8, 13, 2, 2), (37, 37, 1, 9),
-                                       (64, 64, 4, 0), (100, 256, 3, 5)])
+@pytest.mark.parametrize("B,R,E,pad", [(1, 1, 1, 0), (5, 5, 3, "eos"), (8, 13, 2, 2),
+                                       (37, 37, 1, "eos"), (64, 64, 4, 0), (100, 256, 3, 1)])
 def test_record_matches_the_torch_ops(B, R, E, pad, device="cpu"):
     """Every output tensor equal to the torch ops' (out, logp, done, slot, cur, step), with
-    and without a bucket's rows, pad equal to an EOS id or not (pad 2..9 may be one)."""
+    and without a bucket's rows, pad an EOS id ("eos": a finished row's padding ends it
+    again) or not (ids 0..2 are never EOS here)."""
     W = 17
     st, rows = _state(B, R, W, E, seed=B * 31 + R, device=device)
+    pad = int(st["eos"][0]) if pad == "eos" else pad
     ref = _run(record_step_torch, st, rows, pad)
     got = _run(record_step, st, rows, pad)
     for k in ("out", "logp", "done", "slot", "cur", "step"):
@@ -79,7 +81,7 @@ def test_bad_inputs_name_the_argument():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("B,R,E,pad", [(8, 8, 2, 0), (64, 128, 3, 5), (256, 256, 1, 4)])
+@pytest.mark.parametrize("B,R,E,pad", [(8, 8, 2, 0), (64, 128, 3, "eos"), (256, 256, 1, 1)])
 def test_gpu(B, R, E, pad):
     """Compiled, at decode batches, a bucket's rows and a full batch."""
     test_record_matches_the_torch_ops(B, R, E, pad, "cuda")
