@@ -767,6 +767,7 @@ def test_loop_with_kernels_equals_without(tok, kernels_on_cpu, caplog):
             (t, k, lt, lk, delta)
 
 
+@pytest.mark.slow  # three interpreted loop runs; the kernel itself: tests/test_sampling_record.py
 def test_record_kernel_changes_no_token(tok, kernels_on_cpu, monkeypatch):
     """The loop with kernels="auto", sampling with a seed, rows ending at an EOS id at different
     steps: the step's record by `record_step` (one launch, counted) against its torch ops,
