@@ -592,10 +592,9 @@ def kernels_on_cpu(monkeypatch):
     the projections they computed ("projections": one per decode_linear, one per module of a
     grouped decode_linears, two per decode_silu_mul)."""
     from trainers.sampling import kernel_plan, model_step
-
-    monkeypatch.setattr(kernel_plan, "KERNEL_DEVICES", ("cuda", "cpu"))
     from trainers.sampling import loop as loop_module
 
+    monkeypatch.setattr(kernel_plan, "KERNEL_DEVICES", ("cuda", "cpu"))
     names = ("decode_linear", "decode_linears", "decode_silu_mul", "add_rmsnorm",
              "rope_cache_write", "head_logits", "decode_attention")
     calls = dict.fromkeys(names + ("projections", "record_step", "embedding_lookups"), 0)
