@@ -34,7 +34,7 @@ every row runs to --new. Variants (--variants):
     loop_one_step_splits `loop` with the decode linear's split rule letting a program run one K
                   step (`linear4bit.MIN_STEPS` 1; the 1B q/k/v and o launches split 8, not 4)
     loop_rope_warps1, loop_rope_warps2 `loop` with `rope_cache_write` on 1 or 2 warps a program
-                  (`rope.rope_warps`; an A/B of its rule)
+                  (`rope.NUM_WARPS` 4; an A/B of it)
     loop_norm_warps16 `loop` with `add_rmsnorm` at 4 elements a thread, up to 16 warps
                   (`rmsnorm.norm_warps`; an A/B of its rule)
     loop_attention_warps2, loop_attention_warps8 `loop` with `decode_attention` on 2 or 8 warps
@@ -170,8 +170,8 @@ class Variant:
 def _lab_patch(name: str):
     """What a lab variant runs under (its graphs are captured inside, so they keep it): `loop`'s
     kernel plans with PLAN_WITHOUT's fields replaced, the decode linear's tile rule at 2
-    programs per SM or with one-step splits, PDL off, or PDL without the linear's early start; a null context for every
-    other variant."""
+    programs per SM or with one-step splits, other warps for RoPE, the norm or attention, PDL
+    off, or PDL without the linear's early start; a null context for every other variant."""
     from trainers.sampling import loop
     from trainers.sampling.kernels import linear4bit, pdl
 
@@ -182,7 +182,7 @@ def _lab_patch(name: str):
     if name.startswith("loop_rope_warps"):  # loop_rope_warps1, loop_rope_warps2
         from trainers.sampling.kernels import rope
 
-        return mock.patch.object(rope, "rope_warps", lambda g, h, w=int(name[-1]): w)
+        return mock.patch.object(rope, "NUM_WARPS", int(name[-1]))
     if name == "loop_norm_warps16":
         from trainers.sampling.kernels import rmsnorm
 

@@ -304,17 +304,15 @@ class ModelStep:
         B = tokens.shape[0]
         M = cache.k.shape[3]
         dev = tokens.device
-        # what only the torch paths read is made on their first use, so a step whose kernels
-        # take slots directly launches none of it
+        # what only the torch paths read is made only for them, so a step whose kernels take
+        # slots directly launches none of it: the SDPA mask on first use, the rows of the
+        # cache write where rope_cache_write does not write the cache
         additive = {}  # (window, dtype) -> 0 where a key is seen, -inf where not (B, 1, 1, M)
-        made = {}  # "rows" -> arange(B)
+        rows = None if self.plan.rope else torch.arange(B, device=dev)
 
         def write(i, k, v):
             # k (B, H_kv, 1, D) -> slot slots_b of row b; indices separated by a slice put the
             # broadcast (B,) dimension first: the target view is (B, H_kv, D)
-            rows = made.get("rows")
-            if rows is None:
-                rows = made["rows"] = torch.arange(B, device=dev)
             cache.k[i][rows, :, slots] = k[:, :, 0].to(cache.k.dtype)
             cache.v[i][rows, :, slots] = v[:, :, 0].to(cache.v.dtype)
 

@@ -54,6 +54,9 @@ from .pdl import grid_wait, launch_args
 from .rmsnorm import rmsnorm_params
 from .split_sum import CONSUMED, SplitSum, kernel_args, load_sum
 
+# a program's warps: its loads (each of q's G heads, k and v, and a SplitSum's partials of
+# each) spread over 128 threads rather than queued in a few
+NUM_WARPS = 4
 # the kernel's X_DT for each dtype q, k and v may hold
 _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
@@ -222,13 +225,6 @@ def _check(q, k, v, cos, sin, cache_k, cache_v, slots, q_norm, k_norm, tables):
             raise ValueError(f"q_norm weight is {q_norm[0].dtype}, k_norm's {k_norm[0].dtype}")
 
 
-def rope_warps(g: int, block_half: int) -> int:
-    """Warps of a program of G query heads and BLOCK_HALF elements of a half head: 4, so the
-    program's loads (each of q's G heads, k and v, and a SplitSum's partials of each) are
-    spread over 128 threads rather than queued in a few."""
-    return 4
-
-
 def rope_cache_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
                      sin: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor,
                      slots: torch.Tensor, *, q_norm: tuple | None = None,
@@ -279,7 +275,7 @@ def rope_cache_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: tor
         HAS_QB=q_b is not None, HAS_KB=k_b is not None, HAS_VB=v_b is not None,
         NORM=q_norm is not None, TABLES=tables, BLOCK_G=triton.next_power_of_2(G),
         BLOCK_HALF=block_half,
-        INTERP=interpreting(), num_warps=rope_warps(G, block_half),
+        INTERP=interpreting(), num_warps=NUM_WARPS,
         enable_fp_fusion=False,  # products and sums rounded separately, as torch's ops
         **launch_args(_rope_cache_kernel, q.device),
     )
