@@ -41,6 +41,8 @@ every row runs to --new. Variants (--variants):
                   a program (`decode_attention.NUM_WARPS`)
     loop_torch_record `loop` with the step's record and row state by torch's ops (the kernel
                   plan's record off: an A/B of `record_step`; optional)
+    loop_register_tile `loop` with every decode linear on the register tile (`linear4bit_ws`
+                  off: an A/B of the warp-specialized kernel)
 
 Each loop variant runs once per --kernels value: "torch" (the modules' own forwards) and "auto"
 (the fused 4-bit + LoRA decode linear for the projections, add_rmsnorm for each residual add +
@@ -90,7 +92,7 @@ VARIANTS = ("hf_eager", "fast_sampler", "loop", "loop_sdpa_attention", "loop_no_
             "loop_torch_sample", "loop_cublas_head", "loop_2_per_sm", "loop_no_pdl",
             "loop_pdl_no_early", "loop_sums_in_linear", "loop_no_norm_sums", "loop_torch_record",
             "loop_one_step_splits", "loop_rope_warps1", "loop_rope_warps2", "loop_norm_warps16",
-            "loop_attention_warps2", "loop_attention_warps8")
+            "loop_attention_warps2", "loop_attention_warps8", "loop_register_tile")
 # the lab variants' kernel plans: `loop`'s without one piece
 PLAN_WITHOUT = {"loop_no_silu_mul": {"silu_mul": frozenset()},
                 "loop_torch_sample": {"sample": False},
@@ -171,7 +173,8 @@ def _lab_patch(name: str):
     """What a lab variant runs under (its graphs are captured inside, so they keep it): `loop`'s
     kernel plans with PLAN_WITHOUT's fields replaced, the decode linear's tile rule at 2
     programs per SM or with one-step splits, other warps for RoPE, the norm or attention, PDL
-    off, or PDL without the linear's early start; a null context for every other variant."""
+    off, PDL without the linear's early start, or the warp-specialized linear off; a null
+    context for every other variant."""
     from trainers.sampling import loop
     from trainers.sampling.kernels import linear4bit, pdl
 
@@ -193,6 +196,10 @@ def _lab_patch(name: str):
         return mock.patch.object(decode_attention, "NUM_WARPS", int(name[-1]))
     if name == "loop_no_pdl":
         return mock.patch.dict(os.environ, {pdl.ENV: "0"})
+    if name == "loop_register_tile":
+        from trainers.sampling.kernels import linear4bit_ws
+
+        return mock.patch.dict(os.environ, {linear4bit_ws.ENV: "0"})
     if name == "loop_pdl_no_early":
         return mock.patch.object(pdl, "EARLY_NEXT_WAVES", 0)
     fields = PLAN_WITHOUT.get(name)

@@ -1,0 +1,154 @@
+"""trainers.sampling.kernels.linear4bit_ws: the warp-specialized decode linear (sm_90, Gluon).
+
+CPU: where the path runs (`reason`) and its split rule; the kernel's sm_90 compile is
+tests/_compile_decode_kernels.py's. GPU (`-m gpu`, an H100): the kernel through
+`linear4bit_lora` / `decode_linear` (the launcher's own choice) against the same sum in fp64
+and against the modules' forward, with the tolerances of tests/test_decode_linear.py, at odd
+rows, an N that is not a multiple of 64, an odd number of K steps, every real 1B / 8B layer
+shape, with and without LoRA and double quant; each test asserts that the kernel ran.
+
+    python -m pytest -q tests/test_decode_linear_ws.py
+    python -m pytest -q -m gpu tests/test_decode_linear_ws.py
+"""
+
+import pytest
+import torch
+
+bnb = pytest.importorskip("bitsandbytes")
+peft = pytest.importorskip("peft")
+
+from bitsandbytes import functional as bnbF
+from test_decode_linear import (
+    _check,
+    _fp64,
+    _inputs,
+    _lora_module,
+    _module_bound_check,
+    _quantize,
+)
+
+from trainers.sampling.kernels import linear4bit, linear4bit_ws
+from trainers.sampling.kernels.linear4bit import Packed4bit, decode_linear, linear4bit_lora
+from trainers.sampling.kernels.split_sum import SplitSum
+
+gpu = pytest.mark.skipif(not (torch.cuda.is_available()
+                              and torch.cuda.get_device_capability() == (9, 0)),
+                         reason="needs an sm_90 GPU")
+
+
+def _part(packed, qs, a=None, b=None, bias=None):
+    return linear4bit.LinearPart(Packed4bit.from_quant_state(packed, qs), bias, a, b, 2.0)
+
+
+def test_reason_names_what_keeps_the_path_off():
+    """Off CUDA, with a bias, a grouped launch, an explicit config, a rank other than 16 or the
+    environment switch, `reason` says so (the register tile then runs)."""
+    packed, qs = _quantize(128, 256, quant_type="nf4", double=True)
+    x, a, b, _ = _inputs(8, 128, 256, 16)
+    part = _part(packed, qs, a, b)
+    assert "CUDA" in linear4bit_ws.reason(x, [part], False, None)
+    assert "grouped" in linear4bit_ws.reason(x, [part, part], False, None)
+    assert "grouped" in linear4bit_ws.reason(x, [part], True, None)
+    assert "config" in linear4bit_ws.reason(x, [part], False, {"SPLIT_K": 1})
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(linear4bit_ws.ENV, "0")
+        assert linear4bit_ws.ENV in linear4bit_ws.reason(x, [part], False, None)
+
+
+def test_split_rule():
+    """The smallest power of two that fills 0.9 of the SMs with 64-row CTAs, at most 8 and at
+    most half the 256-column steps."""
+    assert linear4bit_ws.split_rule(14336, 4096, 132) == 1  # 224 tiles
+    assert linear4bit_ws.split_rule(4096, 14336, 132) == 2  # 64 tiles
+    assert linear4bit_ws.split_rule(2048, 2048, 132) == 4  # 32 tiles, 8 steps
+    assert linear4bit_ws.split_rule(512, 2048, 132) == 4  # 8 tiles, capped by 8 steps / 2
+    assert linear4bit_ws.split_rule(1024, 4096, 132) == 8  # 16 tiles
+    assert linear4bit_ws.split_rule(64, 256, 132) == 1  # one step: one split
+
+
+# ---------------------------------------------------------------------------------------- GPU
+
+def _launches():
+    return sum(linear4bit_ws.LAUNCHES.values())
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("quant_type,double,blocksize", [
+    ("nf4", True, 64), ("nf4", True, 128), ("fp4", False, 64), ("nf4", False, 256)])
+@pytest.mark.parametrize("n,k", [(200, 1280), (2048, 2048), (512, 2048), (8192, 2048),
+                                 (2048, 8192), (4096, 4096), (1024, 4096), (14336, 4096),
+                                 (4096, 14336)])
+def test_matches_fp64_gpu(quant_type, double, blocksize, n, k):
+    """At M = 1, 3, 8, with and without a rank-16 bf16 LoRA term: within u·|y| + 2·K_eff·2⁻²⁴·S
+    of the fp64 sum of the same bf16 operands (one rounding of fp32 sums), the kernel counted."""
+    packed, qs = _quantize(n, k, quant_type=quant_type, double=double, blocksize=blocksize,
+                           device="cuda")
+    w = Packed4bit.from_quant_state(packed, qs)
+    w_bf16 = bnbF.dequantize_4bit(packed, qs)
+    for m in (1, 3, 8):
+        x, a, b, _ = _inputs(m, n, k, 16, device="cuda")
+        for lora in (False, True):
+            before = _launches()
+            kw = {"lora_a": a, "lora_b": b, "scaling": 2.0} if lora else {}
+            ours = linear4bit_lora(x, w, **kw)
+            assert _launches() == before + 1, linear4bit_ws.reason(
+                x, [linear4bit.LinearPart(w, None, a if lora else None, b if lora else None,
+                                          2.0)], False, None)
+            y, big_s = _fp64(x, w_bf16, None, a if lora else None, b if lora else None, 2.0)
+            splits = linear4bit_ws.split_rule(n, k, torch.cuda.get_device_properties(0)
+                                              .multi_processor_count)
+            _check(ours, y, big_s, k_eff=k + 16 + 4 + splits, rel_u=1, s_u=0,
+                   what=f"{quant_type} double={double} bs={blocksize} N={n} K={k} M={m} "
+                        f"lora={lora}")
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("m", [1, 8])
+def test_module_and_deferred_sum_gpu(m):
+    """decode_linear(x, lora.Linear4bit without bias) takes the kernel: within the bf16 contract
+    of the module's forward; with defer_sum a split launch hands its partials on, and their sum
+    is the tensor's bits."""
+    mod = _lora_module(2048, 8192, bias=False, device="cuda")
+    x = _inputs(m, 2048, 8192, 16, device="cuda")[0]
+    before = _launches()
+    ours = decode_linear(x, mod)
+    assert _launches() == before + 1
+    with torch.no_grad():
+        ref = mod(x)
+    _module_bound_check(ours, mod, x, ref, f"M={m}")
+    deferred = decode_linear(x, mod, defer_sum=True)
+    assert isinstance(deferred, SplitSum) and deferred.splits > 1
+    assert torch.equal(deferred.materialize(), ours)
+
+
+@pytest.mark.gpu
+@gpu
+def test_switch_and_fallbacks_gpu():
+    """GRPO_LCE_WS_LINEAR=0, a bias, 9 rows and fp32 LoRA factors take the register tile (no
+    launch of this kernel), each within the same fp64 bound."""
+    n, k = 1024, 2048
+    packed, qs = _quantize(n, k, quant_type="nf4", double=True, device="cuda")
+    w = Packed4bit.from_quant_state(packed, qs)
+    w_bf16 = bnbF.dequantize_4bit(packed, qs)
+    cases = []
+    x, a, b, bias = _inputs(8, n, k, 16, device="cuda")
+    cases.append(("bias", x, {"bias": bias, "lora_a": a, "lora_b": b}))
+    x9 = _inputs(9, n, k, 16, device="cuda")[0]
+    cases.append(("9 rows", x9, {"lora_a": a, "lora_b": b}))
+    a32, b32 = a.float(), b.float()
+    cases.append(("fp32 factors", x, {"lora_a": a32, "lora_b": b32}))
+    for what, xx, kw in cases:
+        before = _launches()
+        ours = linear4bit_lora(xx, w, scaling=2.0, **kw)
+        assert _launches() == before, what
+        y, big_s = _fp64(xx, w_bf16, kw.get("bias"), kw["lora_a"], kw["lora_b"], 2.0)
+        _check(ours, y, big_s, k_eff=k + 20 + 32, rel_u=1, s_u=0, what=what)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(linear4bit_ws.ENV, "0")
+        before = _launches()
+        ours = linear4bit_lora(x, w, lora_a=a, lora_b=b, scaling=2.0)
+        assert _launches() == before
+        y, big_s = _fp64(x, w_bf16, None, a, b, 2.0)
+        _check(ours, y, big_s, k_eff=k + 20 + 32, rel_u=1, s_u=0, what="switched off")

@@ -1,0 +1,367 @@
+"""The warp-specialized decode linear's Gluon kernel (sm_90); `linear4bit_ws` decides and launches.
+
+    y = x @ round(W)ᵀ + s · (x @ Aᵀ) @ Bᵀ      x (M <= 8, K) bf16, W bitsandbytes 4-bit (N, K),
+                                              A (16, K) and B (N, 16) bf16 LoRA factors
+
+One CTA computes a 64-row tile of W over one K split. A producer warp copies each step's
+64 x 256 packed weights (TMA, 128-byte swizzle; int32 words), x's 8 x 256 and A's 16 x 256
+(each as (rows, 4 chunks, 64), a chunk one swizzled 128-byte row) into a ring of STAGES
+shared-memory stages; the 4 consumer warps (the default partition) read a stage, look its
+nibbles up and run mma.sync m16n8k16. With ρ a row of the stage and thread (warp w, lane l),
+Q = l % 4 (chunk Q of the step: 64 elements, one absmax block or part of one):
+
+    words  rows ρ = 32·rb + 8·w + l // 4 (rb = 0, 1), words 8·Q + 4·h + j (half h, j < 4)
+    A_h    the (64, 128) left operand of half h: row r = 16·w + 8·rb + l // 4 is stage row ρ,
+           column c = 32·j + 8·i + 2·Q + E is element E of byte i of word j
+    x_h    the (128, 8) right operand: column c is x[:, 256·step + 64·Q + 32·h + 8·j + 2·i + E]
+
+so what a thread looks up is its MMA operand (every layout conversion asserts that it moves no
+data); the dot sums K in that permuted order. The lookup is `linear4bit`'s: per row and chunk
+the 16 values round(code[i] · scale) as byte planes (`_table_asm`), then byte permutes
+(`_PAIRS_ASM`), so the weight is round(W) bit for bit. The scale operands are loaded two steps
+ahead in registers; the step's MMAs run in four independent chains, summed at the end.
+
+The LoRA factor t = A @ xᵀ (fp32, never rounded) is split over the warps: warp w sums the
+columns 8·w .. 8·w + 7 of each half of each chunk (a batched MMA, the batch over warps), and the
+warps' parts are summed once after the loop; the epilogue adds s · B[tile] @ t in fp32 (each K
+split its own t_split: the term is linear in t). Every sum is fp32 with one rounding of y, so
+the output meets `linear4bit`'s bound. Split K writes fp32 partials (SPLIT_K, M, N).
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
+
+from . import linear4bit as L
+
+ROWS = gl.constexpr(64)  # weight rows (output features) a CTA computes
+STEP_WORDS = gl.constexpr(32)  # int32 words of a row a step: 256 columns of K
+RANK = gl.constexpr(16)  # the LoRA rank the kernel takes
+TABLE = gl.constexpr(L._table_asm("cvt.rn.bf16x2.f32"))
+TABLE_CONSTRAINTS = gl.constexpr(",".join(["=r"] * 8 + ["r"] * 17))
+PAIRS = gl.constexpr(L._PAIRS_ASM)
+PAIRS_CONSTRAINTS = gl.constexpr(",".join(["=r"] * 4 + ["r"] * 9))
+
+# the stage's words as the consumer holds them (module docstring), loaded from shared memory
+WORDS2 = gl.constexpr(gl.DistributedLinearLayout(
+    reg_bases=[[0, 1], [0, 2], [0, 4], [32, 0]],
+    lane_bases=[[0, 8], [0, 16], [1, 0], [2, 0], [4, 0]],
+    warp_bases=[[8, 0], [16, 0]], block_bases=[], shape=[ROWS.value, STEP_WORDS.value]))
+# the same registers as (rows, chunk Q, word 4·h + j): a blocked layout, so that a chunk's
+# scale (64, 4, 1) broadcasts over its words
+WORDS3 = gl.constexpr(gl.BlockedLayout([1, 1, 8], [8, 4, 1], [4, 1, 1], [2, 1, 0]))
+# a half's words (rows, chunk Q, j), and the chunk tables (64, 4, 1) broadcast over them
+HALF = gl.constexpr(gl.BlockedLayout([1, 1, 4], [8, 4, 1], [4, 1, 1], [2, 1, 0]))
+MMA = gl.constexpr(gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[4, 1],
+                                             instr_shape=[16, 8]))
+A_OP = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2))
+B_OP = gl.constexpr(gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2))
+# a stage's x (8 rows, chunk Q, its 64 columns): each thread both halves' 32 elements of its
+# row and chunk, every warp all of x; the swizzle puts a quarter warp's 8 lanes (4 chunks x 2
+# rows) in 8 bank groups
+XLOAD = gl.constexpr(gl.BlockedLayout([1, 1, 64], [8, 4, 1], [1, 1, 4], [2, 1, 0]))
+# t's warp split (module docstring): a batched MMA, the batch (the column slice) over warps
+MMA3 = gl.constexpr(gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[4, 1, 1],
+                                              instr_shape=[1, 16, 8]))
+A3_OP = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=MMA3, k_width=2))
+B3_OP = gl.constexpr(gl.DotOperandLayout(operand_index=1, parent=MMA3, k_width=2))
+# a stage's A (16 ranks, chunk Q, 64 columns) and x (8 rows, Q, 64) as those warps read them:
+# lanes over Q and the rank (row), registers over a slice's 8 elements, rank + 8 and the half,
+# warps over the slices
+A_SPLIT = gl.constexpr(gl.DistributedLinearLayout(
+    reg_bases=[[0, 0, 1], [0, 0, 2], [0, 0, 4], [8, 0, 0], [0, 0, 32]],
+    lane_bases=[[0, 1, 0], [0, 2, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]],
+    warp_bases=[[0, 0, 8], [0, 0, 16]], block_bases=[], shape=[RANK.value, 4, 64]))
+X_SPLIT = gl.constexpr(gl.DistributedLinearLayout(
+    reg_bases=[[0, 0, 1], [0, 0, 2], [0, 0, 4], [0, 0, 32]],
+    lane_bases=[[0, 1, 0], [0, 2, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]],
+    warp_bases=[[0, 0, 8], [0, 0, 16]], block_bases=[], shape=[8, 4, 64]))
+# the epilogue's s · B[tile] @ t in fp32: (64 rows n, 16 ranks, 8 rows m), a thread all 16
+# ranks of its (n, m) pairs, so the sum over ranks stays in its registers
+LORA3 = gl.constexpr(gl.BlockedLayout([1, RANK.value, 1], [8, 1, 4], [4, 1, 1], [2, 1, 0]))
+
+
+@gluon.jit
+def _halves(w):
+    """The two bf16 of each int32 word w (lower half first) along a new last axis."""
+    lo = (w & 0xFFFF).to(gl.int16).to(gl.bfloat16, bitcast=True)
+    hi = (w >> 16).to(gl.int16).to(gl.bfloat16, bitcast=True)
+    return gl.join(lo, hi)
+
+
+@gluon.jit
+def _table(scale, c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15):
+    """linear4bit's 8 table words (round(code · scale) as byte planes) of each scale."""
+    return gl.inline_asm_elementwise(
+        TABLE, TABLE_CONSTRAINTS,
+        [scale, c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15],
+        dtype=(gl.int32, gl.int32, gl.int32, gl.int32, gl.int32, gl.int32, gl.int32, gl.int32),
+        is_pure=True, pack=1)
+
+
+@gluon.jit
+def _scale_operands(absmax_ptr, absmax2_ptr, row0, N, K, step, BS: gl.constexpr,
+                    BS2: gl.constexpr, NESTED: gl.constexpr):
+    """(64, 4) operands of the scale of each stage row's chunk Q of `step` (rows past N: 0),
+    all 32-bit (loop-carried as whole registers, so nothing repacks them while they load):
+    with double quant and BS 64 the int32 word of a row's four code indices of the step
+    (`_scale` takes byte Q), else the index or the absmax itself; and the second-level scale
+    (or the absmax again)."""
+    rho = gl.arange(0, 64, layout=gl.SliceLayout(1, gl.SliceLayout(2, HALF)))
+    q = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, HALF)))
+    row = row0 + rho[:, None]
+    blk = row * (K // BS) + (step * 4 + q[None, :]) // (BS // 64)
+    ok = (row < N) & (q[None, :] < 4)
+    if NESTED:
+        if BS == 64:
+            qa = gl.load(absmax_ptr.to(gl.pointer_type(gl.int32)) + (row * (K // 256) + step)
+                         + 0 * q[None, :], mask=ok, other=0)
+        else:
+            qa = gl.load(absmax_ptr + blk, mask=ok, other=0).to(gl.int32)
+        return qa, gl.load(absmax2_ptr + blk // BS2, mask=ok, other=0.0)
+    else:
+        a = gl.load(absmax_ptr + blk, mask=ok, other=0.0)
+        return a, a
+
+
+@gluon.jit
+def _scale(qa, a2, code2_ptr, offset, BS: gl.constexpr, NESTED: gl.constexpr):
+    """code2[qa] · absmax2 + offset (two roundings: the kernel runs without FMA contraction, as
+    bitsandbytes forms it), or the absmax."""
+    if NESTED:
+        if BS == 64:  # byte Q of the row's word
+            q = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, HALF)))
+            qa = (qa >> (8 * q[None, :])) & 0xFF
+        return gl.load(code2_ptr + qa) * a2 + offset
+    else:
+        return qa
+
+
+@gluon.jit
+def _a_tile(w, t0, t1, t2, t3, t4, t5, t6, t7):
+    """The (64, 128) A operand of a half step from its words w (64, 4, 4) [ρ, Q, j] and the
+    chunk tables (64, 4, 1)."""
+    b0, b1, b2, b3 = gl.inline_asm_elementwise(
+        PAIRS, PAIRS_CONSTRAINTS, [w, t0, t1, t2, t3, t4, t5, t6, t7],
+        dtype=(gl.int32, gl.int32, gl.int32, gl.int32), is_pure=True, pack=1)
+    v = gl.join(gl.join(_halves(b0), _halves(b1)), gl.join(_halves(b2), _halves(b3)))
+    v = gl.reshape(v, [2, 4, 8, 4, 4, 2, 2, 2])  # [rb, w, r8, Q, j, E, i0, i1]
+    v = gl.permute(v, (1, 0, 2, 4, 7, 6, 3, 5))  # [w, rb, r8, j, i1, i0, Q, E]
+    return gl.convert_layout(gl.reshape(v, [64, 128]), A_OP, assert_trivial=True)
+
+
+@gluon.jit
+def _x_tile(xh):
+    """The (128, 8) B operand from x's (8, 4, 32) [m, Q, e] columns 64·Q + 32·h + e, K
+    permuted as the module docstring says."""
+    v = gl.reshape(xh, [8, 4, 4, 2, 2, 2])  # [m, Q, j, i1, i0, E]
+    v = gl.permute(v, (2, 3, 4, 1, 5, 0))  # [j, i1, i0, Q, E, m]
+    return gl.convert_layout(gl.reshape(v, [128, 8]), B_OP, assert_trivial=True)
+
+
+@gluon.jit
+def _x_tiles(xbuf):
+    """The two halves' (128, 8) B operands from a stage's x tile (8, 4, 64) [m, Q, column]."""
+    xv = xbuf.load(XLOAD)
+    x_h0, x_h1 = gl.split(gl.permute(gl.reshape(xv, [8, 4, 2, 32]), (0, 1, 3, 2)))
+    return _x_tile(x_h0), _x_tile(x_h1)
+
+
+@gluon.jit
+def _k_halves_a(a):
+    """The (64, 128) A operand's columns c < 64 and c >= 64 (c's bit 6 is a register bit),
+    each an A operand."""
+    lo, hi = gl.split(gl.permute(gl.reshape(a, [64, 2, 64]), (0, 2, 1)))
+    return (gl.convert_layout(lo, A_OP, assert_trivial=True),
+            gl.convert_layout(hi, A_OP, assert_trivial=True))
+
+
+@gluon.jit
+def _k_halves_b(b):
+    """The (128, 8) B operand's rows c < 64 and c >= 64, each a B operand."""
+    lo, hi = gl.split(gl.permute(gl.reshape(b, [2, 64, 8]), (1, 2, 0)))
+    return (gl.convert_layout(lo, B_OP, assert_trivial=True),
+            gl.convert_layout(hi, B_OP, assert_trivial=True))
+
+
+@gluon.jit
+def _lora_t_step(abuf, xbuf, t4):
+    """t4 (4, 16, 8) += the step's A @ xᵀ, warp w summing its column slices (MMA3)."""
+    av = gl.reshape(abuf.load(A_SPLIT), [RANK, 4, 2, 4, 2, 2, 2])  # [r, Q, h, w, i1, i0, E]
+    av = gl.reshape(gl.permute(av, (3, 0, 4, 5, 1, 6, 2)), [4, RANK, 32, 2])  # [w, r, c', h]
+    xv = gl.reshape(xbuf.load(X_SPLIT), [8, 4, 2, 4, 2, 2, 2])  # [m, Q, h, w, i1, i0, E]
+    xv = gl.reshape(gl.permute(xv, (3, 4, 5, 1, 6, 0, 2)), [4, 32, 8, 2])  # [w, c', m, h]
+    a0, a1 = gl.split(av)
+    x0, x1 = gl.split(xv)
+    t4 = mma_v2(gl.convert_layout(a0, A3_OP, assert_trivial=True),
+                gl.convert_layout(x0, B3_OP, assert_trivial=True), t4)
+    return mma_v2(gl.convert_layout(a1, A3_OP, assert_trivial=True),
+                  gl.convert_layout(x1, B3_OP, assert_trivial=True), t4)
+
+
+@gluon.jit
+def _step(bufs, xbufs, abufs, ready, empty, i, qa, a2, acc, acc1, acc2, acc3, t4, code2_ptr,
+          offset, c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15,
+          BS: gl.constexpr, NESTED: gl.constexpr, STAGES: gl.constexpr,
+          HAS_LORA: gl.constexpr):
+    """Step i of the CTA: stage i % STAGES's words times x into the accumulators (and A times
+    x into t4); the stage is handed back once read."""
+    tb0, tb1, tb2, tb3, tb4, tb5, tb6, tb7 = _table(
+        _scale(qa, a2, code2_ptr, offset, BS, NESTED), c0, c1, c2, c3, c4, c5, c6, c7, c8, c9,
+        c10, c11, c12, c13, c14, c15)
+    s = i % STAGES
+    mbarrier.wait(ready.index(s), (i // STAGES) & 1)
+    words = bufs.index(s).load(WORDS2)
+    x0, x1 = _x_tiles(xbufs.index(s))
+    if HAS_LORA:
+        t4 = _lora_t_step(abufs.index(s), xbufs.index(s), t4)
+    fence_async_shared()
+    mbarrier.arrive(empty.index(s), count=1)
+    w3 = gl.convert_layout(gl.reshape(words, [64, 4, 8]), WORDS3, assert_trivial=True)
+    w_h0, w_h1 = gl.split(gl.permute(gl.reshape(w3, [64, 4, 2, 4]), (0, 1, 3, 2)))
+    w_h0 = gl.convert_layout(w_h0, HALF, assert_trivial=True)
+    w_h1 = gl.convert_layout(w_h1, HALF, assert_trivial=True)
+    tb0 = tb0[:, :, None]
+    tb1 = tb1[:, :, None]
+    tb2 = tb2[:, :, None]
+    tb3 = tb3[:, :, None]
+    tb4 = tb4[:, :, None]
+    tb5 = tb5[:, :, None]
+    tb6 = tb6[:, :, None]
+    tb7 = tb7[:, :, None]
+    a0l, a0h = _k_halves_a(_a_tile(w_h0, tb0, tb1, tb2, tb3, tb4, tb5, tb6, tb7))
+    a1l, a1h = _k_halves_a(_a_tile(w_h1, tb0, tb1, tb2, tb3, tb4, tb5, tb6, tb7))
+    b0l, b0h = _k_halves_b(x0)
+    b1l, b1h = _k_halves_b(x1)
+    acc = mma_v2(a0l, b0l, acc)
+    acc1 = mma_v2(a0h, b0h, acc1)
+    acc2 = mma_v2(a1l, b1l, acc2)
+    acc3 = mma_v2(a1h, b1h, acc3)
+    return acc, acc1, acc2, acc3, t4
+
+
+@gluon.jit
+def _consumer(bufs, xbufs, abufs, ready, empty, code_ptr, absmax_ptr, absmax2_ptr, code2_ptr,
+              offset_ptr, row0, N, K, step_lo, nsteps, BS: gl.constexpr, BS2: gl.constexpr,
+              NESTED: gl.constexpr, STAGES: gl.constexpr, HAS_LORA: gl.constexpr):
+    t4 = gl.zeros([4, RANK, 8], gl.float32, MMA3)
+    acc = gl.zeros([64, 8], gl.float32, MMA)
+    acc1 = gl.zeros([64, 8], gl.float32, MMA)
+    acc2 = gl.zeros([64, 8], gl.float32, MMA)
+    acc3 = gl.zeros([64, 8], gl.float32, MMA)
+    if NESTED:
+        offset = gl.load(offset_ptr)
+    else:
+        offset = 0.0
+    c0 = gl.load(code_ptr + 0)
+    c1 = gl.load(code_ptr + 1)
+    c2 = gl.load(code_ptr + 2)
+    c3 = gl.load(code_ptr + 3)
+    c4 = gl.load(code_ptr + 4)
+    c5 = gl.load(code_ptr + 5)
+    c6 = gl.load(code_ptr + 6)
+    c7 = gl.load(code_ptr + 7)
+    c8 = gl.load(code_ptr + 8)
+    c9 = gl.load(code_ptr + 9)
+    c10 = gl.load(code_ptr + 10)
+    c11 = gl.load(code_ptr + 11)
+    c12 = gl.load(code_ptr + 12)
+    c13 = gl.load(code_ptr + 13)
+    c14 = gl.load(code_ptr + 14)
+    c15 = gl.load(code_ptr + 15)
+    # the scale operands two steps ahead, in registers (their loads' latency hides behind the
+    # steps' lookups)
+    last = step_lo + nsteps - 1
+    qa_next, a2_next = _scale_operands(absmax_ptr, absmax2_ptr, row0, N, K, step_lo, BS, BS2,
+                                       NESTED)
+    qa_next2, a2_next2 = _scale_operands(absmax_ptr, absmax2_ptr, row0, N, K,
+                                         gl.minimum(step_lo + 1, last), BS, BS2, NESTED)
+    for i in range(nsteps):
+        step = step_lo + i
+        qa, a2 = qa_next, a2_next
+        qa_next, a2_next = qa_next2, a2_next2
+        qa_next2, a2_next2 = _scale_operands(absmax_ptr, absmax2_ptr, row0, N, K,
+                                             gl.minimum(step + 2, last), BS, BS2, NESTED)
+        acc, acc1, acc2, acc3, t4 = _step(
+            bufs, xbufs, abufs, ready, empty, i, qa, a2, acc, acc1, acc2, acc3, t4, code2_ptr,
+            offset, c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15, BS,
+            NESTED, STAGES, HAS_LORA)
+    return (acc + acc1) + (acc2 + acc3), gl.convert_layout(gl.sum(t4, axis=0),
+                                                           gl.SliceLayout(0, LORA3))
+
+
+@gluon.jit
+def _producer(w_desc, x_desc, a_desc, bufs, xbufs, abufs, ready, empty, row0, step_lo, nsteps,
+              STAGES: gl.constexpr, HAS_LORA: gl.constexpr):
+    nbytes: gl.constexpr = (w_desc.block_type.nbytes + x_desc.block_type.nbytes
+                            + (a_desc.block_type.nbytes if HAS_LORA else 0))
+    for i in range(nsteps):
+        s = i % STAGES
+        mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
+        mbarrier.expect(ready.index(s), nbytes)
+        step = step_lo + i
+        tma.async_copy_global_to_shared(w_desc, [row0, step * STEP_WORDS], ready.index(s),
+                                        bufs.index(s))
+        tma.async_copy_global_to_shared(x_desc, [0, step * 4, 0], ready.index(s),
+                                        xbufs.index(s))
+        if HAS_LORA:
+            tma.async_copy_global_to_shared(a_desc, [0, step * 4, 0], ready.index(s),
+                                            abufs.index(s))
+
+
+@gluon.jit
+def _lora_term(t3, b_ptr, row0, N, stride_bn, scaling):
+    """s · B[tile] @ t, (64, 8) fp32 in the accumulator's layout, rows in stage order, from t
+    (16, 8) in the rank-sum layout."""
+    r = gl.arange(0, 64, layout=gl.SliceLayout(1, gl.SliceLayout(2, LORA3)))
+    j = gl.arange(0, RANK, layout=gl.SliceLayout(0, gl.SliceLayout(2, LORA3)))
+    n = row0 + 32 * ((r >> 3) & 1) + 8 * (r >> 4) + (r & 7)
+    b = gl.load(b_ptr + n[:, None] * stride_bn + j[None, :],
+                mask=(n < N)[:, None] & (j < RANK)[None, :], other=0.0).to(gl.float32)
+    lora = gl.sum(b[:, :, None] * t3[None, :, :], axis=1)
+    return gl.convert_layout(lora * scaling, MMA)
+
+
+@gluon.jit
+def linear4bit_ws_kernel(w_desc, x_desc, a_desc, b_ptr, y_ptr, part_ptr, code_ptr, absmax_ptr,
+                         absmax2_ptr, code2_ptr, offset_ptr, scaling, N, K, M, stride_bn,
+                         stride_ym, stride_ps, steps_per_split, BS: gl.constexpr,
+                         BS2: gl.constexpr, NESTED: gl.constexpr, SPLIT: gl.constexpr,
+                         STAGES: gl.constexpr, HAS_LORA: gl.constexpr,
+                         PRODUCER_REGS: gl.constexpr):
+    """Grid (N / 64 tiles, K splits); y (M, N) in bf16, or with SPLIT the split's fp32 partial
+    part[split] (M, N). `linear4bit_ws.launch` gives the descriptors and the steps a split."""
+    row0 = gl.program_id(0) * ROWS
+    pid_k = gl.program_id(1)
+    step_lo = pid_k * steps_per_split
+    nsteps = gl.minimum(steps_per_split, K // 256 - step_lo)
+    bufs = gl.allocate_shared_memory(gl.int32, [STAGES, ROWS, STEP_WORDS], w_desc.layout)
+    xbufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, 8, 4, 64], x_desc.layout)
+    abufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES if HAS_LORA else 1, RANK, 4, 64],
+                                      a_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(STAGES):
+        mbarrier.init(ready.index(s), count=1)
+        mbarrier.init(empty.index(s), count=1)
+    fence_async_shared()
+    acc, t = gl.warp_specialize([
+        (_consumer, (bufs, xbufs, abufs, ready, empty, code_ptr, absmax_ptr, absmax2_ptr,
+                     code2_ptr, offset_ptr, row0, N, K, step_lo, nsteps, BS, BS2, NESTED,
+                     STAGES, HAS_LORA)),
+        (_producer, (w_desc, x_desc, a_desc, bufs, xbufs, abufs, ready, empty, row0, step_lo,
+                     nsteps, STAGES, HAS_LORA)),
+    ], [1], [PRODUCER_REGS])
+    if HAS_LORA:
+        acc += _lora_term(t, b_ptr, row0, N, stride_bn, scaling)
+    r = gl.arange(0, 64, layout=gl.SliceLayout(1, MMA))
+    m = gl.arange(0, 8, layout=gl.SliceLayout(0, MMA))
+    n = row0 + 32 * ((r >> 3) & 1) + 8 * (r >> 4) + (r & 7)  # the stage row of MMA row r
+    mask = (n < N)[:, None] & (m < M)[None, :]
+    if SPLIT:
+        gl.store(part_ptr + pid_k * stride_ps + m[None, :] * N + n[:, None], acc, mask=mask)
+    else:
+        gl.store(y_ptr + m[None, :] * stride_ym + n[:, None], acc.to(gl.bfloat16), mask=mask)

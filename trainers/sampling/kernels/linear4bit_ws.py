@@ -1,0 +1,187 @@
+"""The decode linear warp-specialized (Hopper): where it runs, and its launch.
+
+`_linear4bit_ws_kernel` (its docstring) streams the packed weight, x and the LoRA factor A
+through TMA into shared memory ahead of the warps that look the nibbles up, and runs the
+lookup's MMAs from there; at M = 8 it measured 1.2-1.5x faster than the register tile at the
+1B and 8B layer shapes (bench/README.md, session 29). Its output meets `linear4bit`'s bound
+(the same round(W), fp32 sums in another order, the LoRA term in fp32).
+
+`reason(x, parts, glu, config)` decides, for `linear4bit._launch`: None where this kernel
+computes the call. It takes one projection (no grouped or silu · mul launch), no bias, at most
+8 rows of bf16 x, K a multiple of 256 and a blocksize a multiple of 64, no LoRA or a rank-16
+LoRA with bf16 factors (PEFT's fp32 factors take the register tile, whose fp32 products they
+need), on a CUDA device of compute capability 9.0 with Triton's Gluon, every operand laid out
+as TMA reads it, no explicit tile config, and GRPO_LCE_WS_LINEAR not "0". A launch that fails
+(Gluon's compiler, a driver) logs one line and turns the path off for the process.
+
+The launch is without PDL (`pdl`): it waits for the kernel before it as a plain launch does,
+and the kernel after it, launched with PDL, waits for its completion in `grid_wait`.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import logging
+import os
+
+import torch
+import triton
+
+from ._interp import interpreting
+from .split_sum import SplitSum
+
+ENV = "GRPO_LCE_WS_LINEAR"
+# launches of the kernel, by kind: tests assert that the path ran
+LAUNCHES: collections.Counter = collections.Counter()
+MAX_ROWS = 8
+RANK = 16
+STAGES = 2  # shared-memory stages a CTA streams ahead (more measured slower)
+MAXNREG = 128  # registers a thread at launch: two CTAs a SM; the consumer warps take the
+#                producer warp group's spare registers
+PRODUCER_REGS = 24
+# the fewest CTAs a launch aims for, per SM (`split_rule`)
+CTAS_PER_SM = 0.9
+
+_log = logging.getLogger(__name__)
+_failed: list[str] = []  # the reason the path is off after a failed launch
+
+
+@functools.cache
+def _gluon_reason() -> str | None:
+    try:
+        from . import _linear4bit_ws_kernel  # noqa: F401
+    except Exception as e:  # noqa: BLE001 (any import failure means no Gluon kernel here)
+        return f"Triton {triton.__version__} has no usable Gluon ({type(e).__name__}: {e})"
+    return None
+
+
+@functools.cache
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def _tma_ready(t: torch.Tensor) -> bool:
+    """A 2-D tensor TMA can read: row-major, 16-byte aligned base and row stride."""
+    return (t.dim() == 2 and t.stride(1) == 1 and t.data_ptr() % 16 == 0
+            and (t.stride(0) * t.element_size()) % 16 == 0)
+
+
+def reason(x: torch.Tensor, parts: list, glu: bool, config: dict | None) -> str | None:
+    """Why this kernel does not compute `linear4bit._launch`'s call (None: it does)."""
+    if os.environ.get(ENV, "1") == "0":
+        return f"{ENV}=0"
+    if _failed:
+        return _failed[0]
+    if config is not None:
+        return "an explicit tile config"
+    if glu or len(parts) != 1:
+        return "a grouped or silu · mul launch"
+    if x.device.type != "cuda" or interpreting():
+        return "not a CUDA launch"
+    cap = _capability(x.device.index if x.device.index is not None
+                      else torch.cuda.current_device())
+    if cap != (9, 0):
+        return f"compute capability {cap[0]}.{cap[1]} (the kernel is sm_90's)"
+    m, k = x.shape
+    part = parts[0]
+    w = part.weight
+    if m > MAX_ROWS or x.dtype != torch.bfloat16 or not _tma_ready(x):
+        return f"x {tuple(x.shape)} {x.dtype} (at most {MAX_ROWS} rows of bf16, TMA-aligned)"
+    if k % 256 or w.blocksize % 64 or w.packed.data_ptr() % 16:
+        return f"K={k}, blocksize {w.blocksize} (multiples of 256 and 64), a 16-byte aligned weight"
+    if w.nested and w.blocksize == 64 and w.absmax.data_ptr() % 4:
+        return "double-quant absmax not 4-byte aligned"
+    if part.bias is not None:
+        return "a bias"
+    if part.lora_a is not None:
+        a, b = part.lora_a, part.lora_b
+        if (a.shape[0] != RANK or a.dtype != torch.bfloat16 or b.dtype != torch.bfloat16
+                or not _tma_ready(a) or b.stride(1) != 1):
+            return (f"LoRA rank {a.shape[0]}, factors {a.dtype} / {b.dtype} (the kernel takes "
+                    f"rank {RANK}, bf16, row-major)")
+    return _gluon_reason()
+
+
+def split_rule(n: int, k: int, num_sms: int) -> int:
+    """K splits for N output features: the smallest power of two that gives at least
+    CTAS_PER_SM · SMs CTAs of 64 rows, at most 8 and at most half the 256-column steps (each
+    split at least two)."""
+    tiles = triton.cdiv(n, 64)
+    split = 1
+    while tiles * split < CTAS_PER_SM * num_sms and split < 8:
+        split *= 2
+    return max(1, min(split, (k // 256) // 2))
+
+
+def _descriptor(t: torch.Tensor, shape: list, strides: list, block: list, bits: int):
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    layout = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=bits,
+                                  rank=len(block))
+    return TensorDescriptor(t, shape, strides, block, layout)
+
+
+@functools.cache
+def _no_lora(device: torch.device) -> torch.Tensor:
+    """A stand-in for A without LoRA (its descriptor is passed, never read)."""
+    return torch.zeros(RANK, 256, device=device, dtype=torch.bfloat16)
+
+
+def launch(x: torch.Tensor, part, defer_sum: bool, num_sms: int) -> list | None:
+    """[y] for one projection (`reason` None), or [SplitSum] where `defer_sum` and K is split;
+    None if the launch failed (logged once; the path is then off)."""
+    try:
+        return _launch(x, part, defer_sum, num_sms)
+    except Exception as e:  # noqa: BLE001 (a fast path that fails falls back, with one line)
+        msg = f"warp-specialized decode linear failed ({type(e).__name__}: {e})"
+        _failed.append(msg)
+        _log.warning("%s; using the register tile from now on", msg)
+        return None
+
+
+def _launch(x: torch.Tensor, part, defer_sum: bool, num_sms: int,
+            split: int | None = None) -> list:
+    """`launch` without its fallback; `split` (default `split_rule`'s) for the lab's sweeps."""
+    from ._linear4bit_ws_kernel import linear4bit_ws_kernel
+
+    m, k = x.shape
+    w = part.weight
+    n = w.shape[0]
+    split = split or split_rule(n, k, num_sms)
+    per = triton.cdiv(k // 256, split)
+    split = triton.cdiv(k // 256, per)
+    words = w.packed.view(torch.int32).view(n, k // 8)
+    w_desc = _descriptor(words, [n, k // 8], [k // 8, 1], [64, 32], 32)
+    # x and A as (rows, K / 64, 64): a step's box is every row's 4 chunks of 64 columns; rows
+    # past M read as zeros
+    x_desc = _descriptor(x, [m, k // 64, 64], [x.stride(0), 64, 1], [8, 4, 64], 16)
+    has_lora = part.lora_a is not None
+    a = part.lora_a if has_lora else _no_lora(x.device)
+    a_desc = _descriptor(a, [RANK, a.shape[1] // 64, 64], [a.stride(0), 64, 1], [RANK, 4, 64],
+                         16)
+    y = torch.empty(m, n, device=x.device, dtype=x.dtype)
+    partials = (torch.empty(split, m, n, device=x.device, dtype=torch.float32) if split > 1
+                else y)
+    linear4bit_ws_kernel[(triton.cdiv(n, 64), split)](
+        w_desc, x_desc, a_desc, part.lora_b if has_lora else x, y, partials, w.code, w.absmax,
+        w.absmax2 if w.nested else w.code, w.code2 if w.nested else w.code,
+        w.offset if w.nested else w.code, float(part.scaling), n, k, m,
+        part.lora_b.stride(0) if has_lora else 0, y.stride(0),
+        partials.stride(0) if split > 1 else 0, per, BS=w.blocksize, BS2=w.blocksize2,
+        NESTED=w.nested, SPLIT=split > 1, STAGES=STAGES, HAS_LORA=has_lora,
+        PRODUCER_REGS=PRODUCER_REGS, num_warps=4, maxnreg=MAXNREG,
+        # the double-quant scale code2 · absmax2 + offset with bitsandbytes' two roundings
+        enable_fp_fusion=False)
+    LAUNCHES["split" if split > 1 else "whole"] += 1
+    if split == 1:
+        return [y]
+    if defer_sum:
+        return [SplitSum(partials, None, x.dtype, n)]
+    from .linear4bit import _split_k_reduce_kernel
+
+    _split_k_reduce_kernel[(1, triton.cdiv(n, 64))](
+        partials, y, y, m, n, split, partials.stride(0), partials.stride(1), y.stride(0),
+        HAS_BIAS=False, BLOCK_M=16, BLOCK_N=64, INTERP=False)
+    return [y]
