@@ -40,7 +40,7 @@ def ws_linear(x: torch.Tensor, w: L.Packed4bit, *, lora_a: torch.Tensor | None =
     why = WS.reason(x, [part], False, None)
     if why is not None:
         raise ValueError(f"the warp-specialized kernel does not run here: {why}")
-    return WS._launch(x, part, False, L._num_sms(x.device), split=split)[0]
+    return WS._launch(x, [part], False, False, split=split)[0]
 
 
 def check_variants(args) -> None:

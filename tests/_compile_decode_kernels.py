@@ -82,7 +82,7 @@ def _compile_linear(nested, split, lora, lora_fp32, bs, prmt, xdt, segs=1, glu=F
                    enable_fp_fusion=False, num_stages=1)
 
 
-def compile_ws_linear(nested: bool, bs: int, lora: bool, split: bool) -> None:
+def compile_ws_linear(nested: bool, bs: int, lora: bool, split: bool, glu: bool) -> None:
     """`linear4bit_ws`'s Gluon kernel for sm_90 (its layout conversions assert, at this
     compile, that they move no data), as `linear4bit_ws.launch` launches it."""
     import torch
@@ -94,23 +94,25 @@ def compile_ws_linear(nested: bool, bs: int, lora: bool, split: bool) -> None:
 
     fn = WK.linear4bit_ws_kernel
     k = 4096
-    descs = {
-        "w_desc": WS._descriptor(torch.zeros(256, k // 8, dtype=torch.int32), [256, k // 8],
-                                 [k // 8, 1], [64, 32], 32),
-        "x_desc": WS._descriptor(torch.zeros(8, k, dtype=torch.bfloat16), [8, k // 64, 64],
-                                 [k, 64, 1], [8, 4, 64], 16),
-        "a_desc": WS._descriptor(torch.zeros(16, k, dtype=torch.bfloat16), [16, k // 64, 64],
-                                 [k, 64, 1], [16, 4, 64], 16),
-    }
+    w_desc = WS._descriptor(torch.zeros(256, k // 8, dtype=torch.int32), [256, k // 8],
+                            [k // 8, 1], [64, 32], 32)
+    a_desc = WS._descriptor(torch.zeros(16, k, dtype=torch.bfloat16), [16, k // 64, 64],
+                            [k, 64, 1], [16, 4, 64], 16)
+    descs = {"w_desc": w_desc, "w_desc_u": w_desc, "a_desc": a_desc, "a_desc_u": a_desc,
+             "x_desc": WS._descriptor(torch.zeros(8, k, dtype=torch.bfloat16), [8, k // 64, 64],
+                                      [k, 64, 1], [8, 4, 64], 16)}
     consts = {"BS": bs, "BS2": 256, "NESTED": nested, "SPLIT": split, "STAGES": WS.STAGES,
-              "HAS_LORA": lora, "PRODUCER_REGS": WS.PRODUCER_REGS}
-    types = {"b_ptr": "*bf16", "y_ptr": "*bf16", "part_ptr": "*fp32", "code_ptr": "*fp32",
-             "absmax_ptr": "*u8" if nested else "*fp32", "absmax2_ptr": "*fp32",
-             "code2_ptr": "*fp32", "offset_ptr": "*fp32", "scaling": "fp32"}
+              "HAS_LORA": lora, "GLU": glu, "PRODUCER_REGS": WS.PRODUCER_REGS}
+    types = {"y_ptr": "*bf16", "part_ptr": "*fp32"}
+    for seg in ("", "_u"):
+        types.update({f"b_ptr{seg}": "*bf16", f"code_ptr{seg}": "*fp32",
+                      f"absmax_ptr{seg}": "*u8" if nested else "*fp32",
+                      f"absmax2_ptr{seg}": "*fp32", f"code2_ptr{seg}": "*fp32",
+                      f"offset_ptr{seg}": "*fp32", f"scaling{seg}": "fp32"})
     sig = {n: (mangle_type(descs[n]) if n in descs else "constexpr" if n in consts
                else types.get(n, "i32")) for n in fn.arg_names}
     div16 = [n for n in fn.arg_names if sig[n].startswith("*")] + [
-        "N", "K", "stride_bn", "stride_ym", "stride_ps"]
+        "N", "K", "stride_bn", "stride_bn_u", "stride_ym", "stride_ps"]
     src = GluonASTSource(fn, sig, constexprs={(fn.arg_names.index(c),): v
                                               for c, v in consts.items()},
                          attrs={(fn.arg_names.index(n),): [["tt.divisibility", 16]]
@@ -118,7 +120,7 @@ def compile_ws_linear(nested: bool, bs: int, lora: bool, split: bool) -> None:
     kernel = triton.compile(src, target=TARGET, options={"num_warps": 4, "maxnreg": WS.MAXNREG,
                                                          "enable_fp_fusion": False})
     ptx = kernel.asm["ptx"]
-    assert ptx.count("mma.sync") == 16 + (4 if lora else 0), "MMAs a step"
+    assert ptx.count("mma.sync") == (16 + (4 if lora else 0)) * (2 if glu else 1), "MMAs a step"
     assert "cp.async.bulk.tensor" in ptx, "TMA copies"
     print(f"{fn.__name__} {consts}: shared {kernel.metadata.shared} B")
 
@@ -191,9 +193,12 @@ def main():
                         "Q_SPLITS": splits, "K_SPLITS": splits, "V_SPLITS": splits,
                         "HAS_QB": splits > 0, "HAS_KB": splits > 0, "HAS_VB": splits > 0},
                        num_warps=4, enable_fp_fusion=False)
-    for nested, bs, lora, split in ((True, 64, True, True), (True, 64, False, False),
-                                    (True, 128, True, False), (False, 64, True, True)):
-        compile_ws_linear(nested, bs, lora, split)
+    for nested, bs, lora, split, glu in ((True, 64, True, True, False),
+                                         (True, 64, False, False, False),
+                                         (True, 128, True, False, False),
+                                         (False, 64, True, True, False),
+                                         (True, 64, True, False, True)):
+        compile_ws_linear(nested, bs, lora, split, glu)
     compile_kernel(S._chunk_lse_kernel, {"z_ptr": "*fp32", "m_ptr": "*fp32", "s_ptr": "*fp32"},
                    {"BLOCK": S.BLOCK}, num_warps=8)
     for sample in (False, True):

@@ -152,3 +152,29 @@ def test_switch_and_fallbacks_gpu():
         assert _launches() == before
         y, big_s = _fp64(x, w_bf16, None, a, b, 2.0)
         _check(ours, y, big_s, k_eff=k + 20 + 32, rel_u=1, s_u=0, what="switched off")
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("n,k", [(8192, 2048), (14336, 4096)])
+@pytest.mark.parametrize("lora", [False, True])
+def test_silu_mul_is_torchs_on_the_projections_gpu(n, k, lora):
+    """The gate/up launch (one CTA streams both projections of its columns) gives torch's
+    F.silu(gate) * up on the two projections as this kernel computes them alone, bit for bit,
+    at M = 1, 3, 8; and the launch is counted."""
+    gp, gqs = _quantize(n, k, quant_type="nf4", double=True, device="cuda", seed=0)
+    up, uqs = _quantize(n, k, quant_type="nf4", double=True, device="cuda", seed=1)
+    for m in (1, 3, 8):
+        x, a, b, _ = _inputs(m, n, k, 16, device="cuda", seed=2)
+        _, a2, b2, _ = _inputs(m, n, k, 16, device="cuda", seed=3)
+        g = linear4bit.LinearPart(Packed4bit.from_quant_state(gp, gqs), None,
+                                  a if lora else None, b if lora else None, 2.0)
+        u = linear4bit.LinearPart(Packed4bit.from_quant_state(up, uqs), None,
+                                  a2 if lora else None, b2 if lora else None, 0.5)
+        before = dict(linear4bit_ws.LAUNCHES)
+        h = linear4bit.linear4bit_lora_silu_mul(x, g, u)
+        assert linear4bit_ws.LAUNCHES["silu_mul"] == before.get("silu_mul", 0) + 1
+        yg = linear4bit.linear4bit_lora_group(x, [g])[0]
+        yu = linear4bit.linear4bit_lora_group(x, [u])[0]
+        assert linear4bit_ws.LAUNCHES["whole"] == before.get("whole", 0) + 2
+        assert torch.equal(h, torch.nn.functional.silu(yg) * yu), f"M={m}"

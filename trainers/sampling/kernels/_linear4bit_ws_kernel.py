@@ -26,6 +26,10 @@ columns 8·w .. 8·w + 7 of each half of each chunk (a batched MMA, the batch ov
 warps' parts are summed once after the loop; the epilogue adds s · B[tile] @ t in fp32 (each K
 split its own t_split: the term is linear in t). Every sum is fp32 with one rounding of y, so
 the output meets `linear4bit`'s bound. Split K writes fp32 partials (SPLIT_K, M, N).
+
+GLU (gate and up of an MLP, one split): each CTA streams the gate's rows of its tile, then the
+up's, through the same ring, and writes silu(gate) · up with `linear4bit._silu_mul`'s
+roundings, so neither projection goes to memory.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
+from triton.language.extra import libdevice
 
 from . import linear4bit as L
 
@@ -244,9 +249,10 @@ def _step(bufs, xbufs, abufs, ready, empty, i, qa, a2, acc, acc1, acc2, acc3, t4
 
 
 @gluon.jit
-def _consumer(bufs, xbufs, abufs, ready, empty, code_ptr, absmax_ptr, absmax2_ptr, code2_ptr,
-              offset_ptr, row0, N, K, step_lo, nsteps, BS: gl.constexpr, BS2: gl.constexpr,
-              NESTED: gl.constexpr, STAGES: gl.constexpr, HAS_LORA: gl.constexpr):
+def _k_loop(bufs, xbufs, abufs, ready, empty, code_ptr, absmax_ptr, absmax2_ptr, code2_ptr,
+            offset_ptr, row0, N, K, step_lo, nsteps, i0, BS: gl.constexpr, BS2: gl.constexpr,
+            NESTED: gl.constexpr, STAGES: gl.constexpr, HAS_LORA: gl.constexpr):
+    """One projection's K loop over the ring's stages i0 .. i0 + nsteps - 1: (acc, t)."""
     t4 = gl.zeros([4, RANK, 8], gl.float32, MMA3)
     acc = gl.zeros([64, 8], gl.float32, MMA)
     acc1 = gl.zeros([64, 8], gl.float32, MMA)
@@ -286,7 +292,8 @@ def _consumer(bufs, xbufs, abufs, ready, empty, code_ptr, absmax_ptr, absmax2_pt
         qa_next2, a2_next2 = _scale_operands(absmax_ptr, absmax2_ptr, row0, N, K,
                                              gl.minimum(step + 2, last), BS, BS2, NESTED)
         acc, acc1, acc2, acc3, t4 = _step(
-            bufs, xbufs, abufs, ready, empty, i, qa, a2, acc, acc1, acc2, acc3, t4, code2_ptr,
+            bufs, xbufs, abufs, ready, empty, i0 + i, qa, a2, acc, acc1, acc2, acc3, t4,
+            code2_ptr,
             offset, c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15, BS,
             NESTED, STAGES, HAS_LORA)
     return (acc + acc1) + (acc2 + acc3), gl.convert_layout(gl.sum(t4, axis=0),
@@ -294,22 +301,50 @@ def _consumer(bufs, xbufs, abufs, ready, empty, code_ptr, absmax_ptr, absmax2_pt
 
 
 @gluon.jit
-def _producer(w_desc, x_desc, a_desc, bufs, xbufs, abufs, ready, empty, row0, step_lo, nsteps,
-              STAGES: gl.constexpr, HAS_LORA: gl.constexpr):
+def _consumer(bufs, xbufs, abufs, ready, empty, code_ptr, absmax_ptr, absmax2_ptr, code2_ptr,
+              offset_ptr, code_ptr_u, absmax_ptr_u, absmax2_ptr_u, code2_ptr_u, offset_ptr_u,
+              row0, N, K, step_lo, nsteps, BS: gl.constexpr, BS2: gl.constexpr,
+              NESTED: gl.constexpr, STAGES: gl.constexpr, HAS_LORA: gl.constexpr,
+              GLU: gl.constexpr):
+    """(acc, t) of the projection, and with GLU the up projection's after the gate's."""
+    acc, t = _k_loop(bufs, xbufs, abufs, ready, empty, code_ptr, absmax_ptr, absmax2_ptr,
+                     code2_ptr, offset_ptr, row0, N, K, step_lo, nsteps, 0, BS, BS2, NESTED,
+                     STAGES, HAS_LORA)
+    if GLU:
+        acc_u, t_u = _k_loop(bufs, xbufs, abufs, ready, empty, code_ptr_u, absmax_ptr_u,
+                             absmax2_ptr_u, code2_ptr_u, offset_ptr_u, row0, N, K, step_lo,
+                             nsteps, nsteps, BS, BS2, NESTED, STAGES, HAS_LORA)
+    else:
+        acc_u, t_u = acc, t
+    return acc, t, acc_u, t_u
+
+
+@gluon.jit
+def _producer(w_desc, x_desc, a_desc, w_desc_u, a_desc_u, bufs, xbufs, abufs, ready, empty,
+              row0, step_lo, nsteps, STAGES: gl.constexpr, HAS_LORA: gl.constexpr,
+              GLU: gl.constexpr):
+    """The stages' copies: the projection's steps, then with GLU the up projection's."""
     nbytes: gl.constexpr = (w_desc.block_type.nbytes + x_desc.block_type.nbytes
                             + (a_desc.block_type.nbytes if HAS_LORA else 0))
-    for i in range(nsteps):
+    for i in range(nsteps * (2 if GLU else 1)):
         s = i % STAGES
         mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
         mbarrier.expect(ready.index(s), nbytes)
-        step = step_lo + i
-        tma.async_copy_global_to_shared(w_desc, [row0, step * STEP_WORDS], ready.index(s),
-                                        bufs.index(s))
+        step = step_lo + i % nsteps
+        if i < nsteps:
+            tma.async_copy_global_to_shared(w_desc, [row0, step * STEP_WORDS], ready.index(s),
+                                            bufs.index(s))
+            if HAS_LORA:
+                tma.async_copy_global_to_shared(a_desc, [0, step * 4, 0], ready.index(s),
+                                                abufs.index(s))
+        else:
+            tma.async_copy_global_to_shared(w_desc_u, [row0, step * STEP_WORDS],
+                                            ready.index(s), bufs.index(s))
+            if HAS_LORA:
+                tma.async_copy_global_to_shared(a_desc_u, [0, step * 4, 0], ready.index(s),
+                                                abufs.index(s))
         tma.async_copy_global_to_shared(x_desc, [0, step * 4, 0], ready.index(s),
                                         xbufs.index(s))
-        if HAS_LORA:
-            tma.async_copy_global_to_shared(a_desc, [0, step * 4, 0], ready.index(s),
-                                            abufs.index(s))
 
 
 @gluon.jit
@@ -326,14 +361,30 @@ def _lora_term(t3, b_ptr, row0, N, stride_bn, scaling):
 
 
 @gluon.jit
+def _silu_mul(g, u):
+    """round(silu(round(g)) · round(u)) from the fp32 sums: `linear4bit._silu_mul`'s roundings
+    (torch's F.silu(gate) * up on the rounded projections: libdevice's expf, an IEEE
+    division, the product of two bf16 exact in fp32)."""
+    g = g.to(gl.bfloat16).to(gl.float32)
+    u = u.to(gl.bfloat16).to(gl.float32)
+    e = libdevice.exp(-g)
+    s = gl.div_rn(g, 1.0 + e).to(gl.bfloat16).to(gl.float32)
+    return (s * u).to(gl.bfloat16)
+
+
+@gluon.jit
 def linear4bit_ws_kernel(w_desc, x_desc, a_desc, b_ptr, y_ptr, part_ptr, code_ptr, absmax_ptr,
-                         absmax2_ptr, code2_ptr, offset_ptr, scaling, N, K, M, stride_bn,
-                         stride_ym, stride_ps, steps_per_split, BS: gl.constexpr,
+                         absmax2_ptr, code2_ptr, offset_ptr, scaling, stride_bn,
+                         w_desc_u, a_desc_u, b_ptr_u, code_ptr_u, absmax_ptr_u, absmax2_ptr_u,
+                         code2_ptr_u, offset_ptr_u, scaling_u, stride_bn_u,
+                         N, K, M, stride_ym, stride_ps, steps_per_split, BS: gl.constexpr,
                          BS2: gl.constexpr, NESTED: gl.constexpr, SPLIT: gl.constexpr,
-                         STAGES: gl.constexpr, HAS_LORA: gl.constexpr,
+                         STAGES: gl.constexpr, HAS_LORA: gl.constexpr, GLU: gl.constexpr,
                          PRODUCER_REGS: gl.constexpr):
     """Grid (N / 64 tiles, K splits); y (M, N) in bf16, or with SPLIT the split's fp32 partial
-    part[split] (M, N). `linear4bit_ws.launch` gives the descriptors and the steps a split."""
+    part[split] (M, N). GLU (one split): the arguments ending in _u are the up projection's,
+    streamed after the gate's by the same CTA, and y = silu(gate) · up. `linear4bit_ws.launch`
+    gives the descriptors and the steps a split."""
     row0 = gl.program_id(0) * ROWS
     pid_k = gl.program_id(1)
     step_lo = pid_k * steps_per_split
@@ -348,20 +399,25 @@ def linear4bit_ws_kernel(w_desc, x_desc, a_desc, b_ptr, y_ptr, part_ptr, code_pt
         mbarrier.init(ready.index(s), count=1)
         mbarrier.init(empty.index(s), count=1)
     fence_async_shared()
-    acc, t = gl.warp_specialize([
+    acc, t, acc_u, t_u = gl.warp_specialize([
         (_consumer, (bufs, xbufs, abufs, ready, empty, code_ptr, absmax_ptr, absmax2_ptr,
-                     code2_ptr, offset_ptr, row0, N, K, step_lo, nsteps, BS, BS2, NESTED,
-                     STAGES, HAS_LORA)),
-        (_producer, (w_desc, x_desc, a_desc, bufs, xbufs, abufs, ready, empty, row0, step_lo,
-                     nsteps, STAGES, HAS_LORA)),
+                     code2_ptr, offset_ptr, code_ptr_u, absmax_ptr_u, absmax2_ptr_u,
+                     code2_ptr_u, offset_ptr_u, row0, N, K, step_lo, nsteps, BS, BS2, NESTED,
+                     STAGES, HAS_LORA, GLU)),
+        (_producer, (w_desc, x_desc, a_desc, w_desc_u, a_desc_u, bufs, xbufs, abufs, ready,
+                     empty, row0, step_lo, nsteps, STAGES, HAS_LORA, GLU)),
     ], [1], [PRODUCER_REGS])
     if HAS_LORA:
         acc += _lora_term(t, b_ptr, row0, N, stride_bn, scaling)
+        if GLU:
+            acc_u += _lora_term(t_u, b_ptr_u, row0, N, stride_bn_u, scaling_u)
     r = gl.arange(0, 64, layout=gl.SliceLayout(1, MMA))
     m = gl.arange(0, 8, layout=gl.SliceLayout(0, MMA))
     n = row0 + 32 * ((r >> 3) & 1) + 8 * (r >> 4) + (r & 7)  # the stage row of MMA row r
     mask = (n < N)[:, None] & (m < M)[None, :]
-    if SPLIT:
+    if GLU:
+        gl.store(y_ptr + m[None, :] * stride_ym + n[:, None], _silu_mul(acc, acc_u), mask=mask)
+    elif SPLIT:
         gl.store(part_ptr + pid_k * stride_ps + m[None, :] * N + n[:, None], acc, mask=mask)
     else:
         gl.store(y_ptr + m[None, :] * stride_ym + n[:, None], acc.to(gl.bfloat16), mask=mask)

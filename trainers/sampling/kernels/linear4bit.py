@@ -42,8 +42,8 @@ the bytes a thread loads are its operand registers (`_reg_tile_loop`, REG_TILE);
 absmax block a step, the tile moved into that layout through shared memory. Either sum is fp32 in some order of K: the bound above
 holds for any order.
 
-On an sm_90 GPU, one projection of at most 8 rows (no bias, no LoRA or a rank-16 bf16 one)
-takes `linear4bit_ws`'s kernel instead (its docstring: the weight streamed through TMA into
+On an sm_90 GPU, one projection of at most 8 rows, or a gate/up + silu · mul launch, with no
+bias and no LoRA or a rank-16 bf16 one, takes `linear4bit_ws`'s kernel instead (its docstring: the weight streamed through TMA into
 shared memory ahead of the lookups; the same round(W) and bound); `_launch` asks it first.
 
 Projections of the same x (q/k/v, gate/up) can share that launch (`linear4bit_lora_group`,
@@ -65,10 +65,10 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from ..kernels._interp import dot, interpreting, to_dtype
-from .arrivals import arrival_counters
-from .split_sum import SplitSum
 from . import linear4bit_ws, pdl
+from .arrivals import arrival_counters
 from .pdl import grid_wait, launch_args, let_next_launch
+from .split_sum import SplitSum
 
 
 def _table_asm(cvt: str) -> str:
@@ -903,7 +903,7 @@ def _launch(x: torch.Tensor, parts: list[LinearPart], config: dict | None,
     parts of one N) [silu(y_0) · y_1]. `defer_sum`: where the launch splits K (and not
     `glu`), [SplitSum_s]: the programs store their partials and the consumer sums them."""
     if linear4bit_ws.reason(x, parts, glu, config) is None:  # Hopper, a few rows
-        ys = linear4bit_ws.launch(x, parts[0], defer_sum, _num_sms(x.device))
+        ys = linear4bit_ws.launch(x, parts, glu, defer_sum)
         if ys is not None:
             return ys
     m, k = x.shape

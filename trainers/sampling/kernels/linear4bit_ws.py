@@ -75,8 +75,8 @@ def reason(x: torch.Tensor, parts: list, glu: bool, config: dict | None) -> str 
         return _failed[0]
     if config is not None:
         return "an explicit tile config"
-    if glu or len(parts) != 1:
-        return "a grouped or silu · mul launch"
+    if len(parts) != (2 if glu else 1):
+        return "a grouped launch (q/k/v)"
     if x.device.type != "cuda" or interpreting():
         return "not a CUDA launch"
     cap = _capability(x.device.index if x.device.index is not None
@@ -84,10 +84,25 @@ def reason(x: torch.Tensor, parts: list, glu: bool, config: dict | None) -> str 
     if cap != (9, 0):
         return f"compute capability {cap[0]}.{cap[1]} (the kernel is sm_90's)"
     m, k = x.shape
-    part = parts[0]
-    w = part.weight
     if m > MAX_ROWS or x.dtype != torch.bfloat16 or not _tma_ready(x):
         return f"x {tuple(x.shape)} {x.dtype} (at most {MAX_ROWS} rows of bf16, TMA-aligned)"
+    for part in parts:
+        why = _part_reason(part, k)
+        if why is not None:
+            return why
+    if glu:
+        g, u = parts[0].weight, parts[1].weight
+        if (g.blocksize, g.blocksize2, g.nested) != (u.blocksize, u.blocksize2, u.nested):
+            return "gate and up quantized differently"
+        if (parts[0].lora_a is None) != (parts[1].lora_a is None):
+            return "LoRA on one of gate and up"
+        if split_rule(g.shape[0], k, _sms(x.device)) != 1:
+            return "gate/up would split K (the silu · mul launch takes one split)"
+    return _gluon_reason()
+
+
+def _part_reason(part, k: int) -> str | None:
+    w = part.weight
     if k % 256 or w.blocksize % 64 or w.packed.data_ptr() % 16:
         return f"K={k}, blocksize {w.blocksize} (multiples of 256 and 64), a 16-byte aligned weight"
     if w.nested and w.blocksize == 64 and w.absmax.data_ptr() % 4:
@@ -100,7 +115,16 @@ def reason(x: torch.Tensor, parts: list, glu: bool, config: dict | None) -> str 
                 or not _tma_ready(a) or b.stride(1) != 1):
             return (f"LoRA rank {a.shape[0]}, factors {a.dtype} / {b.dtype} (the kernel takes "
                     f"rank {RANK}, bf16, row-major)")
-    return _gluon_reason()
+    return None
+
+
+@functools.cache
+def _sms_of(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _sms(device: torch.device) -> int:
+    return _sms_of(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def split_rule(n: int, k: int, num_sms: int) -> int:
@@ -129,11 +153,12 @@ def _no_lora(device: torch.device) -> torch.Tensor:
     return torch.zeros(RANK, 256, device=device, dtype=torch.bfloat16)
 
 
-def launch(x: torch.Tensor, part, defer_sum: bool, num_sms: int) -> list | None:
+def launch(x: torch.Tensor, parts: list, glu: bool, defer_sum: bool) -> list | None:
     """[y] for one projection (`reason` None), or [SplitSum] where `defer_sum` and K is split;
-    None if the launch failed (logged once; the path is then off)."""
+    with `glu` (parts gate, up) [silu(gate) · up]. None if the launch failed (logged once; the
+    path is then off)."""
     try:
-        return _launch(x, part, defer_sum, num_sms)
+        return _launch(x, parts, glu, defer_sum)
     except Exception as e:  # noqa: BLE001 (a fast path that fails falls back, with one line)
         msg = f"warp-specialized decode linear failed ({type(e).__name__}: {e})"
         _failed.append(msg)
@@ -141,40 +166,51 @@ def launch(x: torch.Tensor, part, defer_sum: bool, num_sms: int) -> list | None:
         return None
 
 
-def _launch(x: torch.Tensor, part, defer_sum: bool, num_sms: int,
+def _part_args(part, x: torch.Tensor) -> list:
+    """A projection's kernel arguments: the packed weight's descriptor, A's, B, the code, the
+    absmax, the second-level scale, code and offset, the LoRA scaling and B's row stride."""
+    w = part.weight
+    n, k = w.shape
+    words = w.packed.view(torch.int32).view(n, k // 8)
+    has_lora = part.lora_a is not None
+    a = part.lora_a if has_lora else _no_lora(x.device)
+    # A (and x) as (rows, K / 64, 64): a step's box is every row's 4 chunks of 64 columns
+    return [_descriptor(words, [n, k // 8], [k // 8, 1], [64, 32], 32),
+            _descriptor(a, [RANK, a.shape[1] // 64, 64], [a.stride(0), 64, 1], [RANK, 4, 64],
+                        16),
+            part.lora_b if has_lora else x, w.code, w.absmax,
+            w.absmax2 if w.nested else w.code, w.code2 if w.nested else w.code,
+            w.offset if w.nested else w.code, float(part.scaling),
+            part.lora_b.stride(0) if has_lora else 0]
+
+
+def _launch(x: torch.Tensor, parts: list, glu: bool, defer_sum: bool,
             split: int | None = None) -> list:
     """`launch` without its fallback; `split` (default `split_rule`'s) for the lab's sweeps."""
     from ._linear4bit_ws_kernel import linear4bit_ws_kernel
 
     m, k = x.shape
-    w = part.weight
+    w = parts[0].weight
     n = w.shape[0]
-    split = split or split_rule(n, k, num_sms)
+    split = 1 if glu else split or split_rule(n, k, _sms(x.device))
     per = triton.cdiv(k // 256, split)
     split = triton.cdiv(k // 256, per)
-    words = w.packed.view(torch.int32).view(n, k // 8)
-    w_desc = _descriptor(words, [n, k // 8], [k // 8, 1], [64, 32], 32)
-    # x and A as (rows, K / 64, 64): a step's box is every row's 4 chunks of 64 columns; rows
-    # past M read as zeros
+    # rows past M read as zeros
     x_desc = _descriptor(x, [m, k // 64, 64], [x.stride(0), 64, 1], [8, 4, 64], 16)
-    has_lora = part.lora_a is not None
-    a = part.lora_a if has_lora else _no_lora(x.device)
-    a_desc = _descriptor(a, [RANK, a.shape[1] // 64, 64], [a.stride(0), 64, 1], [RANK, 4, 64],
-                         16)
+    first = _part_args(parts[0], x)
+    up = _part_args(parts[1], x) if glu else first
     y = torch.empty(m, n, device=x.device, dtype=x.dtype)
     partials = (torch.empty(split, m, n, device=x.device, dtype=torch.float32) if split > 1
                 else y)
     linear4bit_ws_kernel[(triton.cdiv(n, 64), split)](
-        w_desc, x_desc, a_desc, part.lora_b if has_lora else x, y, partials, w.code, w.absmax,
-        w.absmax2 if w.nested else w.code, w.code2 if w.nested else w.code,
-        w.offset if w.nested else w.code, float(part.scaling), n, k, m,
-        part.lora_b.stride(0) if has_lora else 0, y.stride(0),
-        partials.stride(0) if split > 1 else 0, per, BS=w.blocksize, BS2=w.blocksize2,
-        NESTED=w.nested, SPLIT=split > 1, STAGES=STAGES, HAS_LORA=has_lora,
-        PRODUCER_REGS=PRODUCER_REGS, num_warps=4, maxnreg=MAXNREG,
+        first[0], x_desc, first[1], first[2], y, partials, *first[3:], *up,
+        n, k, m, y.stride(0), partials.stride(0) if split > 1 else 0, per,
+        BS=w.blocksize, BS2=w.blocksize2, NESTED=w.nested, SPLIT=split > 1, STAGES=STAGES,
+        HAS_LORA=parts[0].lora_a is not None, GLU=glu, PRODUCER_REGS=PRODUCER_REGS,
+        num_warps=4, maxnreg=MAXNREG,
         # the double-quant scale code2 · absmax2 + offset with bitsandbytes' two roundings
         enable_fp_fusion=False)
-    LAUNCHES["split" if split > 1 else "whole"] += 1
+    LAUNCHES["silu_mul" if glu else "split" if split > 1 else "whole"] += 1
     if split == 1:
         return [y]
     if defer_sum:
