@@ -62,6 +62,7 @@ def test_run_worker_records_and_crash(tmp_path):
     assert first["system"] == "old" and first["key"] == "a" and "time" in first
 
 
+@pytest.mark.slow  # waits for a timed kill of a subprocess tree
 def test_run_worker_kills_the_worker_and_its_children(tmp_path):
     jsonl, pidfile = tmp_path / "r.jsonl", tmp_path / "child.pid"
     code = ("import subprocess, sys, time; "

@@ -104,6 +104,7 @@ def test_latest_checkpoint_skips_a_damaged_one(tmp_path, capsys):
     assert f"{newest} has no {K.MANIFEST}" in capsys.readouterr().out
 
 
+@pytest.mark.slow  # two whole-script runs
 def test_resume_past_a_truncated_optimizer_state(tmp_path, capsys):
     out = str(tmp_path / "sft")
     fast = ["--batch-size", "8", "--eval-size", "0", "--save-steps", "1", "--max-length", "64",

@@ -137,6 +137,8 @@ def _assert_grads(got: dict, r: dict, what: str):
     assert_grads_vs_fp64(got, r["grads"], r["fp64"][1], what=f"{what} grad")
 
 
+# Every test that reads this fixture is marked `slow` (the 2-process worker runs all scenarios at
+# once, so no single case is cheap); the refusals and `F.global_batch` run in the default suite.
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """(single-process reference results, [rank 0 results, rank 1 results])."""
@@ -208,6 +210,7 @@ def runs(tmp_path_factory):
     return ref, ranks
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", ["grpo_dapo", "grpo_grpo", "sft"])
 def test_ddp_matches_single_process(runs, case):
     _assert_ddp_step(*runs, case)
@@ -250,6 +253,7 @@ def fastgen_runs(runs, tmp_path_factory):
     return F.reference_results(build_tokenizer(), ranks, str(out)), ranks
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("loss_type", W.LOSS_TYPES)
 def test_grpo_fastgen_matches_single_process(fastgen_runs, loss_type):
     """GRPO under DDP, each rank sampling its generation batch through its own decode loop in
@@ -259,6 +263,7 @@ def test_grpo_fastgen_matches_single_process(fastgen_runs, loss_type):
     _assert_ddp_step(*fastgen_runs, f"{F.CASE}_{loss_type}")
 
 
+@pytest.mark.slow
 def test_grpo_fastgen_each_rank_sampled_with_its_loop(fastgen_runs):
     check_fastgen_sampling(fastgen_runs[1], captured=False)  # eager on CPU: no graphs
 
@@ -325,6 +330,7 @@ def test_fastgen_global_batch_pads_completions():
         F.global_batch([part(2, 3, 7), wide], pad_token_id=0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", T.NAMES)
 def test_trainer_ddp_matches_single_process(runs, case):
     """DPO, KTO, RLOO and distillation (LoRA) under DDP: the checks of
@@ -361,6 +367,7 @@ def test_trainer_ddp_matches_single_process(runs, case):
         assert (plain - weighted).abs() > 1e-3 * weighted.abs(), "the two means coincide"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", N.CASES)
 def test_nf4_ddp_matches_single_process(runs, case):
     """GRPO (dapo), SFT, DPO, KTO, RLOO and distillation with a bitsandbytes NF4 base + LoRA
@@ -393,6 +400,7 @@ def test_nf4_ddp_matches_single_process(runs, case):
                                 what=f"{key} rank {rank} metric {k}")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", ["fsdp2_full", "fsdp2_lora"])
 def test_fsdp2_matches_single_process(runs, case):
     # full: the tied head/embedding is trainable and sharded (DTensor); its gradient gets the
@@ -408,6 +416,7 @@ def test_fsdp2_matches_single_process(runs, case):
         assert "model.embed_tokens.weight" in r["grads"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", list(FSDP2_TRAINER_CASES))
 def test_trainer_fsdp2_matches_single_process(runs, case):
     """SFT, DPO, KTO, RLOO and distillation (LoRA, frozen head) with the policy under FSDP2
@@ -453,6 +462,7 @@ def _assert_sharded_trainer_step(ranks, key: str, r: dict, local: str, head: str
                 assert rk[key]["metrics"][k] == pytest.approx(v, rel=1e-5, abs=2e-6), (rank, k)
 
 
+@pytest.mark.slow
 def test_zero3_matches_single_process(runs):
     # LoRA under ZeRO-3: the frozen head is gathered and copied by trainers.sharded, the LoRA
     # gradients are reduce-scattered (averaged) by ZeRO-3 itself. Same model, loss (dapo) and
@@ -466,6 +476,7 @@ def test_zero3_matches_single_process(runs):
         _assert_grads(rk["zero3_lora"]["synced"], r, f"zero3 rank {rank}")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", ZERO3_TRAINER_CASES)
 def test_trainer_zero3_matches_single_process(runs, case):
     """SFT, DPO, KTO, RLOO and distillation (LoRA, frozen head) with the policy on a DeepSpeed
@@ -486,6 +497,7 @@ def test_trainer_zero3_matches_single_process(runs, case):
     _assert_sharded_trainer_step(ranks, f"zero3_{case}", ref[case], case, want, "ZeRO-3's")
 
 
+@pytest.mark.slow
 def test_zero3_trainable_head_refused_at_construction(runs):
     """GRPOTrainer and SFTTrainer built on the ranks with a real ZeRO-3 `deepspeed=` config
     (accelerate's DeepSpeed plugin on): a LoRA model (frozen head) is accepted, the full model
@@ -556,6 +568,7 @@ def _shape(tree):
     return None
 
 
+@pytest.mark.slow
 def test_gpu_reference_writer_matches_the_fixture(runs, tmp_path):
     """tests/test_multigpu.py's single-process reference comes from `_ddp_worker.py
     --reference`, not from this module's fixture: run it here on CPU; it must write every
@@ -573,6 +586,7 @@ def test_gpu_reference_writer_matches_the_fixture(runs, tmp_path):
         _assert_loss(written[case]["loss"], r, f"{case} loss by the reference writer")
 
 
+@pytest.mark.slow
 def test_fastgen_reference_writer_matches_the_fixture(fastgen_runs, tmp_path):
     """tests/test_multigpu.py's grpo_fastgen reference comes from `_ddp_worker.py
     --fastgen-reference` after the ranks: run it here on CPU on this run's rank files; it must

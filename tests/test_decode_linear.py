@@ -133,7 +133,9 @@ def test_fp16_input_gets_fp16_rounded_weight(quant_type):
 
 @pytest.mark.parametrize("quant_type,double", [("nf4", True), ("fp4", False), ("nf4", False)])
 @pytest.mark.parametrize("n,k", CPU_SHAPES)
-@pytest.mark.parametrize("m", [1, 3, 8, 17, 64, 255])
+# M = 1, 8 and 17 in the default suite; the other M (more programs to interpret) slow
+@pytest.mark.parametrize("m", [1, 8, 17] + [pytest.param(m, marks=pytest.mark.slow)
+                                             for m in (3, 64, 255)])
 def test_matches_fp64(quant_type, double, n, k, m):
     """Odd M (one row, a partial 16-row tile, several 64-row tiles) × the layers' N/K ratios;
     LoRA r = 16, s = α/r = 2, bias."""
@@ -146,7 +148,8 @@ def test_matches_fp64(quant_type, double, n, k, m):
 
 
 @pytest.mark.parametrize("split_k,block_n,block_m,prefetch", [
-    (1, 32, 16, False), (2, 64, 16, True), (3, 16, 32, True), (8, 64, 64, False),
+    (1, 32, 16, False), (2, 64, 16, True),
+    pytest.param(3, 16, 32, True, marks=pytest.mark.slow), (8, 64, 64, False),
     (30, 64, 16, True)])
 @pytest.mark.parametrize("lora,lora_dtype", [(False, None), (True, torch.bfloat16),
                                              (True, torch.float32)])
@@ -230,10 +233,14 @@ def test_module_matches_bitsandbytes_and_peft(quant_type, double, lora_dtype, m)
 
 GROUP_CONFIGS = [(1, 32, True, True), (3, 64, True, True), (4, 16, False, True),
                  (2, 64, True, False), (2, 128, True, True)]
+# the CPU cases: the configs with the most programs for the interpreter to run are slow
+CPU_GROUP_CONFIGS = [pytest.param(*c, marks=pytest.mark.slow)
+                     if c in ((1, 32, True, True), (4, 16, False, True)) else c
+                     for c in GROUP_CONFIGS]
 
 
 @pytest.mark.parametrize("segs", [2, 3])
-@pytest.mark.parametrize("split_k,block_n,prefetch,last", GROUP_CONFIGS)
+@pytest.mark.parametrize("split_k,block_n,prefetch,last", CPU_GROUP_CONFIGS)
 def test_grouped_launch_is_each_projection_alone(segs, split_k, block_n, prefetch, last,
                                                  device="cpu"):
     """One launch of 2 or 3 projections of the same x (q/k/v, gate/up): each output equals the
@@ -285,7 +292,7 @@ def _silu_mul_outputs(g, u):
     return outs[0], outs[1]
 
 
-@pytest.mark.parametrize("split_k,block_n,prefetch,last", GROUP_CONFIGS)
+@pytest.mark.parametrize("split_k,block_n,prefetch,last", CPU_GROUP_CONFIGS)
 @pytest.mark.parametrize("bias", [False, True])
 def test_silu_mul_launch_is_torchs_silu_mul(split_k, block_n, prefetch, last, bias,
                                             device="cpu", block_m=16):
@@ -447,7 +454,7 @@ def test_unsupported_modules_say_why():
     assert "variant" in unsupported_reason(dora)
 
 
-@pytest.mark.parametrize("kind", ["bf16", "f16"])
+@pytest.mark.parametrize("kind", ["bf16", pytest.param("f16", marks=pytest.mark.slow)])
 def test_prmt_assembly_looks_up_every_code(kind):
     """The GPU's code lookup, its PTX run by a reference interpreter of the instructions it uses
     (tests/_ptx_emu.py): the table of round(code[i] · scale) as byte planes, then the two
@@ -520,7 +527,8 @@ def test_register_tile_is_chosen_where_it_runs():
 
 
 @pytest.mark.parametrize("k,split_k,blocksize", [
-    (448, 1, 64), (448, 2, 64), (1280, 3, 64), (1280, 3, 128), (128, 1, 64), (128, 1, 128)])
+    (448, 1, 64), (448, 2, 64), pytest.param(1280, 3, 64, marks=pytest.mark.slow),
+    (1280, 3, 128), (128, 1, 64), (128, 1, 128)])
 def test_register_tile_against_block_steps(k, split_k, blocksize):
     """The register tile and the block-a-step loop compute the same sum in different orders:
     both within the fp64 bound, K not a multiple of 256 (a masked last step), uneven splits,

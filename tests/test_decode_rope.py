@@ -166,8 +166,10 @@ def _check(name, *, hkv, g, d, dtype, batch, norm_dtype=None, device="cpu"):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-@pytest.mark.parametrize("d", [64, 128])
-@pytest.mark.parametrize("g", [1, 4, 8])
+# every family and rope type in the default suite (d = 64; g = 1 and 4); d = 128 (also in
+# test_odd_batches_and_group_sizes) and g = 8 slow
+@pytest.mark.parametrize("d", [64, pytest.param(128, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("g", [1, 4, pytest.param(8, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("name", list(ROPES))
 def test_matches_transformers(name, g, d, dtype):
     """Every family / rope type x GQA ratio (Llama-3 8B and Mistral: 4; Qwen2.5-7B: 7, below)
@@ -175,7 +177,7 @@ def test_matches_transformers(name, g, d, dtype):
     _check(name, hkv=2, g=g, d=d, dtype=dtype, batch=5)
 
 
-@pytest.mark.parametrize("batch", [1, 3, 9])
+@pytest.mark.parametrize("batch", [1, 3, pytest.param(9, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("name", ["llama-3.2", "qwen2", "qwen3"])
 def test_odd_batches_and_group_sizes(name, batch):
     """Odd B; G = 7 (Qwen2.5-7B, -0.5B: 28 / 4 and 14 / 2 heads: a masked query-head block) and

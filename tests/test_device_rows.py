@@ -40,7 +40,9 @@ def _g_operand(M, V, gen):
     return g
 
 
-@pytest.mark.parametrize("n_valid, row0", [(1000, 0), (45, 0), (100, 70), (3, 70), (0, 0)])
+@pytest.mark.parametrize("n_valid, row0", [pytest.param(1000, 0, marks=pytest.mark.slow), (45, 0),
+                                           pytest.param(100, 70, marks=pytest.mark.slow), (3, 70),
+                                           (0, 0)])
 def test_row_bounded_gemms_match_fp64(n_valid, row0):
     """basis = factor ∘ (G' W) − α ∘ W[y] and dW += G'ᵀ X over the chunk's rows below the
     device count; the basis rows past it are 0, dW gets nothing from them."""
@@ -96,8 +98,9 @@ def test_split_count_fills_the_waves():
 
 
 # chunk 32 over 150 rows with 100 ignored: two chunks are entirely past the valid rows
-@pytest.mark.parametrize("N, n_ignored, chunk", [(150, 100, 32), (37, 5, None), (1, 0, None),
-                                                 (40, 40, 16)])
+@pytest.mark.parametrize("N, n_ignored, chunk", [
+    pytest.param(150, 100, 32, marks=pytest.mark.slow), (37, 5, None), (1, 0, None),
+    (40, 40, 16)])
 def test_logprobs_with_ignored_rows_match_fp64(N, n_ignored, chunk):
     H, V = 32, 300
     h, w, b, y = head_inputs(N, H, V, torch.bfloat16, True, n_ignored, seed=1)
@@ -155,7 +158,8 @@ def test_frozen_basis_goes_over_the_gathered_rows(n_ignored):
     assert_close_scaled(hh.grad, h64.grad, rtol=GRAD_RTOL, what="CE d hidden")
 
 
-@pytest.mark.parametrize("reduction, num_items", [("mean", None), ("sum", None), ("sum", 7)])
+@pytest.mark.parametrize("reduction, num_items", [
+    pytest.param("mean", None, marks=pytest.mark.slow), ("sum", None), ("sum", 7)])
 def test_cross_entropy_device_rows_match_host_rows(reduction, num_items, dispatch_override):
     """Frozen head: device-counted rows; sync checks on (GRPO_LCE_SYNC_CHECKS=1): host-counted.
     Same loss, gradient and metrics (argmax of the padding rows is −1, so never `correct`)."""

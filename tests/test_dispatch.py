@@ -180,6 +180,7 @@ def _run_hidden(hidden: tuple, expect: tuple, backends: tuple, extra: str) -> No
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
 
 
+@pytest.mark.slow  # a fresh interpreter; test_import_without_triton stays in the default suite
 def test_import_without_tensor_descriptors():
     """A triton without `triton.tools.tensor_descriptor` (older versions): importing works, the
     fused path is off even where it would otherwise run, the torch path gives exact results."""

@@ -222,6 +222,7 @@ def test_what_stays_padded(tok, caplog):
     assert "not one contiguous run" in lines[3]
 
 
+@pytest.mark.slow  # FlexAttention on CPU compiles through inductor
 def test_auto_packs_only_batches_with_padding_to_remove(tok):
     # FlexAttention packs under "auto" (CPU without grad): a batch with no padding and every
     # row scored runs padded (packing removes nothing); padding, or a row with no label, packs

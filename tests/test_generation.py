@@ -95,6 +95,7 @@ def test_prompt_capacity_rule():
     assert prompt_capacity(300, previous=80) == 304  # the prompt itself is larger
 
 
+@pytest.mark.slow  # 1 + MAX_GROWTHS compiles of the decode step
 def test_growth_is_bounded_then_trls_path_takes_over(tok, caplog):
     """Ever longer prompts grow the cache MAX_GROWTHS times (one compile each); a prompt beyond
     the last growth is left to TRL's path for that call, without turning the sampler off."""
@@ -115,6 +116,9 @@ def test_growth_is_bounded_then_trls_path_takes_over(tok, caplog):
     assert sum("does not fit" in r.getMessage() for r in caplog.records) == 1
 
 
+# a compile; fresh weights in the default suite:
+# test_trainer_train_generates_with_each_steps_weights
+@pytest.mark.slow
 def test_in_place_optimizer_step_reaches_the_compiled_step(tok):
     """Fails if generation uses stale weights: an optimizer step changes the greedy completion,
     and the sampler must produce eager's new completion, not the old one."""
@@ -136,6 +140,7 @@ def test_in_place_optimizer_step_reaches_the_compiled_step(tok):
     assert s.stats.compiles == 1 and s.stats.recompiling_calls == 0
 
 
+@pytest.mark.slow  # a compile of the decode step
 def test_sampling_settings_pass_through(tok):
     """top-k 1 with sampling is greedy whatever the RNG: the processors reach the compiled path."""
     model = lora_tiny_llama(tok)
@@ -164,6 +169,7 @@ def test_failure_falls_back_with_one_logged_line(tok, caplog, monkeypatch):
     assert len(lines) == 1
 
 
+@pytest.mark.slow  # MAX_RECOMPILING_CALLS + 1 compiles of the decode step
 def test_recompiles_at_a_warmed_shape_turn_the_sampler_off(tok):
     """A guard that fails on every call (here a Python float the attention reads, changed each
     time) would recompile the decode step without bound; the sampler stops after
@@ -312,7 +318,10 @@ def test_trainer_fast_path_equals_trl_path(tok, tmp_path):
     assert fast == slow
 
 
-@pytest.mark.parametrize("beta,peft_config", [(0.0, False), (0.04, False), (0.04, True)])
+# a training run each: the "ref" adapter copy (beta > 0) in the default suite, the others slow
+@pytest.mark.parametrize("beta,peft_config", [pytest.param(0.0, False, marks=pytest.mark.slow),
+                                              (0.04, False),
+                                              pytest.param(0.04, True, marks=pytest.mark.slow)])
 def test_trainer_train_compiles_once_and_logs_timing(tok, tmp_path, beta, peft_config):
     """TRL's reference pass switches or disables the adapter every step (with a wrapped model
     and beta > 0, a "ref" adapter copy; with `peft_config`, the adapter disabled); neither may

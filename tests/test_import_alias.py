@@ -61,12 +61,14 @@ def _run(cwd, pythonpath):
                           text=True, timeout=300, check=False)
 
 
+@pytest.mark.slow  # a fresh interpreter importing TRL
 def test_alias_beats_a_users_trainers_package_in_the_repository(tmp_path):
     proc = _run(_user_project(tmp_path), ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert os.path.join(ROOT, "trainers", "__init__.py") in proc.stdout
 
 
+@pytest.mark.slow  # builds a wheel, then a fresh interpreter
 def test_alias_from_an_installed_wheel(tmp_path):
     wheels = tmp_path / "wheels"
     build = subprocess.run(
@@ -148,7 +150,9 @@ print("ok")
 """
 
 
-@pytest.mark.parametrize("name", ["trainers", "grpo_lce_trainers"])
+# a fresh interpreter each; the alias's case stays in the default suite
+@pytest.mark.parametrize("name", [pytest.param("trainers", marks=pytest.mark.slow),
+                                  "grpo_lce_trainers"])
 def test_lazy_package_init(name):
     env = {**os.environ, "PYTHONPATH": ROOT}
     proc = subprocess.run([sys.executable, "-c", LAZY, name], cwd=ROOT, env=env,

@@ -434,6 +434,7 @@ def test_varlen_kwargs_reach_attention(tok, tmp_path, monkeypatch):
     _assert_close(lp_pack, lp_pad, atol=LOGP_ATOL, what="logp varlen")
 
 
+@pytest.mark.slow  # FlexAttention on CPU compiles through inductor
 def test_flex_attention_packs_under_auto(tok, tmp_path):
     # FlexAttention runs on CPU without grad only (torch 2.13): the reference / old-policy pass.
     tr = _trainer(tok, tmp_path, packing="auto")
@@ -591,6 +592,7 @@ print("ok")
 """
 
 
+@pytest.mark.slow  # a fresh interpreter
 def test_sdpa_varlen_registers_on_first_use():
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     proc = subprocess.run([sys.executable, "-c", _REGISTRATION], cwd=root, capture_output=True,

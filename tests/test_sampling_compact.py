@@ -232,6 +232,7 @@ def test_sampled_logprobs_under_compaction(tok, fake_graphs):
     assert err.max().item() <= 8 * ref_err + 2e-5, (i, ours[i].item(), r64[i].item(), ref_err)
 
 
+@pytest.mark.slow  # an interpreted loop run; compaction by default: the torch attention cases
 def test_compaction_with_triton_decode_attention(tok, fake_graphs, monkeypatch):
     """decode_attention (the Triton interpreter on CPU) reads each row's valid keys from the
     bucket's leading-row views of the cache; Mistral's sliding window included."""

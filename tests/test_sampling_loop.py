@@ -151,7 +151,8 @@ def test_greedy_equals_hf_generate(tok, family, lora):
     assert again.token_ids == ref and loop.stats.calls == 2 and loop.stats.growths == 0
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral"])
+@pytest.mark.parametrize("family", ["llama", pytest.param("qwen2", marks=pytest.mark.slow),
+                                    "mistral"])
 def test_greedy_with_triton_decode_attention(tok, family, monkeypatch):
     """The plan's `attention` alone: decode steps read each row's valid keys only (the Triton
     interpreter on CPU), token-identical to HF; Qwen2 / Mistral with sliding windows."""
@@ -635,7 +636,7 @@ def _kernel_logit_bound(z, layers):
         .reshape(zmax.shape)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("family", ["llama", pytest.param("qwen2", marks=pytest.mark.slow)])
 def test_kernel_forward_equals_the_modules(tok, family, kernels_on_cpu):
     """ModelStep with the kernel plan against the same forward through the modules, teacher
     forced (the torch path's greedy tokens): prefill (fused norms, module projections) and two
@@ -682,8 +683,8 @@ def test_kernel_forward_equals_the_modules(tok, family, kernels_on_cpu):
     assert (err <= bound).all(), (err, bound)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2",
-                                    pytest.param("qwen3", marks=pytest.mark.slow)])
+@pytest.mark.slow  # interpreted model steps; the SplitSum kernels alone: tests/test_split_sum.py
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
 def test_split_sums_change_no_logit(tok, family, kernels_on_cpu, monkeypatch):
     """The plan's rope_sums (q/k/v's partials summed by rope_cache_write) and norm_sums (o_proj's
     and down_proj's by add_rmsnorm) against the same plan without them: two decode steps'
@@ -732,6 +733,9 @@ def test_split_sums_change_no_logit(tok, family, kernels_on_cpu, monkeypatch):
     assert torch.equal(runs["sums"], runs["sums_in_linear"])
 
 
+# two interpreted NF4 loop runs; the loop with kernels in the default suite:
+# test_greedy_with_kernels_equals_hf_generate[llama]
+@pytest.mark.slow
 def test_loop_with_kernels_equals_without(tok, kernels_on_cpu, caplog):
     """The whole loop (greedy, k-step checks) with kernels="auto" against kernels="torch" on
     NF4 + LoRA: one logged line names the path; tokens equal up to each row's first divergence,
@@ -798,6 +802,9 @@ def test_record_kernel_changes_no_token(tok, kernels_on_cpu, monkeypatch):
     assert min(lengths) <= 4 and lengths[0] <= 4 and kernel.token_ids[0][-1] == eos, lengths
 
 
+# two interpreted loop runs; the one-line fallback in the default suite:
+# test_failing_kernels_turn_off_with_one_line
+@pytest.mark.slow
 def test_unservable_projections_fall_back_with_one_line(tok, kernels_on_cpu, caplog):
     """DoRA adapters: decode_linear serves no projection, the plan says why in one line (once
     for two calls), the projections run as module calls and the completions equal HF's."""
@@ -846,7 +853,9 @@ LLAMA32_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0,
                 "original_max_position_embeddings": 8192}  # Llama-3.2's config.json
 
 
-@pytest.mark.parametrize("family", ["llama", "llama3", "qwen2", "qwen3", "mistral"])
+# an interpreted loop run each: Llama in the default suite, the other families slow
+@pytest.mark.parametrize("family", ["llama"] + [pytest.param(f, marks=pytest.mark.slow) for f in
+                                               ("llama3", "qwen2", "qwen3", "mistral")])
 def test_greedy_with_kernels_equals_hf_generate(tok, family, kernels_on_cpu, caplog):
     """kernels="auto" on the fp32 tiny models + LoRA (dense projections through decode_linear,
     add_rmsnorm, and each decode step's RoPE + cache write through rope_cache_write, Qwen3's q/k

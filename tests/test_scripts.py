@@ -53,6 +53,7 @@ def _write_jsonl(path, rows):
     return str(path)
 
 
+@pytest.mark.slow  # three whole-script runs (test_grpo_user_dataset runs the script by default)
 def test_grpo_end_to_end_resume_and_seed(tmp_path, capsys):
     out, twin = str(tmp_path / "grpo"), str(tmp_path / "twin")
     assert train_grpo.main([*GRPO_FAST, "--steps", "2", "--output-dir", out]) == 0
@@ -402,6 +403,7 @@ def test_seed_sweep_collects_ranges(tmp_path):
     assert exists.returncode == 0, result["commit"]
 
 
+@pytest.mark.slow  # a fresh interpreter (in-process: test_bad_inputs_exit_2_with_message)
 def test_bad_input_subprocess():
     proc = subprocess.run(
         [sys.executable, os.path.join(SCRIPTS, "train_grpo.py"), "--num-generations", "3"],

@@ -190,6 +190,7 @@ def test_help_shows_every_default(script, recipe, capsys):
     ("train_grpo.py", "grpo_tiny.yaml", GRPO_FAST),
     ("train_sft.py", "sft_tiny.yaml", ["--per_device_train_batch_size", "8", "--eval_size", "8",
                                        "--max_length", "64"])])
+@pytest.mark.slow  # a subprocess run of each script
 def test_recipe_parses_and_runs_one_step(tmp_path, script, recipe, fast):
     import yaml
 
@@ -209,6 +210,7 @@ def test_recipe_parses_and_runs_one_step(tmp_path, script, recipe, fast):
     assert "Traceback" not in proc.stderr
 
 
+@pytest.mark.slow  # a fresh interpreter importing peft and bitsandbytes
 def test_quiet_third_party_hides_the_bitsandbytes_notice():
     # The logger bitsandbytes' CPU backend uses, silenced by the scripts' quiet_third_party
     # before bitsandbytes is imported: a warning on it (the notice's level) must not show.
@@ -326,6 +328,7 @@ def test_run_dir_errors_come_before_the_model(tmp_path, monkeypatch, capsys):
         assert len(err.strip().splitlines()) == 1, err
 
 
+@pytest.mark.slow  # subprocess runs of the script
 def test_resume_with_other_settings_is_one_line(tmp_path):
     # A real run, then --resume with another learning rate: named, exit 2, no traceback.
     out = str(tmp_path / "run")
