@@ -137,7 +137,8 @@ def run_gpu(args) -> None:
         w0 = copies[0][0]
         kw0 = _lora_args(copies[0], mod, args.lora)
         x = torch.randn(args.rows, k, device=device, dtype=torch.bfloat16)
-        ref = L.linear4bit_lora(x, w0, **kw0)  # the register tile
+        reg_tile = L.pick_config(args.rows, n, k, 64, sms)  # an explicit config: not ws
+        ref = L.linear4bit_lora(x, w0, **kw0, config=reg_tile)
         exact, tol = _exact_and_bound(x, mod, args.lora)
         lora_bytes = 16 * (n + k) * 2 if args.lora else 0
         floor_ms = (n * k // 2 + n * k // 64 + n * k // 64 // 256 * 4 + args.rows * (n + k) * 2
@@ -145,10 +146,10 @@ def run_gpu(args) -> None:
         row = {"shape": label, "N": n, "K": k, "M": args.rows, "lora": args.lora,
                "floor_ms": floor_ms,
                "reg_tile_err_over_tol": ((ref.double() - exact).abs() / tol).max().item()}
-        t_ref, why = D.graph_ms([lambda c=c, x=x, md=mod: L.linear4bit_lora(
-            x, c[0], **_lora_args(c, md, args.lora)) for c in copies], device)
+        t_ref, why = D.graph_ms([lambda c=c, x=x, md=mod, cfg=reg_tile: L.linear4bit_lora(
+            x, c[0], **_lora_args(c, md, args.lora), config=cfg) for c in copies], device)
         row["reg_tile_ms"] = t_ref["ms"] if t_ref else why
-        row["reg_tile_split"] = L.pick_config(args.rows, n, k, 64, sms)["SPLIT_K"]
+        row["reg_tile_split"] = reg_tile["SPLIT_K"]
         best = None
         for split in map(int, args.splits.split(",")):
             if (k // 256) // split < 2 and split > 1:
