@@ -42,6 +42,10 @@ from triton.language.extra import libdevice
 
 from . import linear4bit as L
 
+# the TMA load into shared memory: `async_load` in newer Tritons, `async_copy_global_to_shared`
+# before (where the new name is absent)
+tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+
 ROWS = gl.constexpr(64)  # weight rows (output features) a CTA computes
 STEP_WORDS = gl.constexpr(32)  # int32 words of a row a step: 256 columns of K
 RANK = gl.constexpr(16)  # the LoRA rank the kernel takes
@@ -332,18 +336,18 @@ def _producer(w_desc, x_desc, a_desc, w_desc_u, a_desc_u, bufs, xbufs, abufs, re
         mbarrier.expect(ready.index(s), nbytes)
         step = step_lo + i % nsteps
         if i < nsteps:
-            tma.async_copy_global_to_shared(w_desc, [row0, step * STEP_WORDS], ready.index(s),
+            tma_load(w_desc, [row0, step * STEP_WORDS], ready.index(s),
                                             bufs.index(s))
             if HAS_LORA:
-                tma.async_copy_global_to_shared(a_desc, [0, step * 4, 0], ready.index(s),
+                tma_load(a_desc, [0, step * 4, 0], ready.index(s),
                                                 abufs.index(s))
         else:
-            tma.async_copy_global_to_shared(w_desc_u, [row0, step * STEP_WORDS],
+            tma_load(w_desc_u, [row0, step * STEP_WORDS],
                                             ready.index(s), bufs.index(s))
             if HAS_LORA:
-                tma.async_copy_global_to_shared(a_desc_u, [0, step * 4, 0], ready.index(s),
+                tma_load(a_desc_u, [0, step * 4, 0], ready.index(s),
                                                 abufs.index(s))
-        tma.async_copy_global_to_shared(x_desc, [0, step * 4, 0], ready.index(s),
+        tma_load(x_desc, [0, step * 4, 0], ready.index(s),
                                         xbufs.index(s))
 
 
