@@ -2,17 +2,18 @@
 
 `_linear4bit_ws_kernel` (its docstring) streams the packed weight, x and the LoRA factor A
 through TMA into shared memory ahead of the warps that look the nibbles up, and runs the
-lookup's MMAs from there; at M = 8 it measured 1.2-1.5x faster than the register tile at the
-1B and 8B layer shapes (bench/README.md, session 29). Its output meets `linear4bit`'s bound
+lookup's MMAs from there, so the weight stream no longer waits on the lookups (the register
+tile's limit; bench/README.md has the measurements). Its output meets `linear4bit`'s bound
 (the same round(W), fp32 sums in another order, the LoRA term in fp32).
 
 `reason(x, parts, glu, config)` decides, for `linear4bit._launch`: None where this kernel
-computes the call. It takes one projection (no grouped or silu · mul launch), no bias, at most
-8 rows of bf16 x, K a multiple of 256 and a blocksize a multiple of 64, no LoRA or a rank-16
-LoRA with bf16 factors (PEFT's fp32 factors take the register tile, whose fp32 products they
-need), on a CUDA device of compute capability 9.0 with Triton's Gluon, every operand laid out
-as TMA reads it, no explicit tile config, and GRPO_LCE_WS_LINEAR not "0". A launch that fails
-(Gluon's compiler, a driver) logs one line and turns the path off for the process.
+computes the call. It takes one projection, or a gate/up + silu · mul launch whose split rule
+gives one split (no grouped q/k/v launch); no bias; at most 8 rows of bf16 x; K a multiple of
+256 and a blocksize a multiple of 64; no LoRA or a rank-16 LoRA with bf16 factors (PEFT's fp32
+factors take the register tile, whose fp32 products they need); a CUDA device of compute
+capability 9.0 with Triton's Gluon; every operand laid out as TMA reads it; no explicit tile
+config; and GRPO_LCE_WS_LINEAR not "0". A launch that fails (Gluon's compiler, a driver) logs
+one line and turns the path off for the process.
 
 The launch is without PDL (`pdl`): it waits for the kernel before it as a plain launch does,
 and the kernel after it, launched with PDL, waits for its completion in `grid_wait`.
