@@ -43,8 +43,9 @@ absmax block a step, the tile moved into that layout through shared memory. Eith
 holds for any order.
 
 On an sm_90 GPU, one projection of at most 8 rows, or a gate/up + silu · mul launch, with no
-bias and no LoRA or a rank-16 bf16 one, takes `linear4bit_ws`'s kernel instead (its docstring: the weight streamed through TMA into
-shared memory ahead of the lookups; the same round(W) and bound); `_launch` asks it first.
+bias and no LoRA or a rank-16 bf16 one, takes `linear4bit_ws`'s kernel instead (its
+docstring: the weight streamed through TMA into shared memory ahead of the lookups; the same
+round(W) and bound); `_launch` asks it first.
 
 Projections of the same x (q/k/v, gate/up) can share that launch (`linear4bit_lora_group`,
 `decode_linears`): the grid's output tiles run over each projection's rows in turn, and each
