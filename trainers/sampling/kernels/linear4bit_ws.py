@@ -97,7 +97,9 @@ def reason(x: torch.Tensor, parts: list, glu: bool, config: dict | None) -> str 
             return "gate and up quantized differently"
         if (parts[0].lora_a is None) != (parts[1].lora_a is None):
             return "LoRA on one of gate and up"
-        if split_rule(g.shape[0], k, _sms(x.device)) != 1:
+        from .linear4bit import _num_sms
+
+        if split_rule(g.shape[0], k, _num_sms(x.device)) != 1:
             return "gate/up would split K (the silu · mul launch takes one split)"
     return _gluon_reason()
 
@@ -117,15 +119,6 @@ def _part_reason(part, k: int) -> str | None:
             return (f"LoRA rank {a.shape[0]}, factors {a.dtype} / {b.dtype} (the kernel takes "
                     f"rank {RANK}, bf16, row-major)")
     return None
-
-
-@functools.cache
-def _sms_of(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-def _sms(device: torch.device) -> int:
-    return _sms_of(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def split_rule(n: int, k: int, num_sms: int) -> int:
@@ -189,13 +182,13 @@ def _launch(x: torch.Tensor, parts: list, glu: bool, defer_sum: bool,
             split: int | None = None) -> list:
     """`launch` without its fallback; `split` (default `split_rule`'s) for the lab's sweeps."""
     from ._linear4bit_ws_kernel import linear4bit_ws_kernel
+    from .linear4bit import _num_sms, _split_k_reduce_kernel, split_steps
 
     m, k = x.shape
     w = parts[0].weight
     n = w.shape[0]
-    split = 1 if glu else split or split_rule(n, k, _sms(x.device))
-    per = triton.cdiv(k // 256, split)
-    split = triton.cdiv(k // 256, per)
+    split = 1 if glu else split or split_rule(n, k, _num_sms(x.device))
+    per, split = split_steps(k // 256, split)
     # rows past M read as zeros
     x_desc = _descriptor(x, [m, k // 64, 64], [x.stride(0), 64, 1], [8, 4, 64], 16)
     first = _part_args(parts[0], x)
@@ -216,8 +209,6 @@ def _launch(x: torch.Tensor, parts: list, glu: bool, defer_sum: bool,
         return [y]
     if defer_sum:
         return [SplitSum(partials, None, x.dtype, n)]
-    from .linear4bit import _split_k_reduce_kernel
-
     _split_k_reduce_kernel[(1, triton.cdiv(n, 64))](
         partials, y, y, m, n, split, partials.stride(0), partials.stride(1), y.stride(0),
         HAS_BIAS=False, BLOCK_M=16, BLOCK_N=64, INTERP=False)
