@@ -43,6 +43,9 @@ every row runs to --new. Variants (--variants):
                   plan's record off: an A/B of `record_step`; optional)
     loop_register_tile `loop` with every decode linear on the register tile (`linear4bit_ws`
                   off: an A/B of the warp-specialized kernel)
+    loop_ws_no_group `loop` with q/k/v on the register tile (the warp-specialized kernel
+                  without its grouped launch)
+    loop_ws_no_pdl `loop` with the warp-specialized kernel launched without PDL
 
 Each loop variant runs once per --kernels value: "torch" (the modules' own forwards) and "auto"
 (the fused 4-bit + LoRA decode linear for the projections, add_rmsnorm for each residual add +
@@ -92,7 +95,8 @@ VARIANTS = ("hf_eager", "fast_sampler", "loop", "loop_sdpa_attention", "loop_no_
             "loop_torch_sample", "loop_cublas_head", "loop_2_per_sm", "loop_no_pdl",
             "loop_pdl_no_early", "loop_sums_in_linear", "loop_no_norm_sums", "loop_torch_record",
             "loop_one_step_splits", "loop_rope_warps1", "loop_rope_warps2", "loop_norm_warps16",
-            "loop_attention_warps2", "loop_attention_warps8", "loop_register_tile")
+            "loop_attention_warps2", "loop_attention_warps8", "loop_register_tile",
+            "loop_ws_no_group", "loop_ws_no_pdl")
 # the lab variants' kernel plans: `loop`'s without one piece
 PLAN_WITHOUT = {"loop_no_silu_mul": {"silu_mul": frozenset()},
                 "loop_torch_sample": {"sample": False},
@@ -200,6 +204,22 @@ def _lab_patch(name: str):
         from trainers.sampling.kernels import linear4bit_ws
 
         return mock.patch.dict(os.environ, {linear4bit_ws.ENV: "0"})
+    if name == "loop_ws_no_group":  # q/k/v on the register tile (the ws kernel one projection)
+        from trainers.sampling.kernels import linear4bit_ws
+
+        real_reason = linear4bit_ws.reason
+
+        def one(x, parts, glu, config):
+            return "lab: no grouped launch" if len(parts) > 1 and not glu else real_reason(
+                x, parts, glu, config)
+        return mock.patch.object(linear4bit_ws, "reason", one)
+    if name == "loop_ws_no_pdl":  # the ws kernel launched without PDL
+        real_args = pdl.launch_args
+
+        def args(kernel, device):
+            return ({"PDL": False} if kernel.__name__ == "linear4bit_ws_kernel"
+                    else real_args(kernel, device))
+        return mock.patch.object(pdl, "launch_args", args)
     if name == "loop_pdl_no_early":
         return mock.patch.object(pdl, "EARLY_NEXT_WAVES", 0)
     fields = PLAN_WITHOUT.get(name)

@@ -82,7 +82,8 @@ def _compile_linear(nested, split, lora, lora_fp32, bs, prmt, xdt, segs=1, glu=F
                    enable_fp_fusion=False, num_stages=1)
 
 
-def compile_ws_linear(nested: bool, bs: int, lora: bool, split: bool, glu: bool) -> None:
+def compile_ws_linear(nested: bool, bs: int, lora: bool, split: bool, glu: bool,
+                      pdl: bool = True) -> None:
     """`linear4bit_ws`'s Gluon kernel for sm_90 (its layout conversions assert, at this
     compile, that they move no data), as `linear4bit_ws.launch` launches it."""
     import torch
@@ -98,13 +99,13 @@ def compile_ws_linear(nested: bool, bs: int, lora: bool, split: bool, glu: bool)
                             [k // 8, 1], [64, 32], 32)
     a_desc = WS._descriptor(torch.zeros(16, k, dtype=torch.bfloat16), [16, k // 64, 64],
                             [k, 64, 1], [16, 4, 64], 16)
-    descs = {"w_desc": w_desc, "w_desc_u": w_desc, "a_desc": a_desc, "a_desc_u": a_desc,
-             "x_desc": WS._descriptor(torch.zeros(8, k, dtype=torch.bfloat16), [8, k // 64, 64],
-                                      [k, 64, 1], [8, 4, 64], 16)}
+    descs = {"x_desc": WS._descriptor(torch.zeros(8, k, dtype=torch.bfloat16),
+                                      [8, k // 64, 64], [k, 64, 1], [8, 4, 64], 16)}
     consts = {"BS": bs, "BS2": 256, "NESTED": nested, "SPLIT": split, "STAGES": WS.STAGES,
-              "HAS_LORA": lora, "GLU": glu, "PRODUCER_REGS": WS.PRODUCER_REGS}
+              "HAS_LORA": lora, "GLU": glu, "PDL": pdl, "PRODUCER_REGS": WS.PRODUCER_REGS}
     types = {"y_ptr": "*bf16", "part_ptr": "*fp32"}
-    for seg in ("", "_u"):
+    for seg in "012":
+        descs.update({f"w_desc{seg}": w_desc, f"a_desc{seg}": a_desc})
         types.update({f"b_ptr{seg}": "*bf16", f"code_ptr{seg}": "*fp32",
                       f"absmax_ptr{seg}": "*u8" if nested else "*fp32",
                       f"absmax2_ptr{seg}": "*fp32", f"code2_ptr{seg}": "*fp32",
@@ -112,16 +113,18 @@ def compile_ws_linear(nested: bool, bs: int, lora: bool, split: bool, glu: bool)
     sig = {n: (mangle_type(descs[n]) if n in descs else "constexpr" if n in consts
                else types.get(n, "i32")) for n in fn.arg_names}
     div16 = [n for n in fn.arg_names if sig[n].startswith("*")] + [
-        "N", "K", "stride_bn", "stride_bn_u", "stride_ym", "stride_ps"]
+        "K", "stride_bn0", "stride_bn1", "stride_bn2", "stride_ym", "stride_ps"]
     src = GluonASTSource(fn, sig, constexprs={(fn.arg_names.index(c),): v
                                               for c, v in consts.items()},
                          attrs={(fn.arg_names.index(n),): [["tt.divisibility", 16]]
                                 for n in div16})
     kernel = triton.compile(src, target=TARGET, options={"num_warps": 4, "maxnreg": WS.MAXNREG,
-                                                         "enable_fp_fusion": False})
+                                                         "enable_fp_fusion": False,
+                                                         "launch_pdl": pdl})
     ptx = kernel.asm["ptx"]
     assert ptx.count("mma.sync") == (16 + (4 if lora else 0)) * (2 if glu else 1), "MMAs a step"
     assert "cp.async.bulk.tensor" in ptx, "TMA copies"
+    assert ("griddepcontrol.wait" in ptx) == pdl, "the PDL wait"
     print(f"{fn.__name__} {consts}: shared {kernel.metadata.shared} B")
 
 
@@ -199,6 +202,7 @@ def main():
                                          (False, 64, True, True, False),
                                          (True, 64, True, False, True)):
         compile_ws_linear(nested, bs, lora, split, glu)
+    compile_ws_linear(True, 64, True, True, False, pdl=False)  # outside a decode step
     compile_kernel(S._chunk_lse_kernel, {"z_ptr": "*fp32", "m_ptr": "*fp32", "s_ptr": "*fp32"},
                    {"BLOCK": S.BLOCK}, num_warps=8)
     for sample in (False, True):

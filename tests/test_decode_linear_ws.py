@@ -27,7 +27,7 @@ from test_decode_linear import (
     _quantize,
 )
 
-from trainers.sampling.kernels import linear4bit, linear4bit_ws
+from trainers.sampling.kernels import linear4bit, linear4bit_ws, pdl
 from trainers.sampling.kernels.linear4bit import Packed4bit, decode_linear, linear4bit_lora
 from trainers.sampling.kernels.split_sum import SplitSum
 
@@ -41,14 +41,15 @@ def _part(packed, qs, a=None, b=None, bias=None):
 
 
 def test_reason_names_what_keeps_the_path_off():
-    """Off CUDA, with a bias, a grouped launch, an explicit config, a rank other than 16 or the
+    """Off CUDA, with a bias, more than three projections, an explicit config, a rank other than 16 or the
     environment switch, `reason` says so (the register tile then runs)."""
     packed, qs = _quantize(128, 256, quant_type="nf4", double=True)
     x, a, b, _ = _inputs(8, 128, 256, 16)
     part = _part(packed, qs, a, b)
     assert "CUDA" in linear4bit_ws.reason(x, [part], False, None)
-    assert "grouped" in linear4bit_ws.reason(x, [part, part], False, None)
-    assert "grouped" in linear4bit_ws.reason(x, [part], True, None)
+    assert "CUDA" in linear4bit_ws.reason(x, [part] * 3, False, None)  # q/k/v: grouped
+    assert "1 to 3" in linear4bit_ws.reason(x, [part] * 4, False, None)
+    assert "gate/up" in linear4bit_ws.reason(x, [part], True, None)
     assert "config" in linear4bit_ws.reason(x, [part], False, {"SPLIT_K": 1})
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv(linear4bit_ws.ENV, "0")
@@ -178,3 +179,65 @@ def test_silu_mul_is_torchs_on_the_projections_gpu(n, k, lora):
         yu = linear4bit.linear4bit_lora_group(x, [u])[0]
         assert linear4bit_ws.LAUNCHES["whole"] == before.get("whole", 0) + 2
         assert torch.equal(h, torch.nn.functional.silu(yg) * yu), f"M={m}"
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("k,ns", [(2048, (2048, 512, 512)), (4096, (4096, 1024, 1024)),
+                                  (1280, (200, 72, 136))])
+@pytest.mark.parametrize("lora", [False, True])
+def test_grouped_qkv_gpu(k, ns, lora):
+    """q/k/v in one launch (each CTA a tile of one projection): each output within the fp64
+    bound at M = 1, 3, 8, the launch counted as grouped; with defer_sum the partials' sums are
+    the same bits; the 1B and 8B shapes and odd N (tiles that end inside a segment)."""
+    parts, refs = [], []
+    for i, n in enumerate(ns):
+        packed, qs = _quantize(n, k, quant_type="nf4", double=True, device="cuda", seed=i)
+        _, a, b, _ = _inputs(1, n, k, 16, device="cuda", seed=10 + i)
+        parts.append(linear4bit.LinearPart(Packed4bit.from_quant_state(packed, qs), None,
+                                           a if lora else None, b if lora else None,
+                                           0.5 + i))
+        refs.append(bnbF.dequantize_4bit(packed, qs))
+    splits = linear4bit_ws.split_rule(64 * sum(-(-n // 64) for n in ns), k,
+                                      torch.cuda.get_device_properties(0).multi_processor_count)
+    for m in (1, 3, 8):
+        x = _inputs(m, ns[0], k, 16, device="cuda", seed=20)[0]
+        before = _launches()
+        ys = linear4bit.linear4bit_lora_group(x, parts)
+        assert _launches() == before + 1, linear4bit_ws.reason(x, parts, False, None)
+        assert any(key.endswith("x3") and v for key, v in linear4bit_ws.LAUNCHES.items())
+        for p, y_ours, w_bf16 in zip(parts, ys, refs):
+            y, big_s = _fp64(x, w_bf16, None, p.lora_a, p.lora_b, p.scaling)
+            _check(y_ours, y, big_s, k_eff=k + 16 + 4 + splits, rel_u=1, s_u=0,
+                   what=f"N={p.weight.shape[0]} K={k} M={m} lora={lora}")
+        deferred = linear4bit.linear4bit_lora_group(x, parts, defer_sum=True)
+        for d, y_ours in zip(deferred, ys):
+            got = d.materialize() if isinstance(d, SplitSum) else d
+            assert torch.equal(got, y_ours)
+
+
+@pytest.mark.gpu
+@gpu
+def test_pdl_launch_is_the_plain_launch_gpu():
+    """Inside a decode step the kernel launches with PDL (counted by `pdl`): the single, split,
+    grouped and gate/up launches give the plain launch's bits."""
+    k = 2048
+    p, g = [], []
+    for n, out in ((1024, p), (8192, g)):  # 8192: a gate/up of one split
+        packed, qs = _quantize(n, k, quant_type="nf4", double=True, device="cuda")
+        x, a, b, _ = _inputs(8, n, k, 16, device="cuda")
+        out.append(linear4bit.LinearPart(Packed4bit.from_quant_state(packed, qs), None, a, b,
+                                         2.0))
+    calls = [lambda: linear4bit.linear4bit_lora_group(x, p),
+             lambda: linear4bit.linear4bit_lora_group(x, p * 3),
+             lambda: [linear4bit.linear4bit_lora_silu_mul(x, g[0], g[0])]]
+    plain = [[y.clone() for y in c()] for c in calls]
+    before = pdl.LAUNCHES["linear4bit_ws_kernel"]
+    with pdl.decode_step():
+        if pdl.pdl_reason(x.device) is not None:
+            pytest.skip(f"PDL off here: {pdl.pdl_reason(x.device)}")
+        for c, ref in zip(calls, plain):
+            for y, r in zip(c(), ref):
+                assert torch.equal(y, r)
+        torch.cuda.synchronize()
+    assert pdl.LAUNCHES["linear4bit_ws_kernel"] == before + len(calls)

@@ -305,50 +305,103 @@ def _k_loop(bufs, xbufs, abufs, ready, empty, code_ptr, absmax_ptr, absmax2_ptr,
 
 
 @gluon.jit
-def _consumer(bufs, xbufs, abufs, ready, empty, code_ptr, absmax_ptr, absmax2_ptr, code2_ptr,
-              offset_ptr, code_ptr_u, absmax_ptr_u, absmax2_ptr_u, code2_ptr_u, offset_ptr_u,
-              row0, N, K, step_lo, nsteps, BS: gl.constexpr, BS2: gl.constexpr,
+def _pick(seg, v0, v1, v2):
+    """v0, v1 or v2 by the segment index (a uniform branch)."""
+    r = v0
+    if seg == 1:
+        r = v1
+    if seg == 2:
+        r = v2
+    return r
+
+
+@gluon.jit
+def _consumer(bufs, xbufs, abufs, ready, empty, seg,
+              code_ptr0, absmax_ptr0, absmax2_ptr0, code2_ptr0, offset_ptr0, n0,
+              code_ptr1, absmax_ptr1, absmax2_ptr1, code2_ptr1, offset_ptr1, n1,
+              code_ptr2, absmax_ptr2, absmax2_ptr2, code2_ptr2, offset_ptr2, n2,
+              row0, K, step_lo, nsteps, BS: gl.constexpr, BS2: gl.constexpr,
               NESTED: gl.constexpr, STAGES: gl.constexpr, HAS_LORA: gl.constexpr,
               GLU: gl.constexpr):
-    """(acc, t) of the projection, and with GLU the up projection's after the gate's."""
-    acc, t = _k_loop(bufs, xbufs, abufs, ready, empty, code_ptr, absmax_ptr, absmax2_ptr,
-                     code2_ptr, offset_ptr, row0, N, K, step_lo, nsteps, 0, BS, BS2, NESTED,
-                     STAGES, HAS_LORA)
+    """(acc, t) of the CTA's segment; with GLU the gate's (segment 0), then the up
+    projection's (segment 1) from the next stages."""
     if GLU:
-        acc_u, t_u = _k_loop(bufs, xbufs, abufs, ready, empty, code_ptr_u, absmax_ptr_u,
-                             absmax2_ptr_u, code2_ptr_u, offset_ptr_u, row0, N, K, step_lo,
+        acc, t = _k_loop(bufs, xbufs, abufs, ready, empty, code_ptr0, absmax_ptr0,
+                         absmax2_ptr0, code2_ptr0, offset_ptr0, row0, n0, K, step_lo, nsteps,
+                         0, BS, BS2, NESTED, STAGES, HAS_LORA)
+        acc_u, t_u = _k_loop(bufs, xbufs, abufs, ready, empty, code_ptr1, absmax_ptr1,
+                             absmax2_ptr1, code2_ptr1, offset_ptr1, row0, n0, K, step_lo,
                              nsteps, nsteps, BS, BS2, NESTED, STAGES, HAS_LORA)
     else:
+        acc, t = _k_loop(bufs, xbufs, abufs, ready, empty,
+                         _pick(seg, code_ptr0, code_ptr1, code_ptr2),
+                         _pick(seg, absmax_ptr0, absmax_ptr1, absmax_ptr2),
+                         _pick(seg, absmax2_ptr0, absmax2_ptr1, absmax2_ptr2),
+                         _pick(seg, code2_ptr0, code2_ptr1, code2_ptr2),
+                         _pick(seg, offset_ptr0, offset_ptr1, offset_ptr2), row0,
+                         _pick(seg, n0, n1, n2), K, step_lo, nsteps, 0, BS, BS2, NESTED,
+                         STAGES, HAS_LORA)
         acc_u, t_u = acc, t
     return acc, t, acc_u, t_u
 
 
 @gluon.jit
-def _producer(w_desc, x_desc, a_desc, w_desc_u, a_desc_u, bufs, xbufs, abufs, ready, empty,
-              row0, step_lo, nsteps, STAGES: gl.constexpr, HAS_LORA: gl.constexpr,
-              GLU: gl.constexpr):
-    """The stages' copies: the projection's steps, then with GLU the up projection's."""
-    nbytes: gl.constexpr = (w_desc.block_type.nbytes + x_desc.block_type.nbytes
-                            + (a_desc.block_type.nbytes if HAS_LORA else 0))
-    for i in range(nsteps * (2 if GLU else 1)):
+def _grid_wait(PDL: gl.constexpr):
+    """Wait until the previous kernel in the stream has completed and its writes are visible
+    (griddepcontrol.wait; `pdl.grid_wait` for a Gluon kernel)."""
+    if PDL:
+        gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32,
+                                  is_pure=False, pack=1)
+
+
+@gluon.jit
+def _load_weights(seg, w_desc0, a_desc0, w_desc1, a_desc1, w_desc2, a_desc2, row0, step, bar,
+                  wbuf, abuf, HAS_LORA: gl.constexpr):
+    """The TMA copies of segment seg's packed weight (and A) of `step` into a stage."""
+    if seg == 0:
+        tma_load(w_desc0, [row0, step * STEP_WORDS], bar, wbuf)
+        if HAS_LORA:
+            tma_load(a_desc0, [0, step * 4, 0], bar, abuf)
+    elif seg == 1:
+        tma_load(w_desc1, [row0, step * STEP_WORDS], bar, wbuf)
+        if HAS_LORA:
+            tma_load(a_desc1, [0, step * 4, 0], bar, abuf)
+    else:
+        tma_load(w_desc2, [row0, step * STEP_WORDS], bar, wbuf)
+        if HAS_LORA:
+            tma_load(a_desc2, [0, step * 4, 0], bar, abuf)
+
+
+@gluon.jit
+def _producer(x_desc, w_desc0, a_desc0, w_desc1, a_desc1, w_desc2, a_desc2, bufs, xbufs, abufs,
+              ready, empty, seg, row0, step_lo, nsteps, STAGES: gl.constexpr,
+              HAS_LORA: gl.constexpr, GLU: gl.constexpr, PDL: gl.constexpr):
+    """The stages' copies: the segment's steps (with GLU the gate's, then the up
+    projection's). The first STAGES stages' weights are copied before `_grid_wait`: only x
+    comes from the kernel before this one."""
+    nbytes: gl.constexpr = (w_desc0.block_type.nbytes + x_desc.block_type.nbytes
+                            + (a_desc0.block_type.nbytes if HAS_LORA else 0))
+    total = nsteps * (2 if GLU else 1)
+    for i in gl.static_range(STAGES):
+        if i < total:
+            mbarrier.expect(ready.index(i), nbytes)
+            _load_weights(seg + (i >= nsteps).to(gl.int32), w_desc0, a_desc0, w_desc1,
+                          a_desc1, w_desc2, a_desc2, row0, step_lo + i % nsteps,
+                          ready.index(i), bufs.index(i), abufs.index(i), HAS_LORA)
+    _grid_wait(PDL)
+    for i in gl.static_range(STAGES):
+        if i < total:
+            tma_load(x_desc, [0, (step_lo + i % nsteps) * 4, 0], ready.index(i),
+                     xbufs.index(i))
+    for i in range(STAGES, total):
         s = i % STAGES
         mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
         mbarrier.expect(ready.index(s), nbytes)
         step = step_lo + i % nsteps
-        if i < nsteps:
-            tma_load(w_desc, [row0, step * STEP_WORDS], ready.index(s),
-                                            bufs.index(s))
-            if HAS_LORA:
-                tma_load(a_desc, [0, step * 4, 0], ready.index(s),
-                                                abufs.index(s))
-        else:
-            tma_load(w_desc_u, [row0, step * STEP_WORDS],
-                                            ready.index(s), bufs.index(s))
-            if HAS_LORA:
-                tma_load(a_desc_u, [0, step * 4, 0], ready.index(s),
-                                                abufs.index(s))
-        tma_load(x_desc, [0, step * 4, 0], ready.index(s),
-                                        xbufs.index(s))
+        _load_weights(seg + (i >= nsteps).to(gl.int32), w_desc0, a_desc0, w_desc1, a_desc1,
+                      w_desc2, a_desc2, row0, step, ready.index(s), bufs.index(s),
+                      abufs.index(s), HAS_LORA)
+        tma_load(x_desc, [0, step * 4, 0], ready.index(s), xbufs.index(s))
 
 
 @gluon.jit
@@ -377,26 +430,36 @@ def _silu_mul(g, u):
 
 
 @gluon.jit
-def linear4bit_ws_kernel(w_desc, x_desc, a_desc, b_ptr, y_ptr, part_ptr, code_ptr, absmax_ptr,
-                         absmax2_ptr, code2_ptr, offset_ptr, scaling, stride_bn,
-                         w_desc_u, a_desc_u, b_ptr_u, code_ptr_u, absmax_ptr_u, absmax2_ptr_u,
-                         code2_ptr_u, offset_ptr_u, scaling_u, stride_bn_u,
-                         N, K, M, stride_ym, stride_ps, steps_per_split, BS: gl.constexpr,
-                         BS2: gl.constexpr, NESTED: gl.constexpr, SPLIT: gl.constexpr,
-                         STAGES: gl.constexpr, HAS_LORA: gl.constexpr, GLU: gl.constexpr,
+def linear4bit_ws_kernel(x_desc, y_ptr, part_ptr,
+                         w_desc0, a_desc0, b_ptr0, code_ptr0, absmax_ptr0, absmax2_ptr0,
+                         code2_ptr0, offset_ptr0, scaling0, stride_bn0, n0,
+                         w_desc1, a_desc1, b_ptr1, code_ptr1, absmax_ptr1, absmax2_ptr1,
+                         code2_ptr1, offset_ptr1, scaling1, stride_bn1, n1,
+                         w_desc2, a_desc2, b_ptr2, code_ptr2, absmax_ptr2, absmax2_ptr2,
+                         code2_ptr2, offset_ptr2, scaling2, stride_bn2, n2,
+                         tile1, tile2, col1, col2, K, M, stride_ym, stride_pm, stride_ps,
+                         steps_per_split, BS: gl.constexpr, BS2: gl.constexpr,
+                         NESTED: gl.constexpr, SPLIT: gl.constexpr, STAGES: gl.constexpr,
+                         HAS_LORA: gl.constexpr, GLU: gl.constexpr, PDL: gl.constexpr,
                          PRODUCER_REGS: gl.constexpr):
-    """Grid (N / 64 tiles, K splits); y (M, N) in bf16, or with SPLIT the split's fp32 partial
-    part[split] (M, N). GLU (one split): the arguments ending in _u are the up projection's,
-    streamed after the gate's by the same CTA, and y = silu(gate) · up. `linear4bit_ws.launch`
-    gives the descriptors and the steps a split."""
-    row0 = gl.program_id(0) * ROWS
+    """Grid (Σ_s N_s / 64 tiles, K splits): the arguments ending in s are projection s's
+    (segment s, its tiles from tile_s, its output columns from col_s; segments past the
+    launch's repeat the last, and tile_s is then past the grid). y (M, Σ N_s) in bf16, or with
+    SPLIT the split's fp32 partial part[split] (M, Σ N_s) (row stride stride_pm). GLU (one
+    split, segments 0 and 1 of one N): a CTA streams the gate's rows of its tile, then the up
+    projection's, and y = silu(gate) · up. PDL: launched with programmatic dependent launch
+    (`pdl`); the producer waits for the previous kernel before it copies x.
+    `linear4bit_ws.launch` gives the descriptors and the steps a split."""
+    pid = gl.program_id(0)
+    seg = (pid >= tile1).to(gl.int32) + (pid >= tile2).to(gl.int32)
+    row0 = (pid - (seg == 1).to(gl.int32) * tile1 - (seg == 2).to(gl.int32) * tile2) * ROWS
     pid_k = gl.program_id(1)
     step_lo = pid_k * steps_per_split
     nsteps = gl.minimum(steps_per_split, K // 256 - step_lo)
-    bufs = gl.allocate_shared_memory(gl.int32, [STAGES, ROWS, STEP_WORDS], w_desc.layout)
+    bufs = gl.allocate_shared_memory(gl.int32, [STAGES, ROWS, STEP_WORDS], w_desc0.layout)
     xbufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, 8, 4, 64], x_desc.layout)
     abufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES if HAS_LORA else 1, RANK, 4, 64],
-                                      a_desc.layout)
+                                      a_desc0.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for s in gl.static_range(STAGES):
@@ -404,24 +467,39 @@ def linear4bit_ws_kernel(w_desc, x_desc, a_desc, b_ptr, y_ptr, part_ptr, code_pt
         mbarrier.init(empty.index(s), count=1)
     fence_async_shared()
     acc, t, acc_u, t_u = gl.warp_specialize([
-        (_consumer, (bufs, xbufs, abufs, ready, empty, code_ptr, absmax_ptr, absmax2_ptr,
-                     code2_ptr, offset_ptr, code_ptr_u, absmax_ptr_u, absmax2_ptr_u,
-                     code2_ptr_u, offset_ptr_u, row0, N, K, step_lo, nsteps, BS, BS2, NESTED,
-                     STAGES, HAS_LORA, GLU)),
-        (_producer, (w_desc, x_desc, a_desc, w_desc_u, a_desc_u, bufs, xbufs, abufs, ready,
-                     empty, row0, step_lo, nsteps, STAGES, HAS_LORA, GLU)),
+        (_consumer, (bufs, xbufs, abufs, ready, empty, seg,
+                     code_ptr0, absmax_ptr0, absmax2_ptr0, code2_ptr0, offset_ptr0, n0,
+                     code_ptr1, absmax_ptr1, absmax2_ptr1, code2_ptr1, offset_ptr1, n1,
+                     code_ptr2, absmax_ptr2, absmax2_ptr2, code2_ptr2, offset_ptr2, n2,
+                     row0, K, step_lo, nsteps, BS, BS2, NESTED, STAGES, HAS_LORA, GLU)),
+        (_producer, (x_desc, w_desc0, a_desc0, w_desc1, a_desc1, w_desc2, a_desc2, bufs,
+                     xbufs, abufs, ready, empty, seg, row0, step_lo, nsteps, STAGES, HAS_LORA,
+                     GLU, PDL)),
     ], [1], [PRODUCER_REGS])
+    if GLU:
+        n = n0
+        col = 0
+    else:
+        n = _pick(seg, n0, n1, n2)
+        col = (seg == 1).to(gl.int32) * col1 + (seg == 2).to(gl.int32) * col2
     if HAS_LORA:
-        acc += _lora_term(t, b_ptr, row0, N, stride_bn, scaling)
         if GLU:
-            acc_u += _lora_term(t_u, b_ptr_u, row0, N, stride_bn_u, scaling_u)
+            acc += _lora_term(t, b_ptr0, row0, n, stride_bn0, scaling0)
+            acc_u += _lora_term(t_u, b_ptr1, row0, n, stride_bn1, scaling1)
+        else:
+            acc += _lora_term(t, _pick(seg, b_ptr0, b_ptr1, b_ptr2), row0, n,
+                              _pick(seg, stride_bn0, stride_bn1, stride_bn2),
+                              _pick(seg, scaling0, scaling1, scaling2))
     r = gl.arange(0, 64, layout=gl.SliceLayout(1, MMA))
     m = gl.arange(0, 8, layout=gl.SliceLayout(0, MMA))
-    n = row0 + 32 * ((r >> 3) & 1) + 8 * (r >> 4) + (r & 7)  # the stage row of MMA row r
-    mask = (n < N)[:, None] & (m < M)[None, :]
+    nr = row0 + 32 * ((r >> 3) & 1) + 8 * (r >> 4) + (r & 7)  # the stage row of MMA row r
+    mask = (nr < n)[:, None] & (m < M)[None, :]
     if GLU:
-        gl.store(y_ptr + m[None, :] * stride_ym + n[:, None], _silu_mul(acc, acc_u), mask=mask)
+        gl.store(y_ptr + m[None, :] * stride_ym + nr[:, None], _silu_mul(acc, acc_u),
+                 mask=mask)
     elif SPLIT:
-        gl.store(part_ptr + pid_k * stride_ps + m[None, :] * N + n[:, None], acc, mask=mask)
+        gl.store(part_ptr + pid_k * stride_ps + m[None, :] * stride_pm + (col + nr)[:, None],
+                 acc, mask=mask)
     else:
-        gl.store(y_ptr + m[None, :] * stride_ym + n[:, None], acc.to(gl.bfloat16), mask=mask)
+        gl.store(y_ptr + m[None, :] * stride_ym + (col + nr)[:, None], acc.to(gl.bfloat16),
+                 mask=mask)

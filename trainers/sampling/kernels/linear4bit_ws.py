@@ -7,16 +7,19 @@ tile's limit; bench/README.md has the measurements). Its output meets `linear4bi
 (the same round(W), fp32 sums in another order, the LoRA term in fp32).
 
 `reason(x, parts, glu, config)` decides, for `linear4bit._launch`: None where this kernel
-computes the call. It takes one projection, or a gate/up + silu · mul launch whose split rule
-gives one split (no grouped q/k/v launch); no bias; at most 8 rows of bf16 x; K a multiple of
-256 and a blocksize a multiple of 64; no LoRA or a rank-16 LoRA with bf16 factors (PEFT's fp32
-factors take the register tile, whose fp32 products they need); a CUDA device of compute
+computes the call. It takes one to three projections of one input in one launch (q/k/v: each
+CTA a 64-row tile of one of them, the split rule over all their tiles), or a gate/up + silu ·
+mul launch whose split rule gives one split; no bias; at most 8 rows of bf16 x; K a multiple
+of 256 and a blocksize a multiple of 64; no LoRA or a rank-16 LoRA with bf16 factors (PEFT's
+fp32 factors take the register tile, whose fp32 products they need); a CUDA device of compute
 capability 9.0 with Triton's Gluon; every operand laid out as TMA reads it; no explicit tile
 config; and GRPO_LCE_WS_LINEAR not "0". A launch that fails (Gluon's compiler, a driver) logs
 one line and turns the path off for the process.
 
-The launch is without PDL (`pdl`): it waits for the kernel before it as a plain launch does,
-and the kernel after it, launched with PDL, waits for its completion in `grid_wait`.
+Inside a decode step the launch uses PDL (`pdl.launch_args` decides): the producer warp copies
+the first stages' packed weights and A (which no kernel of the step writes) before it waits
+for the previous kernel, then x. Its CTAs end after their copies, so the kernel completes only
+after the one before it, as `pdl`'s rules ask.
 """
 
 from __future__ import annotations
@@ -76,8 +79,10 @@ def reason(x: torch.Tensor, parts: list, glu: bool, config: dict | None) -> str 
         return _failed[0]
     if config is not None:
         return "an explicit tile config"
-    if len(parts) != (2 if glu else 1):
-        return "a grouped launch (q/k/v)"
+    if glu and len(parts) != 2:
+        return f"a gate/up launch of {len(parts)} projections (it takes two)"
+    if not 1 <= len(parts) <= 3:
+        return f"a grouped launch of {len(parts)} projections (it takes 1 to 3)"
     if x.device.type != "cuda" or interpreting():
         return "not a CUDA launch"
     cap = _capability(x.device.index if x.device.index is not None
@@ -161,8 +166,9 @@ def launch(x: torch.Tensor, parts: list, glu: bool, defer_sum: bool) -> list | N
 
 
 def _part_args(part, x: torch.Tensor) -> list:
-    """A projection's kernel arguments: the packed weight's descriptor, A's, B, the code, the
-    absmax, the second-level scale, code and offset, the LoRA scaling and B's row stride."""
+    """A projection's kernel arguments (one segment's): the packed weight's descriptor, A's, B,
+    the code, the absmax, the second-level scale, code and offset, the LoRA scaling, B's row
+    stride and N."""
     w = part.weight
     n, k = w.shape
     words = w.packed.view(torch.int32).view(n, k // 8)
@@ -175,7 +181,7 @@ def _part_args(part, x: torch.Tensor) -> list:
             part.lora_b if has_lora else x, w.code, w.absmax,
             w.absmax2 if w.nested else w.code, w.code2 if w.nested else w.code,
             w.offset if w.nested else w.code, float(part.scaling),
-            part.lora_b.stride(0) if has_lora else 0]
+            part.lora_b.stride(0) if has_lora else 0, n]
 
 
 def _launch(x: torch.Tensor, parts: list, glu: bool, defer_sum: bool,
@@ -183,33 +189,42 @@ def _launch(x: torch.Tensor, parts: list, glu: bool, defer_sum: bool,
     """`launch` without its fallback; `split` (default `split_rule`'s) for the lab's sweeps."""
     from ._linear4bit_ws_kernel import linear4bit_ws_kernel
     from .linear4bit import _num_sms, _split_k_reduce_kernel, split_steps
+    from .pdl import launch_args
 
     m, k = x.shape
     w = parts[0].weight
-    n = w.shape[0]
-    split = 1 if glu else split or split_rule(n, k, _num_sms(x.device))
+    ns = [p.weight.shape[0] for p in parts]
+    tiles = [triton.cdiv(n, 64) for n in ns[:1 if glu else None]]
+    split = 1 if glu else split or split_rule(64 * sum(tiles), k, _num_sms(x.device))
     per, split = split_steps(k // 256, split)
     # rows past M read as zeros
     x_desc = _descriptor(x, [m, k // 64, 64], [x.stride(0), 64, 1], [8, 4, 64], 16)
-    first = _part_args(parts[0], x)
-    up = _part_args(parts[1], x) if glu else first
-    y = torch.empty(m, n, device=x.device, dtype=x.dtype)
-    partials = (torch.empty(split, m, n, device=x.device, dtype=torch.float32) if split > 1
-                else y)
-    linear4bit_ws_kernel[(triton.cdiv(n, 64), split)](
-        first[0], x_desc, first[1], first[2], y, partials, *first[3:], *up,
-        n, k, m, y.stride(0), partials.stride(0) if split > 1 else 0, per,
+    segs = [_part_args(p, x) for p in parts]
+    segs += [segs[-1]] * (3 - len(segs))  # absent segments repeat the last (never selected)
+    # a segment's first tile and output column; past the grid where it is absent (or GLU's up)
+    beyond = sum(tiles)
+    first_tile = [sum(tiles[:i]) if i < len(tiles) else beyond for i in (1, 2)]
+    width = ns[0] if glu else sum(ns)
+    first_col = [sum(ns[:i]) if i < len(tiles) else 0 for i in (1, 2)]
+    y = torch.empty(m, width, device=x.device, dtype=x.dtype)
+    partials = (torch.empty(split, m, width, device=x.device, dtype=torch.float32)
+                if split > 1 else y)
+    linear4bit_ws_kernel[(sum(tiles), split)](
+        x_desc, y, partials, *segs[0], *segs[1], *segs[2], *first_tile, *first_col,
+        k, m, y.stride(0), partials.stride(1), partials.stride(0) if split > 1 else 0, per,
         BS=w.blocksize, BS2=w.blocksize2, NESTED=w.nested, SPLIT=split > 1, STAGES=STAGES,
         HAS_LORA=parts[0].lora_a is not None, GLU=glu, PRODUCER_REGS=PRODUCER_REGS,
-        num_warps=4, maxnreg=MAXNREG,
+        **launch_args(linear4bit_ws_kernel, x.device), num_warps=4, maxnreg=MAXNREG,
         # the double-quant scale code2 · absmax2 + offset with bitsandbytes' two roundings
         enable_fp_fusion=False)
-    LAUNCHES["silu_mul" if glu else "split" if split > 1 else "whole"] += 1
+    LAUNCHES["silu_mul" if glu else ("split" if split > 1 else "whole")
+             + (f" x{len(parts)}" if len(parts) > 1 else "")] += 1
+    cols = [sum(ns[:i]) for i in range(len(ns))]
     if split == 1:
-        return [y]
+        return [y] if glu else [y[:, c:c + n] for c, n in zip(cols, ns)]
     if defer_sum:
-        return [SplitSum(partials, None, x.dtype, n)]
-    _split_k_reduce_kernel[(1, triton.cdiv(n, 64))](
-        partials, y, y, m, n, split, partials.stride(0), partials.stride(1), y.stride(0),
+        return [SplitSum(partials[:, :, c:c + n], None, x.dtype, n) for c, n in zip(cols, ns)]
+    _split_k_reduce_kernel[(1, triton.cdiv(width, 64))](
+        partials, y, y, m, width, split, partials.stride(0), partials.stride(1), y.stride(0),
         HAS_BIAS=False, BLOCK_M=16, BLOCK_N=64, INTERP=False)
-    return [y]
+    return [y[:, c:c + n] for c, n in zip(cols, ns)]
