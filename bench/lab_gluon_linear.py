@@ -20,6 +20,7 @@ variants and odd shapes. Results: bench/results/lab_gluon_linear[_check]_<GPU><t
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
 import os
@@ -117,6 +118,29 @@ def _lora_args(copy, mod, lora: bool) -> dict:
     return {"lora_a": copy[1], "lora_b": copy[2], "scaling": mod.scaling["default"]}
 
 
+def _variants(spec: str) -> list:
+    """[(name suffix, {linear4bit_ws attribute: value})] from "A=1,B=0;A=0" ("" the module's
+    own settings)."""
+    out = []
+    for v in spec.split(";"):
+        pairs = [p.split("=") for p in v.split(",") if p]
+        out.append(("".join(f" {a}={b}" for a, b in pairs), {a: int(b) for a, b in pairs}))
+    return out
+
+
+@contextlib.contextmanager
+def _overridden(overrides: dict):
+    """linear4bit_ws's module settings replaced inside the block (the lab's variants)."""
+    saved = {a: getattr(WS, a) for a in overrides}
+    for a, v in overrides.items():
+        setattr(WS, a, type(saved[a])(v))
+    try:
+        yield
+    finally:
+        for a, v in saved.items():
+            setattr(WS, a, v)
+
+
 def run_gpu(args) -> None:
     from bench import common as bc
     from bench import decode_linear as D
@@ -151,19 +175,22 @@ def run_gpu(args) -> None:
         row["reg_tile_ms"] = t_ref["ms"] if t_ref else why
         row["reg_tile_split"] = reg_tile["SPLIT_K"]
         best = None
-        for split in map(int, args.splits.split(",")):
+        for (vname, overrides), split in itertools.product(_variants(args.variants),
+                                                            map(int, args.splits.split(","))):
             if (k // 256) // split < 2 and split > 1:
                 continue
-            key = f"ws k{split}"
-            try:
-                y = ws_linear(x, w0, **kw0, split=split)
-                torch.cuda.synchronize()
-            except Exception as e:  # noqa: BLE001 (a split that fails is reported)
-                row[key] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
-                continue
-            err = ((y.double() - exact).abs() / tol).max().item()
-            t, why = D.graph_ms([lambda c=c, x=x, md=mod, s=split: ws_linear(
-                x, c[0], **_lora_args(c, md, args.lora), split=s) for c in copies], device)
+            key = f"ws k{split}{vname}"
+            with _overridden(overrides):
+                try:
+                    y = ws_linear(x, w0, **kw0, split=split)
+                    torch.cuda.synchronize()
+                except Exception as e:  # noqa: BLE001 (a split that fails is reported)
+                    row[key] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
+                    continue
+                err = ((y.double() - exact).abs() / tol).max().item()
+                t, why = D.graph_ms([lambda c=c, x=x, md=mod, s=split: ws_linear(
+                    x, c[0], **_lora_args(c, md, args.lora), split=s) for c in copies],
+                    device)
             row[key] = {"err_over_tol": err, "ms": t["ms"] if t else why}
             if t and err <= 1 and (best is None or t["ms"] < best[1]):
                 best = (key, t["ms"])
@@ -209,6 +236,8 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=8)
     ap.add_argument("--splits", default="1,2,4,8")
     ap.add_argument("--lora", action="store_true", help="with the LoRA term (rank 16)")
+    ap.add_argument("--variants", default="",
+                    help="';'-separated linear4bit_ws settings, e.g. 'FMA_SHIFTS=0;' (A/B)")
     ap.add_argument("--tag", default="")
     args = ap.parse_args()
     if args.once:
