@@ -46,6 +46,11 @@ every row runs to --new. Variants (--variants):
     loop_ws_no_group `loop` with q/k/v on the register tile (the warp-specialized kernel
                   without its grouped launch)
     loop_ws_no_pdl `loop` with the warp-specialized kernel launched without PDL
+    loop_ws_2_per_sm `loop` with the warp-specialized kernel's split rule aiming at 1.8 CTAs a
+                  SM (`linear4bit_ws.CTAS_PER_SM`)
+    loop_ws_early_next, loop_ws_no_early `loop` with every launch of the warp-specialized kernel
+                  letting the next kernel launch after its K loops, or none
+                  (`linear4bit_ws.EARLY_NEXT_CTAS_PER_SM`)
 
 Each loop variant runs once per --kernels value: "torch" (the modules' own forwards) and "auto"
 (the fused 4-bit + LoRA decode linear for the projections, add_rmsnorm for each residual add +
@@ -96,7 +101,8 @@ VARIANTS = ("hf_eager", "fast_sampler", "loop", "loop_sdpa_attention", "loop_no_
             "loop_pdl_no_early", "loop_sums_in_linear", "loop_no_norm_sums", "loop_torch_record",
             "loop_one_step_splits", "loop_rope_warps1", "loop_rope_warps2", "loop_norm_warps16",
             "loop_attention_warps2", "loop_attention_warps8", "loop_register_tile",
-            "loop_ws_no_group", "loop_ws_no_pdl")
+            "loop_ws_no_group", "loop_ws_no_pdl", "loop_ws_2_per_sm", "loop_ws_early_next",
+            "loop_ws_no_early")
 # the lab variants' kernel plans: `loop`'s without one piece
 PLAN_WITHOUT = {"loop_no_silu_mul": {"silu_mul": frozenset()},
                 "loop_torch_sample": {"sample": False},
@@ -220,6 +226,15 @@ def _lab_patch(name: str):
             return ({"PDL": False} if kernel.__name__ == "linear4bit_ws_kernel"
                     else real_args(kernel, device))
         return mock.patch.object(pdl, "launch_args", args)
+    if name == "loop_ws_2_per_sm":  # the ws split rule aiming at two CTAs a SM
+        from trainers.sampling.kernels import linear4bit_ws
+
+        return mock.patch.object(linear4bit_ws, "CTAS_PER_SM", 1.8)
+    if name in ("loop_ws_early_next", "loop_ws_no_early"):  # every launch / none
+        from trainers.sampling.kernels import linear4bit_ws
+
+        return mock.patch.object(linear4bit_ws, "EARLY_NEXT_CTAS_PER_SM",
+                                 2 if name == "loop_ws_early_next" else 0)
     if name == "loop_pdl_no_early":
         return mock.patch.object(pdl, "EARLY_NEXT_WAVES", 0)
     fields = PLAN_WITHOUT.get(name)

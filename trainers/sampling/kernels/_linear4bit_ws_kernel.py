@@ -25,11 +25,18 @@ The LoRA factor t = A @ xᵀ (fp32, never rounded) is split over the warps: warp
 columns 8·w .. 8·w + 7 of each half of each chunk (a batched MMA, the batch over warps), and the
 warps' parts are summed once after the loop; the epilogue adds s · B[tile] @ t in fp32 (each K
 split its own t_split: the term is linear in t). Every sum is fp32 with one rounding of y, so
-the output meets `linear4bit`'s bound. Split K writes fp32 partials (SPLIT_K, M, N).
+the output meets `linear4bit`'s bound. Split K writes fp32 partials (SPLIT_K, M, Σ N_s).
 
+Segments (q, k and v in one launch): the grid's tiles are the segments' tiles one after the
+other; a CTA finds its segment from its tile index and reads that projection's descriptors and
+pointers (uniform branches), and writes its output columns at the segment's offset.
 GLU (gate and up of an MLP, one split): each CTA streams the gate's rows of its tile, then the
 up's, through the same ring, and writes silu(gate) · up with `linear4bit._silu_mul`'s
 roundings, so neither projection goes to memory.
+
+PDL: the producer copies the first STAGES stages' weights (and A), waits for the kernel before
+(griddepcontrol.wait), then copies their x; with EARLY_NEXT the CTA lets the next kernel launch
+after its K loop (griddepcontrol.launch_dependents), before the epilogue.
 """
 
 from __future__ import annotations
@@ -441,7 +448,7 @@ def linear4bit_ws_kernel(x_desc, y_ptr, part_ptr,
                          steps_per_split, BS: gl.constexpr, BS2: gl.constexpr,
                          NESTED: gl.constexpr, SPLIT: gl.constexpr, STAGES: gl.constexpr,
                          HAS_LORA: gl.constexpr, GLU: gl.constexpr, PDL: gl.constexpr,
-                         PRODUCER_REGS: gl.constexpr):
+                         EARLY_NEXT: gl.constexpr, PRODUCER_REGS: gl.constexpr):
     """Grid (Σ_s N_s / 64 tiles, K splits): the arguments ending in s are projection s's
     (segment s, its tiles from tile_s, its output columns from col_s; segments past the
     launch's repeat the last, and tile_s is then past the grid). y (M, Σ N_s) in bf16, or with
@@ -476,6 +483,9 @@ def linear4bit_ws_kernel(x_desc, y_ptr, part_ptr,
                      xbufs, abufs, ready, empty, seg, row0, step_lo, nsteps, STAGES, HAS_LORA,
                      GLU, PDL)),
     ], [1], [PRODUCER_REGS])
+    if EARLY_NEXT:  # the next kernel may start now (its programs wait in their grid_wait)
+        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [],
+                                  dtype=gl.int32, is_pure=False, pack=1)
     if GLU:
         n = n0
         col = 0

@@ -18,8 +18,10 @@ one line and turns the path off for the process.
 
 Inside a decode step the launch uses PDL (`pdl.launch_args` decides): the producer warp copies
 the first stages' packed weights and A (which no kernel of the step writes) before it waits
-for the previous kernel, then x. Its CTAs end after their copies, so the kernel completes only
-after the one before it, as `pdl`'s rules ask.
+for the previous kernel, then x. Every CTA's producer waits, so the kernel completes only after
+the one before it, as `pdl`'s rules ask. A launch of at most EARLY_NEXT_CTAS_PER_SM CTAs a SM
+lets the next kernel launch after its K loops (the next kernel's programs wait beside it);
+bench/README.md has the A/B that set these.
 """
 
 from __future__ import annotations
@@ -44,6 +46,10 @@ STAGES = 2  # shared-memory stages a CTA streams ahead (more measured slower)
 MAXNREG = 128  # registers a thread at launch: two CTAs a SM; the consumer warps take the
 #                producer warp group's spare registers
 PRODUCER_REGS = 24
+# with PDL, a launch of at most this many CTAs a SM lets the next kernel launch once its K
+# loops are done (before the epilogue): the next kernel's programs then wait on SMs beside
+# them (0: never; 2: every launch, all of whose CTAs are resident)
+EARLY_NEXT_CTAS_PER_SM = 1.0
 # the fewest CTAs a launch aims for, per SM (`split_rule`)
 CTAS_PER_SM = 0.9
 
@@ -195,7 +201,8 @@ def _launch(x: torch.Tensor, parts: list, glu: bool, defer_sum: bool,
     w = parts[0].weight
     ns = [p.weight.shape[0] for p in parts]
     tiles = [triton.cdiv(n, 64) for n in ns[:1 if glu else None]]
-    split = 1 if glu else split or split_rule(64 * sum(tiles), k, _num_sms(x.device))
+    sms = _num_sms(x.device)
+    split = 1 if glu else split or split_rule(64 * sum(tiles), k, sms)
     per, split = split_steps(k // 256, split)
     # rows past M read as zeros
     x_desc = _descriptor(x, [m, k // 64, 64], [x.stride(0), 64, 1], [8, 4, 64], 16)
@@ -214,7 +221,9 @@ def _launch(x: torch.Tensor, parts: list, glu: bool, defer_sum: bool,
         k, m, y.stride(0), partials.stride(1), partials.stride(0) if split > 1 else 0, per,
         BS=w.blocksize, BS2=w.blocksize2, NESTED=w.nested, SPLIT=split > 1, STAGES=STAGES,
         HAS_LORA=parts[0].lora_a is not None, GLU=glu, PRODUCER_REGS=PRODUCER_REGS,
-        **launch_args(linear4bit_ws_kernel, x.device), num_warps=4, maxnreg=MAXNREG,
+        **(pdl_args := launch_args(linear4bit_ws_kernel, x.device)),
+        EARLY_NEXT=pdl_args["PDL"] and sum(tiles) * split <= EARLY_NEXT_CTAS_PER_SM * sms,
+        num_warps=4, maxnreg=MAXNREG,
         # the double-quant scale code2 · absmax2 + offset with bitsandbytes' two roundings
         enable_fp_fusion=False)
     LAUNCHES["silu_mul" if glu else ("split" if split > 1 else "whole")
