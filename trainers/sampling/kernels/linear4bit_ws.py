@@ -159,9 +159,9 @@ def _no_lora(device: torch.device) -> torch.Tensor:
 
 
 def launch(x: torch.Tensor, parts: list, glu: bool, defer_sum: bool) -> list | None:
-    """[y] for one projection (`reason` None), or [SplitSum] where `defer_sum` and K is split;
-    with `glu` (parts gate, up) [silu(gate) · up]. None if the launch failed (logged once; the
-    path is then off)."""
+    """[y_s] for each of the parts (`reason` None; column slices of one (M, Σ N_s) output), or
+    [SplitSum_s] where `defer_sum` and K is split; with `glu` (parts gate, up) [silu(gate) ·
+    up]. None if the launch failed (logged once; the path is then off)."""
     try:
         return _launch(x, parts, glu, defer_sum)
     except Exception as e:  # noqa: BLE001 (a fast path that fails falls back, with one line)
