@@ -44,7 +44,7 @@ def ws_linear(x: torch.Tensor, w: L.Packed4bit, *, lora_a: torch.Tensor | None =
     if _LAB["LAB_B"]:  # the lab kernel of bench.lab_gluon_linear_b (8 consumer warps)
         from bench import lab_gluon_linear_b
 
-        return lab_gluon_linear_b.launch(x, part, split)
+        return lab_gluon_linear_b.launch(x, [part], split=split)[0]
     return WS._launch(x, [part], False, False, split=split)[0]
 
 

@@ -22,12 +22,17 @@ absmax block or part of one), a half step h (32 columns of each chunk):
 so, as in the product kernel, every conversion between the loaded registers and the operands
 is asserted free at compile time. The table lookup is the product's (`linear4bit`'s PTX). The
 LoRA factor t = A @ xᵀ is split over the 8 warps (warp w the columns 4·w .. 4·w + 3 of each
-half of each chunk: a batched MMA) and summed after the loop. Scope: one projection, M <= 8,
-no bias, rank-16 bf16 LoRA or none, split K into fp32 partials (a second launch sums them).
+half of each chunk: a batched MMA) and summed after the loop. Scope: one projection or a
+gate/up + silu · mul pair (the product's GLU scheme and roundings), M <= 8, no bias, rank-16
+bf16 LoRA or none, split K into fp32 partials (summed by a second launch, or handed on as a
+SplitSum); no grouped q/k/v, no PDL. `launch` has `linear4bit_ws._launch`'s contract, so
+`bench.decode_loop`'s variant `loop_ws_lab_b` can put o, down and gate/up on it.
 
     python3 -m bench.lab_gluon_linear --lora --models 8b,1b --rows 8 --splits 1,2,4 \
         --variants ";LAB_B=1"          # the product kernel and this one, in one process
     python3 -m bench.lab_gluon_linear --check --variants "LAB_B=1"
+    python3 -m bench.decode_loop --bases nf4 --batches 8 --variants loop,loop_ws_no_pdl,loop_ws_lab_b \
+        --kernels auto --new 256 --reps 3          # and --model 8b
 
 `python -m bench.lab_gluon_linear_b [maxnreg]` compiles it for sm_90 on any machine (no GPU)
 and prints its shared memory, the warp groups' registers, spills and SASS mix; every layout
@@ -222,9 +227,10 @@ def _scale(qa, a2, code2_ptr, offset, BS: gl.constexpr, NESTED: gl.constexpr):
 
 
 @gluon.jit
-def _consumer(bufs, xbufs, abufs, ready, empty, code_ptr, absmax_ptr, absmax2_ptr, code2_ptr,
-              offset_ptr, row0, N, K, step_lo, nsteps, BS: gl.constexpr, BS2: gl.constexpr,
-              NESTED: gl.constexpr, STAGES: gl.constexpr, HAS_LORA: gl.constexpr):
+def _k_loop(bufs, xbufs, abufs, ready, empty, code_ptr, absmax_ptr, absmax2_ptr, code2_ptr,
+            offset_ptr, row0, N, K, step_lo, nsteps, i0, BS: gl.constexpr, BS2: gl.constexpr,
+            NESTED: gl.constexpr, STAGES: gl.constexpr, HAS_LORA: gl.constexpr):
+    """One projection's K loop over the ring's stages i0 .. i0 + nsteps - 1: (acc, t)."""
     t8 = gl.zeros([8, RANK, 8], gl.float32, MMA3)
     acc = gl.zeros([16, 64], gl.float32, MMA)
     acc1 = gl.zeros([16, 64], gl.float32, MMA)
@@ -262,26 +268,60 @@ def _consumer(bufs, xbufs, abufs, ready, empty, code_ptr, absmax_ptr, absmax2_pt
         qa_next2, a2_next2 = _scale_operands(absmax_ptr, absmax2_ptr, row0, N, K,
                                              gl.minimum(step + 2, last), BS, BS2, NESTED)
         acc, acc1, acc2, acc3, t8 = _step(
-            bufs, xbufs, abufs, ready, empty, i, qa, a2, acc, acc1, acc2, acc3, t8, code2_ptr,
+            bufs, xbufs, abufs, ready, empty, i0 + i, qa, a2, acc, acc1, acc2, acc3, t8,
+            code2_ptr,
             offset, c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15, BS,
             NESTED, STAGES, HAS_LORA)
     return (acc + acc1) + (acc2 + acc3), gl.sum(t8, axis=0)
 
 
 @gluon.jit
-def _producer(w_desc, x_desc, a_desc, bufs, xbufs, abufs, ready, empty, row0, step_lo, nsteps,
-              STAGES: gl.constexpr, HAS_LORA: gl.constexpr):
+def _consumer(bufs, xbufs, abufs, ready, empty, code_ptr, absmax_ptr, absmax2_ptr, code2_ptr,
+              offset_ptr, code_ptr_u, absmax_ptr_u, absmax2_ptr_u, code2_ptr_u, offset_ptr_u,
+              row0, N, K, step_lo, nsteps, BS: gl.constexpr, BS2: gl.constexpr,
+              NESTED: gl.constexpr, STAGES: gl.constexpr, HAS_LORA: gl.constexpr,
+              GLU: gl.constexpr):
+    """(acc, t) of the projection; with GLU the up projection's after the gate's."""
+    acc, t = _k_loop(bufs, xbufs, abufs, ready, empty, code_ptr, absmax_ptr, absmax2_ptr,
+                     code2_ptr, offset_ptr, row0, N, K, step_lo, nsteps, 0, BS, BS2, NESTED,
+                     STAGES, HAS_LORA)
+    if GLU:
+        acc_u, t_u = _k_loop(bufs, xbufs, abufs, ready, empty, code_ptr_u, absmax_ptr_u,
+                             absmax2_ptr_u, code2_ptr_u, offset_ptr_u, row0, N, K, step_lo,
+                             nsteps, nsteps, BS, BS2, NESTED, STAGES, HAS_LORA)
+    else:
+        acc_u, t_u = acc, t
+    return acc, t, acc_u, t_u
+
+
+@gluon.jit
+def _producer(w_desc, x_desc, a_desc, w_desc_u, a_desc_u, bufs, xbufs, abufs, ready, empty,
+              row0, step_lo, nsteps, STAGES: gl.constexpr, HAS_LORA: gl.constexpr,
+              GLU: gl.constexpr):
+    """The stages' copies: the projection's steps, then with GLU the up projection's."""
     nbytes: gl.constexpr = (w_desc.block_type.nbytes + x_desc.block_type.nbytes
                             + (a_desc.block_type.nbytes if HAS_LORA else 0))
-    for i in range(nsteps):
+    for i in range(nsteps * (2 if GLU else 1)):
         s = i % STAGES
         mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
         mbarrier.expect(ready.index(s), nbytes)
-        step = step_lo + i
-        P.tma_load(w_desc, [row0, step * STEP_WORDS], ready.index(s), bufs.index(s))
-        if HAS_LORA:
-            P.tma_load(a_desc, [0, step * 4, 0], ready.index(s), abufs.index(s))
+        step = step_lo + i % nsteps
+        if i < nsteps:
+            P.tma_load(w_desc, [row0, step * STEP_WORDS], ready.index(s), bufs.index(s))
+            if HAS_LORA:
+                P.tma_load(a_desc, [0, step * 4, 0], ready.index(s), abufs.index(s))
+        else:
+            P.tma_load(w_desc_u, [row0, step * STEP_WORDS], ready.index(s), bufs.index(s))
+            if HAS_LORA:
+                P.tma_load(a_desc_u, [0, step * 4, 0], ready.index(s), abufs.index(s))
         P.tma_load(x_desc, [0, step * 4, 0], ready.index(s), xbufs.index(s))
+
+
+@gluon.jit
+def _rows8(acc):
+    """The 8 real rows of acc (16, 64) [m_pad, n], in the epilogue's layout."""
+    y8 = gl.split(gl.permute(gl.reshape(acc, [2, 8, 64]), (1, 2, 0)))[0]
+    return gl.convert_layout(y8, gl.SliceLayout(1, LORA3))
 
 
 @gluon.jit
@@ -297,11 +337,15 @@ def _lora_term(t, b_ptr, row0, N, stride_bn, scaling):
 
 @gluon.jit
 def lab_b_kernel(w_desc, x_desc, a_desc, b_ptr, y_ptr, part_ptr, code_ptr, absmax_ptr,
-                 absmax2_ptr, code2_ptr, offset_ptr, scaling, stride_bn, N, K, M, stride_ym,
+                 absmax2_ptr, code2_ptr, offset_ptr, scaling, stride_bn,
+                 w_desc_u, a_desc_u, b_ptr_u, code_ptr_u, absmax_ptr_u, absmax2_ptr_u,
+                 code2_ptr_u, offset_ptr_u, scaling_u, stride_bn_u, N, K, M, stride_ym,
                  stride_ps, steps_per_split, BS: gl.constexpr, BS2: gl.constexpr,
                  NESTED: gl.constexpr, SPLIT: gl.constexpr, STAGES: gl.constexpr,
-                 HAS_LORA: gl.constexpr, PRODUCER_REGS: gl.constexpr):
-    """Grid (N / 64 tiles, K splits): y (M, N) bf16, or with SPLIT part[split] (M, N) fp32."""
+                 HAS_LORA: gl.constexpr, GLU: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+    """Grid (N / 64 tiles, K splits): y (M, N) bf16, or with SPLIT part[split] (M, N) fp32.
+    GLU (one split): the arguments ending in _u are the up projection's, streamed after the
+    gate's by the same CTA, and y = silu(gate) · up (the product's roundings)."""
     row0 = gl.program_id(0) * ROWS
     pid_k = gl.program_id(1)
     step_lo = pid_k * steps_per_split
@@ -316,53 +360,67 @@ def lab_b_kernel(w_desc, x_desc, a_desc, b_ptr, y_ptr, part_ptr, code_ptr, absma
         mbarrier.init(ready.index(s), count=1)
         mbarrier.init(empty.index(s), count=1)
     fence_async_shared()
-    acc, t = gl.warp_specialize([
+    acc, t, acc_u, t_u = gl.warp_specialize([
         (_consumer, (bufs, xbufs, abufs, ready, empty, code_ptr, absmax_ptr, absmax2_ptr,
-                     code2_ptr, offset_ptr, row0, N, K, step_lo, nsteps, BS, BS2, NESTED,
-                     STAGES, HAS_LORA)),
-        (_producer, (w_desc, x_desc, a_desc, bufs, xbufs, abufs, ready, empty, row0, step_lo,
-                     nsteps, STAGES, HAS_LORA)),
+                     code2_ptr, offset_ptr, code_ptr_u, absmax_ptr_u, absmax2_ptr_u,
+                     code2_ptr_u, offset_ptr_u, row0, N, K, step_lo, nsteps, BS, BS2, NESTED,
+                     STAGES, HAS_LORA, GLU)),
+        (_producer, (w_desc, x_desc, a_desc, w_desc_u, a_desc_u, bufs, xbufs, abufs, ready,
+                     empty, row0, step_lo, nsteps, STAGES, HAS_LORA, GLU)),
     ], [1], [PRODUCER_REGS])
-    # the 8 real rows of acc (16, 64) [m_pad, n], in the epilogue's layout
-    y8 = gl.split(gl.permute(gl.reshape(acc, [2, 8, 64]), (1, 2, 0)))[0]
-    y8 = gl.convert_layout(y8, gl.SliceLayout(1, LORA3))
+    y8 = _rows8(acc)
     if HAS_LORA:
         y8 += _lora_term(t, b_ptr, row0, N, stride_bn, scaling)
     m = gl.arange(0, 8, layout=gl.SliceLayout(1, gl.SliceLayout(1, LORA3)))
     n = row0 + gl.arange(0, 64, layout=gl.SliceLayout(0, gl.SliceLayout(1, LORA3)))
     mask = (m < M)[:, None] & (n < N)[None, :]
-    if SPLIT:
+    if GLU:
+        u8 = _rows8(acc_u)
+        if HAS_LORA:
+            u8 += _lora_term(t_u, b_ptr_u, row0, N, stride_bn_u, scaling_u)
+        gl.store(y_ptr + m[:, None] * stride_ym + n[None, :], P._silu_mul(y8, u8), mask=mask)
+    elif SPLIT:
         gl.store(part_ptr + pid_k * stride_ps + m[:, None] * N + n[None, :], y8, mask=mask)
     else:
         gl.store(y_ptr + m[:, None] * stride_ym + n[None, :], y8.to(gl.bfloat16), mask=mask)
 
 
-def launch(x: torch.Tensor, part, split: int | None = None) -> torch.Tensor:
-    """y = x @ round(W)ᵀ (+ the LoRA term) of one `linear4bit.LinearPart` by the lab kernel,
-    at `split` K splits (default the product's split rule)."""
+def launch(x: torch.Tensor, parts: list, glu: bool = False, defer_sum: bool = False,
+           split: int | None = None) -> list:
+    """`linear4bit_ws._launch`'s contract for one projection or a gate/up + silu · mul pair
+    (no grouped q/k/v) by the lab kernel: [y], [SplitSum] where `defer_sum` and K is split, or
+    with `glu` [silu(gate) · up]; `split` (default the product's split rule)."""
     from trainers.sampling.kernels.linear4bit import _num_sms, _split_k_reduce_kernel, split_steps
+    from trainers.sampling.kernels.split_sum import SplitSum
 
+    if len(parts) != (2 if glu else 1):
+        raise ValueError(f"the lab kernel takes one projection or a gate/up pair, not "
+                         f"{len(parts)} parts (glu={glu})")
     m, k = x.shape
-    w = part.weight
+    w = parts[0].weight
     n = w.shape[0]
-    split = split or WS.split_rule(n, k, _num_sms(x.device))
+    split = 1 if glu else split or WS.split_rule(n, k, _num_sms(x.device))
     per, split = split_steps(k // 256, split)
     x_desc = WS._descriptor(x, [m, k // 64, 64], [x.stride(0), 64, 1], [8, 4, 64], 16)
-    args = WS._part_args(part, x)
+    first = WS._part_args(parts[0], x)[:10]
+    up = WS._part_args(parts[1], x)[:10] if glu else first
     y = torch.empty(m, n, device=x.device, dtype=x.dtype)
     partials = (torch.empty(split, m, n, device=x.device, dtype=torch.float32) if split > 1
                 else y)
     lab_b_kernel[(triton.cdiv(n, 64), split)](
-        args[0], x_desc, args[1], args[2], y, partials, *args[3:10], n, k, m, y.stride(0),
-        partials.stride(0) if split > 1 else 0, per, BS=w.blocksize, BS2=w.blocksize2,
-        NESTED=w.nested, SPLIT=split > 1, STAGES=WS.STAGES,
-        HAS_LORA=part.lora_a is not None, PRODUCER_REGS=WS.PRODUCER_REGS,
+        first[0], x_desc, first[1], first[2], y, partials, *first[3:], *up, n, k, m,
+        y.stride(0), partials.stride(0) if split > 1 else 0, per, BS=w.blocksize,
+        BS2=w.blocksize2, NESTED=w.nested, SPLIT=split > 1, STAGES=WS.STAGES,
+        HAS_LORA=parts[0].lora_a is not None, GLU=glu, PRODUCER_REGS=WS.PRODUCER_REGS,
         num_warps=WARPS, maxnreg=MAXNREG, enable_fp_fusion=False)
-    if split > 1:
-        _split_k_reduce_kernel[(1, triton.cdiv(n, 64))](
-            partials, y, y, m, n, split, partials.stride(0), partials.stride(1), y.stride(0),
-            HAS_BIAS=False, BLOCK_M=16, BLOCK_N=64, INTERP=False)
-    return y
+    if split == 1:
+        return [y]
+    if defer_sum:
+        return [SplitSum(partials, None, x.dtype, n)]
+    _split_k_reduce_kernel[(1, triton.cdiv(n, 64))](
+        partials, y, y, m, n, split, partials.stride(0), partials.stride(1), y.stride(0),
+        HAS_BIAS=False, BLOCK_M=16, BLOCK_N=64, INTERP=False)
+    return [y]
 
 
 def compile_check(maxnreg: int = MAXNREG) -> None:
@@ -386,13 +444,17 @@ def compile_check(maxnreg: int = MAXNREG) -> None:
                             [k, 64, 1], [16, 4, 64], 16)
     x_desc = WS._descriptor(torch.zeros(8, k, dtype=torch.bfloat16), [8, k // 64, 64],
                             [k, 64, 1], [8, 4, 64], 16)
-    descs = {"w_desc": w_desc, "a_desc": a_desc, "x_desc": x_desc}
-    for lora in (True, False):
-        consts = {"BS": 64, "BS2": 256, "NESTED": True, "SPLIT": True, "STAGES": WS.STAGES,
-                  "HAS_LORA": lora, "PRODUCER_REGS": WS.PRODUCER_REGS}
-        types = {"y_ptr": "*bf16", "part_ptr": "*fp32", "b_ptr": "*bf16", "code_ptr": "*fp32",
-                 "absmax_ptr": "*u8", "absmax2_ptr": "*fp32", "code2_ptr": "*fp32",
-                 "offset_ptr": "*fp32", "scaling": "fp32"}
+    descs = {"w_desc": w_desc, "a_desc": a_desc, "x_desc": x_desc, "w_desc_u": w_desc,
+             "a_desc_u": a_desc}
+    for lora, glu in ((True, False), (False, False), (True, True)):
+        consts = {"BS": 64, "BS2": 256, "NESTED": True, "SPLIT": not glu, "STAGES": WS.STAGES,
+                  "HAS_LORA": lora, "GLU": glu, "PRODUCER_REGS": WS.PRODUCER_REGS}
+        types = {"y_ptr": "*bf16", "part_ptr": "*fp32"}
+        for u in ("", "_u"):
+            types.update({f"b_ptr{u}": "*bf16", f"code_ptr{u}": "*fp32",
+                          f"absmax_ptr{u}": "*u8", f"absmax2_ptr{u}": "*fp32",
+                          f"code2_ptr{u}": "*fp32", f"offset_ptr{u}": "*fp32",
+                          f"scaling{u}": "fp32"})
         sig = {a: (mangle_type(descs[a]) if a in descs else "constexpr" if a in consts
                    else types.get(a, "i32")) for a in fn.arg_names}
         src = GluonASTSource(fn, sig, constexprs={(fn.arg_names.index(c),): v
@@ -411,7 +473,7 @@ def compile_check(maxnreg: int = MAXNREG) -> None:
             (re.match(r"\s*/\*[0-9a-f]+\*/\s+(@!?U?P\w+\s+)?([A-Z0-9_.]+)", ln)
              for ln in sass.splitlines()) if m)
         regs = sorted(set(re.findall(r"SETMAXREG[.A-Z_]*\s+(?:UP0,\s*)?(0x[0-9a-f]+)", sass)))
-        print(f"lab_b lora={lora} maxnreg={maxnreg}: shared {kern.metadata.shared} B, "
+        print(f"lab_b lora={lora} glu={glu} maxnreg={maxnreg}: shared {kern.metadata.shared} B, "
               f"setmaxnreg {regs}, spill stores {sass.count('STL')} loads {sass.count('LDL')}, "
               f"PRMT {ops['PRMT']} HMMA {ops['HMMA']} LDS {ops['LDS']} total {sum(ops.values())}")
 
