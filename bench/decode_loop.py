@@ -233,16 +233,7 @@ def _lab_patch(name: str):
 
         return mock.patch.object(linear4bit_ws, "CTAS_PER_SM", 1.8)
     if name == "loop_ws_lab_b":  # o, down and gate/up by bench.lab_gluon_linear_b (no PDL)
-        from bench import lab_gluon_linear_b
-        from trainers.sampling.kernels import linear4bit_ws
-
-        real_launch = linear4bit_ws._launch
-
-        def launch(x, parts, glu, defer_sum, split=None):
-            if glu or len(parts) == 1:
-                return lab_gluon_linear_b.launch(x, parts, glu, defer_sum, split)
-            return real_launch(x, parts, glu, defer_sum, split)
-        return mock.patch.object(linear4bit_ws, "_launch", launch)
+        return _lab_b_patch()
     if name in ("loop_ws_early_next", "loop_ws_no_early"):  # every launch / none
         from trainers.sampling.kernels import linear4bit_ws
 
@@ -260,6 +251,26 @@ def _lab_patch(name: str):
         return dataclasses.replace(made, **fields, line=f"{made.line} (lab variant {name}: "
                                                         f"{', '.join(fields)} off)")
     return mock.patch.object(loop, "make_plan", plan)
+
+
+@contextlib.contextmanager
+def _lab_b_patch():
+    """`linear4bit_ws.launch` with o, down and gate/up on bench.lab_gluon_linear_b's kernel
+    (q/k/v as before); a failure raises (no fallback), and the launches are printed."""
+    from bench import lab_gluon_linear_b
+    from trainers.sampling.kernels import linear4bit_ws
+
+    real_launch = linear4bit_ws.launch
+    count = [0]
+
+    def launch(x, parts, glu, defer_sum):
+        if glu or len(parts) == 1:
+            count[0] += 1
+            return lab_gluon_linear_b.launch(x, parts, glu, defer_sum)
+        return real_launch(x, parts, glu, defer_sum)
+    with mock.patch.object(linear4bit_ws, "launch", launch):
+        yield
+    print(f"loop_ws_lab_b: {count[0]} launches of the lab kernel", flush=True)
 
 
 def sync(device):
