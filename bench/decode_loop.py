@@ -270,7 +270,8 @@ def _lab_b_patch():
         return real_launch(x, parts, glu, defer_sum)
     with mock.patch.object(linear4bit_ws, "launch", launch):
         yield
-    print(f"loop_ws_lab_b: {count[0]} launches of the lab kernel", flush=True)
+    print(f"loop_ws_lab_b: {count[0]} launches of the lab kernel in this call (captures and "
+          f"eager steps; a graph replay launches none)", flush=True)
 
 
 def sync(device):
