@@ -138,7 +138,8 @@ def _variants(spec: str) -> list:
 
 @contextlib.contextmanager
 def _overridden(overrides: dict):
-    """linear4bit_ws's module settings replaced inside the block (the lab's variants)."""
+    """linear4bit_ws's module settings, and this module's lab switches (`_LAB`), replaced
+    inside the block (the lab's variants)."""
     lab = {a: v for a, v in overrides.items() if a in _LAB}
     saved = {a: getattr(WS, a) for a in overrides if a not in _LAB}
     saved_lab = dict(_LAB)
