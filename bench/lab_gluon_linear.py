@@ -243,7 +243,8 @@ def once(n: int, k: int, split: int, rows: int) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--check", action="store_true", help="quantization variants, odd shapes")
-    ap.add_argument("--once", default="", help="N,K,split: four calls, for ncu")
+    ap.add_argument("--once", default="",
+                    help="N,K,split: four calls (of the first --variants variant), for ncu")
     ap.add_argument("--models", default="8b,1b")
     ap.add_argument("--shapes", default="", help="only these shape names, e.g. gate/up,down")
     ap.add_argument("--rows", type=int, default=8)
@@ -256,7 +257,8 @@ def main() -> None:
     args = ap.parse_args()
     if args.once:
         n, k, split = (int(v) for v in args.once.split(","))
-        once(n, k, split, args.rows)
+        with _overridden(_variants(args.variants)[0][1]):  # the first variant's settings
+            once(n, k, split, args.rows)
     elif args.check:
         for vname, overrides in _variants(args.variants):
             with _overridden(overrides):
