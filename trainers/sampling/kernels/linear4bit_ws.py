@@ -54,8 +54,8 @@ EARLY_NEXT_CTAS_PER_SM = 1.0
 CTAS_PER_SM = 0.9
 # lab switches (bench.lab_gluon_linear --variants): each step's scale gathered a step ahead;
 # the consumer's proxy fence before it hands a stage back
-SCALE_AHEAD = 0
-CONSUMER_FENCE = 1
+SCALE_AHEAD = 1
+CONSUMER_FENCE = 0
 
 _log = logging.getLogger(__name__)
 _failed: list[str] = []  # the reason the path is off after a failed launch
