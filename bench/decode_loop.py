@@ -104,7 +104,7 @@ VARIANTS = ("hf_eager", "fast_sampler", "loop", "loop_sdpa_attention", "loop_no_
             "loop_one_step_splits", "loop_rope_warps1", "loop_rope_warps2", "loop_norm_warps16",
             "loop_attention_warps2", "loop_attention_warps8", "loop_register_tile",
             "loop_ws_no_group", "loop_ws_no_pdl", "loop_ws_2_per_sm", "loop_ws_early_next",
-            "loop_ws_no_early", "loop_ws_lab_b", "loop_ws_s30")
+            "loop_ws_no_early", "loop_ws_lab_b")
 # the lab variants' kernel plans: `loop`'s without one piece
 PLAN_WITHOUT = {"loop_no_silu_mul": {"silu_mul": frozenset()},
                 "loop_torch_sample": {"sample": False},
@@ -232,10 +232,6 @@ def _lab_patch(name: str):
         from trainers.sampling.kernels import linear4bit_ws
 
         return mock.patch.object(linear4bit_ws, "CTAS_PER_SM", 1.8)
-    if name == "loop_ws_s30":  # the ws consumer of session 30: scale at its step, the fence
-        from trainers.sampling.kernels import linear4bit_ws
-
-        return mock.patch.multiple(linear4bit_ws, SCALE_AHEAD=0, CONSUMER_FENCE=1)
     if name == "loop_ws_lab_b":  # o, down and gate/up by bench.lab_gluon_linear_b (no PDL)
         return _lab_b_patch()
     if name in ("loop_ws_early_next", "loop_ws_no_early"):  # every launch / none

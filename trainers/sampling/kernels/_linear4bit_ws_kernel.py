@@ -19,7 +19,8 @@ so what a thread looks up is its MMA operand (every layout conversion asserts th
 data); the dot sums K in that permuted order. The lookup is `linear4bit`'s: per row and chunk
 the 16 values round(code[i] · scale) as byte planes (`_table_asm`), then byte permutes
 (`_PAIRS_ASM`), so the weight is round(W) bit for bit. The scale operands are loaded two steps
-ahead in registers; the step's MMAs run in four independent chains, summed at the end.
+ahead and the scale gathered one step ahead, in registers; the step's MMAs run in four
+independent chains, summed at the end.
 
 The LoRA factor t = A @ xᵀ (fp32, never rounded) is split over the warps: warp w sums the
 columns 8·w .. 8·w + 7 of each half of each chunk (a batched MMA, the batch over warps), and the
@@ -221,7 +222,7 @@ def _lora_t_step(abuf, xbuf, t4):
 @gluon.jit
 def _step(bufs, xbufs, abufs, ready, empty, i, scale, acc, acc1, acc2, acc3, t4,
           c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15,
-          STAGES: gl.constexpr, HAS_LORA: gl.constexpr, CONSUMER_FENCE: gl.constexpr):
+          STAGES: gl.constexpr, HAS_LORA: gl.constexpr):
     """Step i of the CTA: stage i % STAGES's words, looked up at `scale` (64, 4), times x into
     the accumulators (and A times x into t4); the stage is handed back once read."""
     tb0, tb1, tb2, tb3, tb4, tb5, tb6, tb7 = _table(
@@ -232,8 +233,10 @@ def _step(bufs, xbufs, abufs, ready, empty, i, scale, acc, acc1, acc2, acc3, t4,
     x0, x1 = _x_tiles(xbufs.index(s))
     if HAS_LORA:
         t4 = _lora_t_step(abufs.index(s), xbufs.index(s), t4)
-    if CONSUMER_FENCE:
-        fence_async_shared()
+    # the stage goes back with no proxy fence: its reads (generic proxy) are ordered before
+    # the producer's next TMA write (async proxy) by this arrive's release and the producer's
+    # acquiring wait on it; a fence orders generic writes for async reads, and nothing here
+    # writes the stage
     mbarrier.arrive(empty.index(s), count=1)
     w3 = gl.convert_layout(gl.reshape(words, [64, 4, 8]), WORDS3, assert_trivial=True)
     w_h0, w_h1 = gl.split(gl.permute(gl.reshape(w3, [64, 4, 2, 4]), (0, 1, 3, 2)))
@@ -261,8 +264,7 @@ def _step(bufs, xbufs, abufs, ready, empty, i, scale, acc, acc1, acc2, acc3, t4,
 @gluon.jit
 def _k_loop(bufs, xbufs, abufs, ready, empty, code_ptr, absmax_ptr, absmax2_ptr, code2_ptr,
             offset_ptr, row0, N, K, step_lo, nsteps, i0, BS: gl.constexpr, BS2: gl.constexpr,
-            NESTED: gl.constexpr, STAGES: gl.constexpr, HAS_LORA: gl.constexpr,
-            SCALE_AHEAD: gl.constexpr, CONSUMER_FENCE: gl.constexpr):
+            NESTED: gl.constexpr, STAGES: gl.constexpr, HAS_LORA: gl.constexpr):
     """One projection's K loop over the ring's stages i0 .. i0 + nsteps - 1: (acc, t)."""
     t4 = gl.zeros([4, RANK, 8], gl.float32, MMA3)
     acc = gl.zeros([64, 8], gl.float32, MMA)
@@ -289,41 +291,26 @@ def _k_loop(bufs, xbufs, abufs, ready, empty, code_ptr, absmax_ptr, absmax2_ptr,
     c13 = gl.load(code_ptr + 13)
     c14 = gl.load(code_ptr + 14)
     c15 = gl.load(code_ptr + 15)
+    # each step's scale comes from registers filled a step before: the scale operands are
+    # loaded two steps ahead and gathered into the scale (code2[qa]) one step ahead, so
+    # neither load's latency, nor the register moves that carry them to the next step, sits
+    # between a step's start and its lookups
     last = step_lo + nsteps - 1
-    qa_next, a2_next = _scale_operands(absmax_ptr, absmax2_ptr, row0, N, K, step_lo, BS, BS2,
-                                       NESTED)
-    qa_next2, a2_next2 = _scale_operands(absmax_ptr, absmax2_ptr, row0, N, K,
-                                         gl.minimum(step_lo + 1, last), BS, BS2, NESTED)
-    if SCALE_AHEAD:
-        # the scale operands loaded a step ahead and the scale gathered (code2[qa]) a step
-        # ahead, both into registers carried to the next step: neither load's latency, nor
-        # the register moves that carry them, sits between a step's start and its lookups
-        scale = _scale(qa_next, a2_next, code2_ptr, offset, BS, NESTED)
-        for i in range(nsteps):
-            step = step_lo + i
-            qa_after, a2_after = _scale_operands(absmax_ptr, absmax2_ptr, row0, N, K,
-                                                 gl.minimum(step + 2, last), BS, BS2, NESTED)
-            scale_next = _scale(qa_next2, a2_next2, code2_ptr, offset, BS, NESTED)
-            acc, acc1, acc2, acc3, t4 = _step(
-                bufs, xbufs, abufs, ready, empty, i0 + i, scale, acc, acc1, acc2, acc3, t4,
-                c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15, STAGES,
-                HAS_LORA, CONSUMER_FENCE)
-            scale = scale_next
-            qa_next2, a2_next2 = qa_after, a2_after
-    else:
-        # the scale operands two steps ahead, in registers (their loads' latency hides behind
-        # the steps' lookups)
-        for i in range(nsteps):
-            step = step_lo + i
-            qa, a2 = qa_next, a2_next
-            qa_next, a2_next = qa_next2, a2_next2
-            qa_next2, a2_next2 = _scale_operands(absmax_ptr, absmax2_ptr, row0, N, K,
-                                                 gl.minimum(step + 2, last), BS, BS2, NESTED)
-            acc, acc1, acc2, acc3, t4 = _step(
-                bufs, xbufs, abufs, ready, empty, i0 + i,
-                _scale(qa, a2, code2_ptr, offset, BS, NESTED), acc, acc1, acc2, acc3, t4,
-                c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15, STAGES,
-                HAS_LORA, CONSUMER_FENCE)
+    qa, a2 = _scale_operands(absmax_ptr, absmax2_ptr, row0, N, K, step_lo, BS, BS2, NESTED)
+    scale = _scale(qa, a2, code2_ptr, offset, BS, NESTED)
+    qa_next, a2_next = _scale_operands(absmax_ptr, absmax2_ptr, row0, N, K,
+                                       gl.minimum(step_lo + 1, last), BS, BS2, NESTED)
+    for i in range(nsteps):
+        step = step_lo + i
+        qa_after, a2_after = _scale_operands(absmax_ptr, absmax2_ptr, row0, N, K,
+                                             gl.minimum(step + 2, last), BS, BS2, NESTED)
+        scale_next = _scale(qa_next, a2_next, code2_ptr, offset, BS, NESTED)
+        acc, acc1, acc2, acc3, t4 = _step(
+            bufs, xbufs, abufs, ready, empty, i0 + i, scale, acc, acc1, acc2, acc3, t4,
+            c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15, STAGES,
+            HAS_LORA)
+        scale = scale_next
+        qa_next, a2_next = qa_after, a2_after
     return (acc + acc1) + (acc2 + acc3), gl.convert_layout(gl.sum(t4, axis=0),
                                                            gl.SliceLayout(0, LORA3))
 
@@ -346,17 +333,16 @@ def _consumer(bufs, xbufs, abufs, ready, empty, seg,
               code_ptr2, absmax_ptr2, absmax2_ptr2, code2_ptr2, offset_ptr2, n2,
               row0, K, step_lo, nsteps, BS: gl.constexpr, BS2: gl.constexpr,
               NESTED: gl.constexpr, STAGES: gl.constexpr, HAS_LORA: gl.constexpr,
-              GLU: gl.constexpr, SCALE_AHEAD: gl.constexpr, CONSUMER_FENCE: gl.constexpr):
+              GLU: gl.constexpr):
     """(acc, t) of the CTA's segment; with GLU the gate's (segment 0), then the up
     projection's (segment 1) from the next stages."""
     if GLU:
         acc, t = _k_loop(bufs, xbufs, abufs, ready, empty, code_ptr0, absmax_ptr0,
                          absmax2_ptr0, code2_ptr0, offset_ptr0, row0, n0, K, step_lo, nsteps,
-                         0, BS, BS2, NESTED, STAGES, HAS_LORA, SCALE_AHEAD, CONSUMER_FENCE)
+                         0, BS, BS2, NESTED, STAGES, HAS_LORA)
         acc_u, t_u = _k_loop(bufs, xbufs, abufs, ready, empty, code_ptr1, absmax_ptr1,
                              absmax2_ptr1, code2_ptr1, offset_ptr1, row0, n0, K, step_lo,
-                             nsteps, nsteps, BS, BS2, NESTED, STAGES, HAS_LORA, SCALE_AHEAD,
-                             CONSUMER_FENCE)
+                             nsteps, nsteps, BS, BS2, NESTED, STAGES, HAS_LORA)
     else:
         acc, t = _k_loop(bufs, xbufs, abufs, ready, empty,
                          _pick(seg, code_ptr0, code_ptr1, code_ptr2),
@@ -365,7 +351,7 @@ def _consumer(bufs, xbufs, abufs, ready, empty, seg,
                          _pick(seg, code2_ptr0, code2_ptr1, code2_ptr2),
                          _pick(seg, offset_ptr0, offset_ptr1, offset_ptr2), row0,
                          _pick(seg, n0, n1, n2), K, step_lo, nsteps, 0, BS, BS2, NESTED,
-                         STAGES, HAS_LORA, SCALE_AHEAD, CONSUMER_FENCE)
+                         STAGES, HAS_LORA)
         acc_u, t_u = acc, t
     return acc, t, acc_u, t_u
 
@@ -466,8 +452,7 @@ def linear4bit_ws_kernel(x_desc, y_ptr, part_ptr,
                          steps_per_split, BS: gl.constexpr, BS2: gl.constexpr,
                          NESTED: gl.constexpr, SPLIT: gl.constexpr, STAGES: gl.constexpr,
                          HAS_LORA: gl.constexpr, GLU: gl.constexpr, PDL: gl.constexpr,
-                         EARLY_NEXT: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-                         SCALE_AHEAD: gl.constexpr, CONSUMER_FENCE: gl.constexpr):
+                         EARLY_NEXT: gl.constexpr, PRODUCER_REGS: gl.constexpr):
     """Grid (Σ_s N_s / 64 tiles, K splits): the arguments ending in s are projection s's
     (segment s, its tiles from tile_s, its output columns from col_s; segments past the
     launch's repeat the last, and tile_s is then past the grid). y (M, Σ N_s) in bf16, or with
@@ -497,8 +482,7 @@ def linear4bit_ws_kernel(x_desc, y_ptr, part_ptr,
                      code_ptr0, absmax_ptr0, absmax2_ptr0, code2_ptr0, offset_ptr0, n0,
                      code_ptr1, absmax_ptr1, absmax2_ptr1, code2_ptr1, offset_ptr1, n1,
                      code_ptr2, absmax_ptr2, absmax2_ptr2, code2_ptr2, offset_ptr2, n2,
-                     row0, K, step_lo, nsteps, BS, BS2, NESTED, STAGES, HAS_LORA, GLU,
-                     SCALE_AHEAD, CONSUMER_FENCE)),
+                     row0, K, step_lo, nsteps, BS, BS2, NESTED, STAGES, HAS_LORA, GLU)),
         (_producer, (x_desc, w_desc0, a_desc0, w_desc1, a_desc1, w_desc2, a_desc2, bufs,
                      xbufs, abufs, ready, empty, seg, row0, step_lo, nsteps, STAGES, HAS_LORA,
                      GLU, PDL)),

@@ -52,10 +52,6 @@ PRODUCER_REGS = 24
 EARLY_NEXT_CTAS_PER_SM = 1.0
 # the fewest CTAs a launch aims for, per SM (`split_rule`)
 CTAS_PER_SM = 0.9
-# lab switches (bench.lab_gluon_linear --variants): each step's scale gathered a step ahead;
-# the consumer's proxy fence before it hands a stage back
-SCALE_AHEAD = 1
-CONSUMER_FENCE = 0
 
 _log = logging.getLogger(__name__)
 _failed: list[str] = []  # the reason the path is off after a failed launch
@@ -225,7 +221,6 @@ def _launch(x: torch.Tensor, parts: list, glu: bool, defer_sum: bool,
         k, m, y.stride(0), partials.stride(1), partials.stride(0) if split > 1 else 0, per,
         BS=w.blocksize, BS2=w.blocksize2, NESTED=w.nested, SPLIT=split > 1, STAGES=STAGES,
         HAS_LORA=parts[0].lora_a is not None, GLU=glu, PRODUCER_REGS=PRODUCER_REGS,
-        SCALE_AHEAD=bool(SCALE_AHEAD), CONSUMER_FENCE=bool(CONSUMER_FENCE),
         **(pdl_args := launch_args(linear4bit_ws_kernel, x.device)),
         EARLY_NEXT=pdl_args["PDL"] and sum(tiles) * split <= EARLY_NEXT_CTAS_PER_SM * sms,
         num_warps=4, maxnreg=MAXNREG,
