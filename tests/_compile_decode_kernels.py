@@ -83,7 +83,7 @@ def _compile_linear(nested, split, lora, lora_fp32, bs, prmt, xdt, segs=1, glu=F
 
 
 def compile_ws_linear(nested: bool, bs: int, lora: bool, split: bool, glu: bool,
-                      pdl: bool = True) -> None:
+                      pdl: bool = True, bias: bool = False) -> None:
     """`linear4bit_ws`'s Gluon kernel for sm_90 (its layout conversions assert, at this
     compile, that they move no data), as `linear4bit_ws.launch` launches it."""
     import torch
@@ -102,7 +102,7 @@ def compile_ws_linear(nested: bool, bs: int, lora: bool, split: bool, glu: bool,
     descs = {"x_desc": WS._descriptor(torch.zeros(8, k, dtype=torch.bfloat16),
                                       [8, k // 64, 64], [k, 64, 1], [8, 4, 64], 16)}
     consts = {"BS": bs, "BS2": 256, "NESTED": nested, "SPLIT": split, "STAGES": WS.STAGES,
-              "HAS_LORA": lora, "GLU": glu, "PDL": pdl, "EARLY_NEXT": pdl,
+              "HAS_LORA": lora, "HAS_BIAS": bias, "GLU": glu, "PDL": pdl, "EARLY_NEXT": pdl,
               "PRODUCER_REGS": WS.PRODUCER_REGS}
     types = {"y_ptr": "*bf16", "part_ptr": "*fp32"}
     for seg in "012":
@@ -110,7 +110,8 @@ def compile_ws_linear(nested: bool, bs: int, lora: bool, split: bool, glu: bool,
         types.update({f"b_ptr{seg}": "*bf16", f"code_ptr{seg}": "*fp32",
                       f"absmax_ptr{seg}": "*u8" if nested else "*fp32",
                       f"absmax2_ptr{seg}": "*fp32", f"code2_ptr{seg}": "*fp32",
-                      f"offset_ptr{seg}": "*fp32", f"scaling{seg}": "fp32"})
+                      f"offset_ptr{seg}": "*fp32", f"scaling{seg}": "fp32",
+                      f"bias_ptr{seg}": "*bf16"})
     sig = {n: (mangle_type(descs[n]) if n in descs else "constexpr" if n in consts
                else types.get(n, "i32")) for n in fn.arg_names}
     div16 = [n for n in fn.arg_names if sig[n].startswith("*")] + [
@@ -204,6 +205,8 @@ def main():
                                          (True, 64, True, False, True)):
         compile_ws_linear(nested, bs, lora, split, glu)
     compile_ws_linear(True, 64, True, True, False, pdl=False)  # outside a decode step
+    for split, glu in ((False, False), (True, False), (False, True)):  # with a bias
+        compile_ws_linear(True, 64, True, split, glu, bias=True)
     compile_kernel(S._chunk_lse_kernel, {"z_ptr": "*fp32", "m_ptr": "*fp32", "s_ptr": "*fp32"},
                    {"BLOCK": S.BLOCK}, num_warps=8)
     for sample in (False, True):

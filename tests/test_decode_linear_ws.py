@@ -41,8 +41,8 @@ def _part(packed, qs, a=None, b=None, bias=None):
 
 
 def test_reason_names_what_keeps_the_path_off():
-    """Off CUDA, with a bias, more than three projections, an explicit config, a rank other than 16 or the
-    environment switch, `reason` says so (the register tile then runs)."""
+    """Off CUDA, more than three projections, a gate/up launch of one projection, an explicit
+    config or the environment switch, `reason` says so (the register tile then runs)."""
     packed, qs = _quantize(128, 256, quant_type="nf4", double=True)
     x, a, b, _ = _inputs(8, 128, 256, 16)
     part = _part(packed, qs, a, b)
@@ -127,15 +127,14 @@ def test_module_and_deferred_sum_gpu(m):
 @pytest.mark.gpu
 @gpu
 def test_switch_and_fallbacks_gpu():
-    """GRPO_LCE_WS_LINEAR=0, a bias, 9 rows and fp32 LoRA factors take the register tile (no
-    launch of this kernel), each within the same fp64 bound."""
+    """GRPO_LCE_WS_LINEAR=0, 9 rows and fp32 LoRA factors take the register tile (no launch of
+    this kernel), each within the same fp64 bound."""
     n, k = 1024, 2048
     packed, qs = _quantize(n, k, quant_type="nf4", double=True, device="cuda")
     w = Packed4bit.from_quant_state(packed, qs)
     w_bf16 = bnbF.dequantize_4bit(packed, qs)
     cases = []
-    x, a, b, bias = _inputs(8, n, k, 16, device="cuda")
-    cases.append(("bias", x, {"bias": bias, "lora_a": a, "lora_b": b}))
+    x, a, b, _ = _inputs(8, n, k, 16, device="cuda")
     x9 = _inputs(9, n, k, 16, device="cuda")[0]
     cases.append(("9 rows", x9, {"lora_a": a, "lora_b": b}))
     a32, b32 = a.float(), b.float()
@@ -144,7 +143,7 @@ def test_switch_and_fallbacks_gpu():
         before = _launches()
         ours = linear4bit_lora(xx, w, scaling=2.0, **kw)
         assert _launches() == before, what
-        y, big_s = _fp64(xx, w_bf16, kw.get("bias"), kw["lora_a"], kw["lora_b"], 2.0)
+        y, big_s = _fp64(xx, w_bf16, None, kw["lora_a"], kw["lora_b"], 2.0)
         _check(ours, y, big_s, k_eff=k + 20 + 32, rel_u=1, s_u=0, what=what)
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv(linear4bit_ws.ENV, "0")
@@ -153,6 +152,84 @@ def test_switch_and_fallbacks_gpu():
         assert _launches() == before
         y, big_s = _fp64(x, w_bf16, None, a, b, 2.0)
         _check(ours, y, big_s, k_eff=k + 20 + 32, rel_u=1, s_u=0, what="switched off")
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("lora", [False, True])
+def test_bias_gpu(lora):
+    """A bias (Qwen's q/k/v have one) on the kernel: one projection of one split and of a split K
+    (its partials summed with the bias, or handed on with it), q/k/v in one launch (odd N), and
+    a gate/up + silu · mul launch; each output within the fp64 bound of the sum with the bias
+    at M = 1, 3, 8, the launches counted; the deferred sums and the gate/up launch give the
+    plain launch's bits."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for n, k in ((8192, 2048), (1024, 2048)):  # one split; split K
+        packed, qs = _quantize(n, k, quant_type="nf4", double=True, device="cuda")
+        w, w_bf16 = Packed4bit.from_quant_state(packed, qs), bnbF.dequantize_4bit(packed, qs)
+        for m in (1, 3, 8):
+            x, a, b, bias = _inputs(m, n, k, 16, device="cuda")
+            a, b = (a, b) if lora else (None, None)
+            part = linear4bit.LinearPart(w, bias, a, b, 2.0)
+            before = _launches()
+            (ours,) = linear4bit.linear4bit_lora_group(x, [part])
+            assert _launches() == before + 1, linear4bit_ws.reason(x, [part], False, None)
+            y, big_s = _fp64(x, w_bf16, bias, a, b, 2.0)
+            _check(ours, y, big_s, k_eff=k + 16 + 5 + linear4bit_ws.split_rule(n, k, sms),
+                   rel_u=1, s_u=0, what=f"N={n} K={k} M={m}")
+            (deferred,) = linear4bit.linear4bit_lora_group(x, [part], defer_sum=True)
+            got = deferred.materialize() if isinstance(deferred, SplitSum) else deferred
+            assert torch.equal(got, ours), f"deferred N={n} M={m}"
+    k, ns = 1280, (200, 72, 136)
+    parts, refs = [], []
+    for i, n in enumerate(ns):
+        packed, qs = _quantize(n, k, quant_type="nf4", double=True, device="cuda", seed=i)
+        _, a, b, bias = _inputs(1, n, k, 16, device="cuda", seed=10 + i)
+        parts.append(linear4bit.LinearPart(Packed4bit.from_quant_state(packed, qs), bias,
+                                           a if lora else None, b if lora else None, 0.5 + i))
+        refs.append(bnbF.dequantize_4bit(packed, qs))
+    splits = linear4bit_ws.split_rule(64 * sum(-(-n // 64) for n in ns), k, sms)
+    for m in (1, 3, 8):
+        x = _inputs(m, ns[0], k, 16, device="cuda", seed=20)[0]
+        before = _launches()
+        ys = linear4bit.linear4bit_lora_group(x, parts)
+        assert _launches() == before + 1, linear4bit_ws.reason(x, parts, False, None)
+        for p, y_ours, w_bf16 in zip(parts, ys, refs):
+            y, big_s = _fp64(x, w_bf16, p.bias, p.lora_a, p.lora_b, p.scaling)
+            _check(y_ours, y, big_s, k_eff=k + 16 + 5 + splits, rel_u=1, s_u=0,
+                   what=f"q/k/v N={p.weight.shape[0]} M={m}")
+        for d, y_ours in zip(linear4bit.linear4bit_lora_group(x, parts, defer_sum=True), ys):
+            assert torch.equal(d.materialize() if isinstance(d, SplitSum) else d, y_ours)
+    n, k = 8192, 2048  # gate/up: one split
+    g_u = []
+    for i in range(2):
+        packed, qs = _quantize(n, k, quant_type="nf4", double=True, device="cuda", seed=30 + i)
+        _, a, b, bias = _inputs(1, n, k, 16, device="cuda", seed=40 + i)
+        g_u.append(linear4bit.LinearPart(Packed4bit.from_quant_state(packed, qs), bias,
+                                         a if lora else None, b if lora else None, 2.0))
+    for m in (1, 3, 8):
+        x = _inputs(m, n, k, 16, device="cuda", seed=50)[0]
+        before = linear4bit_ws.LAUNCHES["silu_mul"]
+        h = linear4bit.linear4bit_lora_silu_mul(x, *g_u)
+        assert linear4bit_ws.LAUNCHES["silu_mul"] == before + 1
+        yg, yu = (linear4bit.linear4bit_lora_group(x, [p])[0] for p in g_u)
+        assert torch.equal(h, torch.nn.functional.silu(yg) * yu), f"gate/up M={m}"
+
+
+@pytest.mark.gpu
+@gpu
+def test_module_with_bias_gpu():
+    """decode_linear(x, lora.Linear4bit with a bias) takes the kernel, within the bf16 contract
+    of the module's forward (bitsandbytes' matmul with its bias, PEFT's LoRA added after)."""
+    mod = _lora_module(1024, 2048, bias=True, device="cuda")
+    for m in (1, 8):
+        x = _inputs(m, 1024, 2048, 16, device="cuda")[0]
+        before = _launches()
+        ours = decode_linear(x, mod)
+        assert _launches() == before + 1
+        with torch.no_grad():
+            ref = mod(x)
+        _module_bound_check(ours, mod, x, ref, f"bias M={m}")
 
 
 @pytest.mark.gpu

@@ -1,7 +1,8 @@
 """The warp-specialized decode linear's Gluon kernel (sm_90); `linear4bit_ws` decides and launches.
 
-    y = x @ round(W)ᵀ + s · (x @ Aᵀ) @ Bᵀ      x (M <= 8, K) bf16, W bitsandbytes 4-bit (N, K),
-                                              A (16, K) and B (N, 16) bf16 LoRA factors
+    y = x @ round(W)ᵀ + bias + s · (x @ Aᵀ) @ Bᵀ    x (M <= 8, K) bf16, W bitsandbytes 4-bit
+                                                 (N, K), A (16, K) and B (N, 16) bf16 LoRA
+                                                 factors, bias (N,) or none
 
 One CTA computes a 64-row tile of W over one K split. A producer warp copies each step's
 64 x 256 packed weights (TMA, 128-byte swizzle; int32 words), x's 8 x 256 and A's 16 x 256
@@ -25,8 +26,9 @@ independent chains, summed at the end.
 The LoRA factor t = A @ xᵀ (fp32, never rounded) is split over the warps: warp w sums the
 columns 8·w .. 8·w + 7 of each half of each chunk (a batched MMA, the batch over warps), and the
 warps' parts are summed once after the loop; the epilogue adds s · B[tile] @ t in fp32 (each K
-split its own t_split: the term is linear in t). Every sum is fp32 with one rounding of y, so
-the output meets `linear4bit`'s bound. Split K writes fp32 partials (SPLIT_K, M, Σ N_s).
+split its own t_split: the term is linear in t) and the bias. Every sum is fp32 with one
+rounding of y, so the output meets `linear4bit`'s bound. Split K writes fp32 partials
+(SPLIT_K, M, Σ N_s) without the bias, which their sum adds.
 
 Segments (q, k and v in one launch): the grid's tiles are the segments' tiles one after the
 other; a CTA finds its segment from its tile index and reads that projection's descriptors and
@@ -443,23 +445,26 @@ def _silu_mul(g, u):
 @gluon.jit
 def linear4bit_ws_kernel(x_desc, y_ptr, part_ptr,
                          w_desc0, a_desc0, b_ptr0, code_ptr0, absmax_ptr0, absmax2_ptr0,
-                         code2_ptr0, offset_ptr0, scaling0, stride_bn0, n0,
+                         code2_ptr0, offset_ptr0, scaling0, stride_bn0, n0, bias_ptr0,
                          w_desc1, a_desc1, b_ptr1, code_ptr1, absmax_ptr1, absmax2_ptr1,
-                         code2_ptr1, offset_ptr1, scaling1, stride_bn1, n1,
+                         code2_ptr1, offset_ptr1, scaling1, stride_bn1, n1, bias_ptr1,
                          w_desc2, a_desc2, b_ptr2, code_ptr2, absmax_ptr2, absmax2_ptr2,
-                         code2_ptr2, offset_ptr2, scaling2, stride_bn2, n2,
+                         code2_ptr2, offset_ptr2, scaling2, stride_bn2, n2, bias_ptr2,
                          tile1, tile2, col1, col2, K, M, stride_ym, stride_pm, stride_ps,
                          steps_per_split, BS: gl.constexpr, BS2: gl.constexpr,
                          NESTED: gl.constexpr, SPLIT: gl.constexpr, STAGES: gl.constexpr,
-                         HAS_LORA: gl.constexpr, GLU: gl.constexpr, PDL: gl.constexpr,
+                         HAS_LORA: gl.constexpr, HAS_BIAS: gl.constexpr, GLU: gl.constexpr,
+                         PDL: gl.constexpr,
                          EARLY_NEXT: gl.constexpr, PRODUCER_REGS: gl.constexpr):
     """Grid (Σ_s N_s / 64 tiles, K splits): the arguments ending in s are projection s's
     (segment s, its tiles from tile_s, its output columns from col_s; segments past the
     launch's repeat the last, and tile_s is then past the grid). y (M, Σ N_s) in bf16, or with
     SPLIT the split's fp32 partial part[split] (M, Σ N_s) (row stride stride_pm). GLU (one
     split, segments 0 and 1 of one N): a CTA streams the gate's rows of its tile, then the up
-    projection's, and y = silu(gate) · up. PDL: launched with programmatic dependent launch
-    (`pdl`); the producer waits for the previous kernel before it copies x.
+    projection's, and y = silu(gate) · up. HAS_BIAS: bias_ptr_s is projection s's bias, added
+    in fp32 before the one rounding (GLU: to each of gate and up), and left out of SPLIT
+    partials (their sum adds it). PDL: launched with programmatic dependent launch (`pdl`);
+    the producer waits for the previous kernel before it copies x.
     `linear4bit_ws.launch` gives the descriptors and the steps a split."""
     pid = gl.program_id(0)
     seg = (pid >= tile1).to(gl.int32) + (pid >= tile2).to(gl.int32)
@@ -508,6 +513,13 @@ def linear4bit_ws_kernel(x_desc, y_ptr, part_ptr,
     m = gl.arange(0, 8, layout=gl.SliceLayout(0, MMA))
     nr = row0 + 32 * ((r >> 3) & 1) + 8 * (r >> 4) + (r & 7)  # the stage row of MMA row r
     mask = (nr < n)[:, None] & (m < M)[None, :]
+    if HAS_BIAS and not SPLIT:  # a split's partials go without it: their sum adds it
+        if GLU:
+            acc += gl.load(bias_ptr0 + nr, mask=nr < n, other=0.0).to(gl.float32)[:, None]
+            acc_u += gl.load(bias_ptr1 + nr, mask=nr < n, other=0.0).to(gl.float32)[:, None]
+        else:
+            acc += gl.load(_pick(seg, bias_ptr0, bias_ptr1, bias_ptr2) + nr, mask=nr < n,
+                           other=0.0).to(gl.float32)[:, None]
     if GLU:
         gl.store(y_ptr + m[None, :] * stride_ym + nr[:, None], _silu_mul(acc, acc_u),
                  mask=mask)

@@ -42,8 +42,9 @@ the bytes a thread loads are its operand registers (`_reg_tile_loop`, REG_TILE);
 absmax block a step, the tile moved into that layout through shared memory. Either sum is fp32 in some order of K: the bound above
 holds for any order.
 
-On an sm_90 GPU, one projection of at most 8 rows, or a gate/up + silu · mul launch, with no
-bias and no LoRA or a rank-16 bf16 one, takes `linear4bit_ws`'s kernel instead (its
+On an sm_90 GPU, one to three projections of at most 8 rows (q/k/v), or a gate/up + silu · mul
+launch, with or without a bias and with no LoRA or a rank-16 bf16 one, takes `linear4bit_ws`'s
+kernel instead (its
 docstring: the weight streamed through TMA into shared memory ahead of the lookups; the same
 round(W) and bound); `_launch` asks it first.
 

@@ -9,12 +9,14 @@ tile's limit; bench/README.md has the measurements). Its output meets `linear4bi
 `reason(x, parts, glu, config)` decides, for `linear4bit._launch`: None where this kernel
 computes the call. It takes one to three projections of one input in one launch (q/k/v: each
 CTA a 64-row tile of one of them, the split rule over all their tiles), or a gate/up + silu ·
-mul launch whose split rule gives one split; no bias; at most 8 rows of bf16 x; K a multiple
-of 256 and a blocksize a multiple of 64; no LoRA or a rank-16 LoRA with bf16 factors (PEFT's
-fp32 factors take the register tile, whose fp32 products they need); a CUDA device of compute
-capability 9.0 with Triton's Gluon; every operand laid out as TMA reads it; no explicit tile
-config; and GRPO_LCE_WS_LINEAR not "0". A launch that fails (Gluon's compiler, a driver) logs
-one line and turns the path off for the process.
+mul launch whose split rule gives one split (a group as `linear4bit.group_reason` allows it:
+a bias on every projection or none, as Qwen's q/k/v have one); at most 8 rows of bf16 x; K a
+multiple of 256 and a blocksize a multiple of 64; a contiguous bias or none; no LoRA or a
+rank-16 LoRA with bf16 factors (PEFT's fp32 factors take the register tile, whose fp32
+products they need); a CUDA device of compute capability 9.0 with Triton's Gluon; every
+operand laid out as TMA reads it; no explicit tile config; and GRPO_LCE_WS_LINEAR not "0". A
+launch that fails (Gluon's compiler, a driver) logs one line and turns the path off for the
+process.
 
 Inside a decode step the launch uses PDL (`pdl.launch_args` decides): the producer warp copies
 the first stages' packed weights and A (which no kernel of the step writes) before it waits
@@ -121,8 +123,8 @@ def _part_reason(part, k: int) -> str | None:
         return f"K={k}, blocksize {w.blocksize} (multiples of 256 and 64), a 16-byte aligned weight"
     if w.nested and w.blocksize == 64 and w.absmax.data_ptr() % 4:
         return "double-quant absmax not 4-byte aligned"
-    if part.bias is not None:
-        return "a bias"
+    if part.bias is not None and part.bias.stride(0) != 1:
+        return "a strided bias"
     if part.lora_a is not None:
         a, b = part.lora_a, part.lora_b
         if (a.shape[0] != RANK or a.dtype != torch.bfloat16 or b.dtype != torch.bfloat16
@@ -174,7 +176,7 @@ def launch(x: torch.Tensor, parts: list, glu: bool, defer_sum: bool) -> list | N
 def _part_args(part, x: torch.Tensor) -> list:
     """A projection's kernel arguments (one segment's): the packed weight's descriptor, A's, B,
     the code, the absmax, the second-level scale, code and offset, the LoRA scaling, B's row
-    stride and N."""
+    stride, N and the bias (x in its place where there is none: never read)."""
     w = part.weight
     n, k = w.shape
     words = w.packed.view(torch.int32).view(n, k // 8)
@@ -187,7 +189,8 @@ def _part_args(part, x: torch.Tensor) -> list:
             part.lora_b if has_lora else x, w.code, w.absmax,
             w.absmax2 if w.nested else w.code, w.code2 if w.nested else w.code,
             w.offset if w.nested else w.code, float(part.scaling),
-            part.lora_b.stride(0) if has_lora else 0, n]
+            part.lora_b.stride(0) if has_lora else 0, n,
+            part.bias if part.bias is not None else x]
 
 
 def _launch(x: torch.Tensor, parts: list, glu: bool, defer_sum: bool,
@@ -220,7 +223,8 @@ def _launch(x: torch.Tensor, parts: list, glu: bool, defer_sum: bool,
         x_desc, y, partials, *segs[0], *segs[1], *segs[2], *first_tile, *first_col,
         k, m, y.stride(0), partials.stride(1), partials.stride(0) if split > 1 else 0, per,
         BS=w.blocksize, BS2=w.blocksize2, NESTED=w.nested, SPLIT=split > 1, STAGES=STAGES,
-        HAS_LORA=parts[0].lora_a is not None, GLU=glu, PRODUCER_REGS=PRODUCER_REGS,
+        HAS_LORA=parts[0].lora_a is not None, HAS_BIAS=parts[0].bias is not None, GLU=glu,
+        PRODUCER_REGS=PRODUCER_REGS,
         **(pdl_args := launch_args(linear4bit_ws_kernel, x.device)),
         EARLY_NEXT=pdl_args["PDL"] and sum(tiles) * split <= EARLY_NEXT_CTAS_PER_SM * sms,
         num_warps=4, maxnreg=MAXNREG,
@@ -232,8 +236,17 @@ def _launch(x: torch.Tensor, parts: list, glu: bool, defer_sum: bool,
     if split == 1:
         return [y] if glu else [y[:, c:c + n] for c, n in zip(cols, ns)]
     if defer_sum:
-        return [SplitSum(partials[:, :, c:c + n], None, x.dtype, n) for c, n in zip(cols, ns)]
-    _split_k_reduce_kernel[(1, triton.cdiv(width, 64))](
-        partials, y, y, m, width, split, partials.stride(0), partials.stride(1), y.stride(0),
-        HAS_BIAS=False, BLOCK_M=16, BLOCK_N=64, INTERP=False)
-    return [y[:, c:c + n] for c, n in zip(cols, ns)]
+        return [SplitSum(partials[:, :, c:c + n], p.bias, x.dtype, n)
+                for c, n, p in zip(cols, ns, parts)]
+    if parts[0].bias is None:  # one sum over every projection's columns
+        _split_k_reduce_kernel[(1, triton.cdiv(width, 64))](
+            partials, y, y, m, width, split, partials.stride(0), partials.stride(1),
+            y.stride(0), HAS_BIAS=False, BLOCK_M=16, BLOCK_N=64, INTERP=False)
+        return [y[:, c:c + n] for c, n in zip(cols, ns)]
+    outs = [y[:, c:c + n] for c, n in zip(cols, ns)]
+    for c, n, p, o in zip(cols, ns, parts, outs):  # a sum a projection, each its bias
+        _split_k_reduce_kernel[(1, triton.cdiv(n, 64))](
+            partials[:, :, c:c + n], p.bias, o, m, n, split, partials.stride(0),
+            partials.stride(1), o.stride(0), HAS_BIAS=True, BLOCK_M=16, BLOCK_N=64,
+            INTERP=False)
+    return outs
