@@ -1030,13 +1030,13 @@ def gpu_lora_llama(quant: str, tmp_path, family: str = "llama"):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("quant,kernels,family", [
     ("bf16", "auto", "llama"), ("nf4", "torch", "llama"), ("nf4", "auto", "llama"),
-    ("fp4", "auto", "llama"), ("nf4", "auto", "qwen3"), ("nf4", "auto", "mistral"),
-    ("bf16", "torch", "mistral")])
+    ("fp4", "auto", "llama"), ("nf4", "auto", "qwen3"), ("nf4", "auto", "qwen2"),
+    ("nf4", "auto", "mistral"), ("bf16", "torch", "mistral")])
 def test_gpu_greedy_and_replay_after_optimizer_step(quant, kernels, family, tmp_path):
     """Greedy completions of the captured loop against eager `generate` (bf16 / NF4 / FP4 +
-    LoRA; Llama, Qwen3, Mistral with its sliding window; decode kernels on, attention by
-    decode_attention, or off, attention by SDPA), then an
-    optimizer step on the LoRA weights: the replayed graphs (no new capture) give the updated
+    LoRA; Llama, Qwen3, Qwen2 with its q/k/v biases, Mistral with its sliding window; decode
+    kernels on, attention by decode_attention, or off, attention by SDPA), then an optimizer
+    step on the LoRA weights: the replayed graphs (no new capture) give the updated
     policy's greedy tokens (the 4-bit kernel reads the LoRA factors live). One host check per
     k tokens."""
     model = gpu_lora_llama(quant, tmp_path, family)
