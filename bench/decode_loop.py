@@ -51,8 +51,6 @@ every row runs to --new. Variants (--variants):
     loop_ws_early_next, loop_ws_no_early `loop` with every launch of the warp-specialized kernel
                   letting the next kernel launch after its K loops, or none
                   (`linear4bit_ws.EARLY_NEXT_CTAS_PER_SM`)
-    loop_ws_lab_b `loop` with o, down and gate/up by the lab kernel of
-                  bench.lab_gluon_linear_b (8 consumer warps; without PDL), q/k/v as in `loop`
 
 Each loop variant runs once per --kernels value: "torch" (the modules' own forwards) and "auto"
 (the fused 4-bit + LoRA decode linear for the projections, add_rmsnorm for each residual add +
@@ -104,7 +102,7 @@ VARIANTS = ("hf_eager", "fast_sampler", "loop", "loop_sdpa_attention", "loop_no_
             "loop_one_step_splits", "loop_rope_warps1", "loop_rope_warps2", "loop_norm_warps16",
             "loop_attention_warps2", "loop_attention_warps8", "loop_register_tile",
             "loop_ws_no_group", "loop_ws_no_pdl", "loop_ws_2_per_sm", "loop_ws_early_next",
-            "loop_ws_no_early", "loop_ws_lab_b")
+            "loop_ws_no_early")
 # the lab variants' kernel plans: `loop`'s without one piece
 PLAN_WITHOUT = {"loop_no_silu_mul": {"silu_mul": frozenset()},
                 "loop_torch_sample": {"sample": False},
@@ -232,8 +230,6 @@ def _lab_patch(name: str):
         from trainers.sampling.kernels import linear4bit_ws
 
         return mock.patch.object(linear4bit_ws, "CTAS_PER_SM", 1.8)
-    if name == "loop_ws_lab_b":  # o, down and gate/up by bench.lab_gluon_linear_b (no PDL)
-        return _lab_b_patch()
     if name in ("loop_ws_early_next", "loop_ws_no_early"):  # every launch / none
         from trainers.sampling.kernels import linear4bit_ws
 
@@ -251,27 +247,6 @@ def _lab_patch(name: str):
         return dataclasses.replace(made, **fields, line=f"{made.line} (lab variant {name}: "
                                                         f"{', '.join(fields)} off)")
     return mock.patch.object(loop, "make_plan", plan)
-
-
-@contextlib.contextmanager
-def _lab_b_patch():
-    """`linear4bit_ws.launch` with o, down and gate/up on bench.lab_gluon_linear_b's kernel
-    (q/k/v as before); a failure raises (no fallback), and the launches are printed."""
-    from bench import lab_gluon_linear_b
-    from trainers.sampling.kernels import linear4bit_ws
-
-    real_launch = linear4bit_ws.launch
-    count = [0]
-
-    def launch(x, parts, glu, defer_sum):
-        if glu or len(parts) == 1:
-            count[0] += 1
-            return lab_gluon_linear_b.launch(x, parts, glu, defer_sum)
-        return real_launch(x, parts, glu, defer_sum)
-    with mock.patch.object(linear4bit_ws, "launch", launch):
-        yield
-    print(f"loop_ws_lab_b: {count[0]} launches of the lab kernel in this call (captures and "
-          f"eager steps; a graph replay launches none)", flush=True)
 
 
 def sync(device):

@@ -41,15 +41,7 @@ def ws_linear(x: torch.Tensor, w: L.Packed4bit, *, lora_a: torch.Tensor | None =
     why = WS.reason(x, [part], False, None)
     if why is not None:
         raise ValueError(f"the warp-specialized kernel does not run here: {why}")
-    if _LAB["LAB_B"]:  # the lab kernel of bench.lab_gluon_linear_b (8 consumer warps)
-        from bench import lab_gluon_linear_b
-
-        return lab_gluon_linear_b.launch(x, [part], split=split)[0]
     return WS._launch(x, [part], False, False, split=split)[0]
-
-
-# lab switches a variant may set besides linear4bit_ws's settings (`--variants "LAB_B=1"`)
-_LAB = {"LAB_B": 0}
 
 
 def check_variants(args) -> None:
@@ -138,20 +130,15 @@ def _variants(spec: str) -> list:
 
 @contextlib.contextmanager
 def _overridden(overrides: dict):
-    """linear4bit_ws's module settings, and this module's lab switches (`_LAB`), replaced
-    inside the block (the lab's variants)."""
-    lab = {a: v for a, v in overrides.items() if a in _LAB}
-    saved = {a: getattr(WS, a) for a in overrides if a not in _LAB}
-    saved_lab = dict(_LAB)
+    """linear4bit_ws's module settings replaced inside the block (the lab's variants)."""
+    saved = {a: getattr(WS, a) for a in overrides}
     for a, v in saved.items():
         setattr(WS, a, type(v)(overrides[a]))
-    _LAB.update(lab)
     try:
         yield
     finally:
         for a, v in saved.items():
             setattr(WS, a, v)
-        _LAB.update(saved_lab)
 
 
 def run_gpu(args) -> None:
@@ -251,8 +238,8 @@ def main() -> None:
     ap.add_argument("--splits", default="1,2,4,8")
     ap.add_argument("--lora", action="store_true", help="with the LoRA term (rank 16)")
     ap.add_argument("--variants", default="",
-                    help="';'-separated linear4bit_ws settings or LAB_B=1 (the kernel of "
-                         "bench.lab_gluon_linear_b), e.g. ';LAB_B=1' (A/B)")
+                    help="';'-separated sets of linear4bit_ws settings, e.g. ';STAGES=3' "
+                         "(the module's own, then STAGES=3: an A/B)")
     ap.add_argument("--tag", default="")
     args = ap.parse_args()
     if args.once:

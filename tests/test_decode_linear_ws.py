@@ -107,18 +107,20 @@ def test_matches_fp64_gpu(quant_type, double, blocksize, n, k):
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("m", [1, 8])
-def test_module_and_deferred_sum_gpu(m):
-    """decode_linear(x, lora.Linear4bit without bias) takes the kernel: within the bf16 contract
-    of the module's forward; with defer_sum a split launch hands its partials on, and their sum
-    is the tensor's bits."""
-    mod = _lora_module(2048, 8192, bias=False, device="cuda")
+@pytest.mark.parametrize("bias", [False, True])
+def test_module_and_deferred_sum_gpu(m, bias):
+    """decode_linear(x, lora.Linear4bit with or without a bias) takes the kernel: within the
+    bf16 contract of the module's forward (bitsandbytes' matmul with its bias, PEFT's LoRA
+    added after); with defer_sum a split launch hands its partials on, and their sum is the
+    tensor's bits."""
+    mod = _lora_module(2048, 8192, bias=bias, device="cuda")
     x = _inputs(m, 2048, 8192, 16, device="cuda")[0]
     before = _launches()
     ours = decode_linear(x, mod)
     assert _launches() == before + 1
     with torch.no_grad():
         ref = mod(x)
-    _module_bound_check(ours, mod, x, ref, f"M={m}")
+    _module_bound_check(ours, mod, x, ref, f"M={m} bias={bias}")
     deferred = decode_linear(x, mod, defer_sum=True)
     assert isinstance(deferred, SplitSum) and deferred.splits > 1
     assert torch.equal(deferred.materialize(), ours)
@@ -214,22 +216,6 @@ def test_bias_gpu(lora):
         assert linear4bit_ws.LAUNCHES["silu_mul"] == before + 1
         yg, yu = (linear4bit.linear4bit_lora_group(x, [p])[0] for p in g_u)
         assert torch.equal(h, torch.nn.functional.silu(yg) * yu), f"gate/up M={m}"
-
-
-@pytest.mark.gpu
-@gpu
-def test_module_with_bias_gpu():
-    """decode_linear(x, lora.Linear4bit with a bias) takes the kernel, within the bf16 contract
-    of the module's forward (bitsandbytes' matmul with its bias, PEFT's LoRA added after)."""
-    mod = _lora_module(1024, 2048, bias=True, device="cuda")
-    for m in (1, 8):
-        x = _inputs(m, 1024, 2048, 16, device="cuda")[0]
-        before = _launches()
-        ours = decode_linear(x, mod)
-        assert _launches() == before + 1
-        with torch.no_grad():
-            ref = mod(x)
-        _module_bound_check(ours, mod, x, ref, f"bias M={m}")
 
 
 @pytest.mark.gpu
