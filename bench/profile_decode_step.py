@@ -31,8 +31,9 @@ from bench import common as bc
 from bench import decode_loop as D
 
 
-def kernel_times(fn) -> dict:
-    """{(kernel name, grid): [launches, µs]} of the CUDA kernels `fn` runs (profiler trace)."""
+def kernel_times(fn, events_out: list | None = None) -> dict:
+    """{(kernel name, grid): [launches, µs]} of the CUDA kernels `fn` runs (profiler trace);
+    `events_out` gets each kernel's (name, grid, start µs, duration µs) in start order."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
@@ -48,7 +49,26 @@ def kernel_times(fn) -> dict:
             key = (e["name"], str(e.get("args", {}).get("grid")))
             out[key][0] += 1
             out[key][1] += e["dur"]
+            if events_out is not None:
+                events_out.append((e["name"], key[1], float(e["ts"]), float(e["dur"])))
+    if events_out is not None:
+        events_out.sort(key=lambda ev: ev[2])
     return out
+
+
+def timeline(events: list, count: int) -> list[dict]:
+    """`count` consecutive kernels from the middle of `events` (a decode step's stretch): each
+    one's start and end relative to the first's start, and its start minus the end of the one
+    before (negative: it launched early, PDL, and waited beside it)."""
+    mid = len(events) // 2
+    window = events[mid:mid + count]
+    t0 = window[0][2]
+    rows = []
+    for i, (name, grid, ts, dur) in enumerate(window):
+        prev_end = window[i - 1][2] + window[i - 1][3] if i else ts
+        rows.append({"kernel": name, "grid": grid, "start_us": ts - t0,
+                     "end_us": ts + dur - t0, "dur_us": dur, "after_prev_end_us": ts - prev_end})
+    return rows
 
 
 def per_step(long: dict, short: dict, tokens: int) -> list[dict]:
@@ -73,6 +93,9 @@ def main(argv=None) -> int:
     p.add_argument("--model-cache", default="/tmp/grpo_lce_e2e_models")
     p.add_argument("--out-dir", default=str(bc.RESULTS_DIR))
     p.add_argument("--tag", default="")
+    p.add_argument("--timeline", type=int, default=0,
+                   help="also print and record this many consecutive kernels of the longer "
+                        "call's middle: start, end, duration and the lead over the one before")
     p.add_argument("--variant", default="loop", choices=[v for v in D.VARIANTS if
                                                          v.startswith("loop")],
                    help="bench.decode_loop's loop variant to profile")
@@ -90,7 +113,8 @@ def main(argv=None) -> int:
     for n in (a.new, a.short):  # compile, capture and warm both lengths
         loop(ids, mask, calls[n])
     torch.cuda.synchronize()
-    long = kernel_times(lambda: loop(ids, mask, calls[a.new]))
+    events: list = []
+    long = kernel_times(lambda: loop(ids, mask, calls[a.new]), events)
     short = kernel_times(lambda: loop(ids, mask, calls[a.short]))
     rows = per_step(long, short, a.new - a.short)
     total = sum(r["us_per_step"] for r in rows)
@@ -101,12 +125,19 @@ def main(argv=None) -> int:
         per = f"{r['us_per_launch']:9.2f}" if r["us_per_launch"] else f"{'':9}"
         print(f"{r['us_per_step']:8.1f} {r['launches_per_step']:8.2f} {per}  "
               f"{r['kernel'][:60]}  {r['grid']}")
+    line = timeline(events, a.timeline) if a.timeline else []
+    if line:
+        print(f"{'start':>8} {'end':>8} {'dur':>6} {'lead':>6}  kernel  grid")
+    for r in line:
+        print(f"{r['start_us']:8.1f} {r['end_us']:8.1f} {r['dur_us']:6.1f} "
+              f"{r['after_prev_end_us']:6.1f}  {r['kernel'][:50]}  {r['grid']}")
     env = bc.env_info(device)
     out = Path(a.out_dir) / (f"profile_decode_step_{bc.short_gpu_name(env['gpu'])}_{a.model}"
                              f"_b{a.batch}{a.tag}.json")
     bc.write_json(out, {"env": env, "model": a.model, "batch": a.batch, "new": a.new,
                         "short": a.short, "variant": a.variant, "kernel_path": loop.sampler.kernels,
-                        "us_per_step_total": total, "kernels": rows})
+                        "us_per_step_total": total, "kernels": rows,
+                        "timeline": line})
     print(f"wrote {out}")
     return 0
 
