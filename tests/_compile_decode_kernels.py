@@ -83,7 +83,7 @@ def _compile_linear(nested, split, lora, lora_fp32, bs, prmt, xdt, segs=1, glu=F
 
 
 def compile_ws_linear(nested: bool, bs: int, lora: bool, split: bool, glu: bool,
-                      pdl: bool = True, bias: bool = False) -> None:
+                      pdl: bool = True, bias: bool = False):
     """`linear4bit_ws`'s Gluon kernel for sm_90 (its layout conversions assert, at this
     compile, that they move no data), as `linear4bit_ws.launch` launches it."""
     import torch
@@ -103,7 +103,7 @@ def compile_ws_linear(nested: bool, bs: int, lora: bool, split: bool, glu: bool,
                                       [8, k // 64, 64], [k, 64, 1], [8, 4, 64], 16)}
     consts = {"BS": bs, "BS2": 256, "NESTED": nested, "SPLIT": split, "STAGES": WS.STAGES,
               "HAS_LORA": lora, "HAS_BIAS": bias, "GLU": glu, "PDL": pdl, "EARLY_NEXT": pdl,
-              "PRODUCER_REGS": WS.PRODUCER_REGS}
+              "PRODUCER_REGS": WS.PRODUCER_REGS, "NAMED_EMPTY": WS.NAMED_EMPTY}
     types = {"y_ptr": "*bf16", "part_ptr": "*fp32"}
     for seg in "012":
         descs.update({f"w_desc{seg}": w_desc, f"a_desc{seg}": a_desc})
@@ -128,6 +128,7 @@ def compile_ws_linear(nested: bool, bs: int, lora: bool, split: bool, glu: bool,
     assert "cp.async.bulk.tensor" in ptx, "TMA copies"
     assert ("griddepcontrol.wait" in ptx) == pdl, "the PDL wait"
     print(f"{fn.__name__} {consts}: shared {kernel.metadata.shared} B")
+    return kernel
 
 
 def main():
