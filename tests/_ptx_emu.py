@@ -2,7 +2,9 @@
 (linear4bit._table_asm, _DEQUANT_ASM), so a CPU test can run the exact strings the GPU compiles.
 Semantics from the PTX ISA: prmt.b32 in its default mode (a 3-bit byte index per selector nibble,
 the nibble's bit 3 replicates the chosen byte's sign), cvt.rn.{bf16x2,f16x2}.f32 (a to the upper
-half, b to the lower, round to nearest even), mul.rn.f32 (one rounding)."""
+half, b to the lower, round to nearest even), mul.rn.f32 (one rounding), mul.hi.u32 (the upper
+32 bits of the 64-bit product), lop3.b32 (result bit i is bit 4a_i + 2b_i + c_i of the truth
+table: 0xF0, 0xCC, 0xAA are a, b, c)."""
 
 import re
 
@@ -68,6 +70,12 @@ def run(asm: str, operands: list[int]) -> list[int]:
             put(d, get(args[0]) & get(args[1]))
         elif op == "or.b32":
             put(d, get(args[0]) | get(args[1]))
+        elif op == "mul.hi.u32":
+            put(d, ((get(args[0]) & M32) * (get(args[1]) & M32)) >> 32)
+        elif op == "lop3.b32":  # bit i of the result: bit (a_i b_i c_i) of the truth table
+            a, b, c, lut = (get(x) & M32 for x in args)
+            put(d, sum(((lut >> (4 * ((a >> i) & 1) + 2 * ((b >> i) & 1) + ((c >> i) & 1)))
+                        & 1) << i for i in range(32)))
         elif op == "shr.u32":
             put(d, (get(args[0]) & M32) >> get(args[1]))
         elif op == "cvt.u32.u16":

@@ -99,18 +99,20 @@ def _dequant_asm(pairs: bool = False) -> str:
     Outputs, the lower half holding the first value: by default $0, $1 the high nibbles'
     values (even elements) of bytes 0-1 and 2-3, $2, $3 the low nibbles' (odd elements); with
     `pairs`, $i the two values of byte i (elements 2i, 2i + 1: consecutive along K)."""
+    # The selectors take 2 ALU instructions a word; the shifts run as mul.hi on the FMA pipe
+    # (x · 2^(32 - k) >> 32 = x >> k), which the lookup's PRMTs (the ALU pipe) leave idle.
     lines = ["and.b32 s, $4, 0x77777777;",  # 3-bit entry index within a half of the table
-             "shr.u32 m, $4, 1;",  # m's nibble i: byte i of a (entries 0-7) or 4 + i (b)
-             "and.b32 m, m, 0x44444444;",
-             "or.b32 m, m, 0x32103210;"]
+             "mul.hi.u32 m, $4, 0x80000000;",  # $4 >> 1
+             # m's nibble i: byte i of a (entries 0-7) or 4 + i (b): (m & 0x4...) | 0x3210...
+             "lop3.b32 m, m, 0x44444444, 0x32103210, 0xEA;"]
     word = [f"${5 + w}" for w in range(8)]
     # l, h: bytes [lo(b), hi(b), lo(b+1), hi(b+1)] of the low / high byte plane, b = 2 · half
     outs = ((("$0", "0x7351"), ("$2", "0x6240")), (("$1", "0x7351"), ("$3", "0x6240")))
     if pairs:  # byte b's high nibble (element 2b) in the lower half, its low nibble above
         outs = ((("$0", "0x4051"), ("$1", "0x6273")), (("$2", "0x4051"), ("$3", "0x6273")))
     for half in range(2):
-        if half:  # bytes 2-3: prmt reads the selector's low 16 bits
-            lines += ["shr.u32 s, s, 16;", "shr.u32 m, m, 16;"]
+        if half:  # bytes 2-3: prmt reads the selector's low 16 bits (>> 16 by mul.hi)
+            lines += ["mul.hi.u32 s, s, 0x10000;", "mul.hi.u32 m, m, 0x10000;"]
         for plane, dst in ((word[:4], "l"), (word[4:], "h")):
             lines += [f"prmt.b32 a, {plane[0]}, {plane[1]}, s;",
                       f"prmt.b32 b, {plane[2]}, {plane[3]}, s;",
