@@ -63,14 +63,6 @@ TABLE = gl.constexpr(L._table_asm("cvt.rn.bf16x2.f32"))
 TABLE_CONSTRAINTS = gl.constexpr(",".join(["=r"] * 8 + ["r"] * 17))
 PAIRS = gl.constexpr(L._PAIRS_ASM)
 PAIRS_CONSTRAINTS = gl.constexpr(",".join(["=r"] * 4 + ["r"] * 9))
-# the consumer warps hand a stage back through named barrier EMPTY_BARRIER + stage: each
-# consumer warp arrives, the producer warp waits (4 consumer warps and the producer's one)
-EMPTY_BARRIER = gl.constexpr(8)
-STAGE_THREADS = gl.constexpr(5 * 32)
-STAGE_FREE = gl.constexpr(
-    "{ .reg .pred p; setp.ne.u32 p, $2, 0; @p bar.arrive $1, " + str(STAGE_THREADS.value)
-    + "; }  // $0")
-STAGE_WAIT = gl.constexpr("bar.sync $1, " + str(STAGE_THREADS.value) + ";  // $0")
 
 # the stage's words as the consumer holds them (module docstring), loaded from shared memory
 WORDS2 = gl.constexpr(gl.DistributedLinearLayout(
@@ -230,28 +222,9 @@ def _lora_t_step(abuf, xbuf, t4):
 
 
 @gluon.jit
-def _stage_free(s, refill):
-    """Every thread of a consumer warp arrives at stage s's named barrier where the
-    producer will wait to refill it (`refill`: a later step uses the stage). The arrive
-    orders the warp's reads of the stage before the barrier completes (bar.arrive performs
-    the thread's prior memory accesses for the threads that wait there), so the producer's
-    TMA write that follows its wait cannot overtake them; no CTA-wide barrier runs, and the
-    four warps drift apart between steps."""
-    gl.inline_asm_elementwise(STAGE_FREE, "=r,r,r", [s + EMPTY_BARRIER, refill.to(gl.int32)],
-                              dtype=gl.int32, is_pure=False, pack=1)
-
-
-@gluon.jit
-def _stage_wait(s):
-    """The producer warp waits until every consumer warp has handed stage s back."""
-    gl.inline_asm_elementwise(STAGE_WAIT, "=r,r", [s + EMPTY_BARRIER], dtype=gl.int32,
-                              is_pure=False, pack=1)
-
-
-@gluon.jit
-def _step(bufs, xbufs, abufs, ready, empty, i, total, scale, acc, acc1, acc2, acc3, t4,
+def _step(bufs, xbufs, abufs, ready, empty, i, scale, acc, acc1, acc2, acc3, t4,
           c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15,
-          STAGES: gl.constexpr, HAS_LORA: gl.constexpr, NAMED_EMPTY: gl.constexpr):
+          STAGES: gl.constexpr, HAS_LORA: gl.constexpr):
     """Step i of the CTA: stage i % STAGES's words, looked up at `scale` (64, 4), times x into
     the accumulators (and A times x into t4); the stage is handed back once read."""
     tb0, tb1, tb2, tb3, tb4, tb5, tb6, tb7 = _table(
@@ -266,10 +239,7 @@ def _step(bufs, xbufs, abufs, ready, empty, i, total, scale, acc, acc1, acc2, ac
     # the producer's next TMA write (async proxy) by this arrive's release and the producer's
     # acquiring wait on it; a fence orders generic writes for async reads, and nothing here
     # writes the stage
-    if NAMED_EMPTY:
-        _stage_free(s, i + STAGES < total)
-    else:
-        mbarrier.arrive(empty.index(s), count=1)
+    mbarrier.arrive(empty.index(s), count=1)
     w3 = gl.convert_layout(gl.reshape(words, [64, 4, 8]), WORDS3, assert_trivial=True)
     w_h0, w_h1 = gl.split(gl.permute(gl.reshape(w3, [64, 4, 2, 4]), (0, 1, 3, 2)))
     w_h0 = gl.convert_layout(w_h0, HALF, assert_trivial=True)
@@ -295,9 +265,8 @@ def _step(bufs, xbufs, abufs, ready, empty, i, total, scale, acc, acc1, acc2, ac
 
 @gluon.jit
 def _k_loop(bufs, xbufs, abufs, ready, empty, code_ptr, absmax_ptr, absmax2_ptr, code2_ptr,
-            offset_ptr, row0, N, K, step_lo, nsteps, i0, total, BS: gl.constexpr,
-            BS2: gl.constexpr, NESTED: gl.constexpr, STAGES: gl.constexpr,
-            HAS_LORA: gl.constexpr, NAMED_EMPTY: gl.constexpr):
+            offset_ptr, row0, N, K, step_lo, nsteps, i0, BS: gl.constexpr, BS2: gl.constexpr,
+            NESTED: gl.constexpr, STAGES: gl.constexpr, HAS_LORA: gl.constexpr):
     """One projection's K loop over the ring's stages i0 .. i0 + nsteps - 1: (acc, t)."""
     t4 = gl.zeros([4, RANK, 8], gl.float32, MMA3)
     acc = gl.zeros([64, 8], gl.float32, MMA)
@@ -339,9 +308,9 @@ def _k_loop(bufs, xbufs, abufs, ready, empty, code_ptr, absmax_ptr, absmax2_ptr,
                                              gl.minimum(step + 2, last), BS, BS2, NESTED)
         scale_next = _scale(qa_next, a2_next, code2_ptr, offset, BS, NESTED)
         acc, acc1, acc2, acc3, t4 = _step(
-            bufs, xbufs, abufs, ready, empty, i0 + i, total, scale, acc, acc1, acc2, acc3, t4,
+            bufs, xbufs, abufs, ready, empty, i0 + i, scale, acc, acc1, acc2, acc3, t4,
             c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15, STAGES,
-            HAS_LORA, NAMED_EMPTY)
+            HAS_LORA)
         scale = scale_next
         qa_next, a2_next = qa_after, a2_after
     return (acc + acc1) + (acc2 + acc3), gl.convert_layout(gl.sum(t4, axis=0),
@@ -366,18 +335,16 @@ def _consumer(bufs, xbufs, abufs, ready, empty, seg,
               code_ptr2, absmax_ptr2, absmax2_ptr2, code2_ptr2, offset_ptr2, n2,
               row0, K, step_lo, nsteps, BS: gl.constexpr, BS2: gl.constexpr,
               NESTED: gl.constexpr, STAGES: gl.constexpr, HAS_LORA: gl.constexpr,
-              GLU: gl.constexpr, NAMED_EMPTY: gl.constexpr):
+              GLU: gl.constexpr):
     """(acc, t) of the CTA's segment; with GLU the gate's (segment 0), then the up
     projection's (segment 1) from the next stages."""
-    total = nsteps * (2 if GLU else 1)
     if GLU:
         acc, t = _k_loop(bufs, xbufs, abufs, ready, empty, code_ptr0, absmax_ptr0,
                          absmax2_ptr0, code2_ptr0, offset_ptr0, row0, n0, K, step_lo, nsteps,
-                         0, total, BS, BS2, NESTED, STAGES, HAS_LORA, NAMED_EMPTY)
+                         0, BS, BS2, NESTED, STAGES, HAS_LORA)
         acc_u, t_u = _k_loop(bufs, xbufs, abufs, ready, empty, code_ptr1, absmax_ptr1,
                              absmax2_ptr1, code2_ptr1, offset_ptr1, row0, n0, K, step_lo,
-                             nsteps, nsteps, total, BS, BS2, NESTED, STAGES, HAS_LORA,
-                             NAMED_EMPTY)
+                             nsteps, nsteps, BS, BS2, NESTED, STAGES, HAS_LORA)
     else:
         acc, t = _k_loop(bufs, xbufs, abufs, ready, empty,
                          _pick(seg, code_ptr0, code_ptr1, code_ptr2),
@@ -385,8 +352,8 @@ def _consumer(bufs, xbufs, abufs, ready, empty, seg,
                          _pick(seg, absmax2_ptr0, absmax2_ptr1, absmax2_ptr2),
                          _pick(seg, code2_ptr0, code2_ptr1, code2_ptr2),
                          _pick(seg, offset_ptr0, offset_ptr1, offset_ptr2), row0,
-                         _pick(seg, n0, n1, n2), K, step_lo, nsteps, 0, total, BS, BS2, NESTED,
-                         STAGES, HAS_LORA, NAMED_EMPTY)
+                         _pick(seg, n0, n1, n2), K, step_lo, nsteps, 0, BS, BS2, NESTED,
+                         STAGES, HAS_LORA)
         acc_u, t_u = acc, t
     return acc, t, acc_u, t_u
 
@@ -421,8 +388,7 @@ def _load_weights(seg, w_desc0, a_desc0, w_desc1, a_desc1, w_desc2, a_desc2, row
 @gluon.jit
 def _producer(x_desc, w_desc0, a_desc0, w_desc1, a_desc1, w_desc2, a_desc2, bufs, xbufs, abufs,
               ready, empty, seg, row0, step_lo, nsteps, STAGES: gl.constexpr,
-              HAS_LORA: gl.constexpr, GLU: gl.constexpr, PDL: gl.constexpr,
-              NAMED_EMPTY: gl.constexpr):
+              HAS_LORA: gl.constexpr, GLU: gl.constexpr, PDL: gl.constexpr):
     """The stages' copies: the segment's steps (with GLU the gate's, then the up
     projection's). The first STAGES stages' weights are copied before `_grid_wait`: only x
     comes from the kernel before this one."""
@@ -442,10 +408,7 @@ def _producer(x_desc, w_desc0, a_desc0, w_desc1, a_desc1, w_desc2, a_desc2, bufs
                      xbufs.index(i))
     for i in range(STAGES, total):
         s = i % STAGES
-        if NAMED_EMPTY:
-            _stage_wait(s)
-        else:
-            mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
+        mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
         mbarrier.expect(ready.index(s), nbytes)
         step = step_lo + i % nsteps
         _load_weights(seg + (i >= nsteps).to(gl.int32), w_desc0, a_desc0, w_desc1, a_desc1,
@@ -492,8 +455,7 @@ def linear4bit_ws_kernel(x_desc, y_ptr, part_ptr,
                          NESTED: gl.constexpr, SPLIT: gl.constexpr, STAGES: gl.constexpr,
                          HAS_LORA: gl.constexpr, HAS_BIAS: gl.constexpr, GLU: gl.constexpr,
                          PDL: gl.constexpr,
-                         EARLY_NEXT: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-                         NAMED_EMPTY: gl.constexpr = True):
+                         EARLY_NEXT: gl.constexpr, PRODUCER_REGS: gl.constexpr):
     """Grid (Σ_s N_s / 64 tiles, K splits): the arguments ending in s are projection s's
     (segment s, its tiles from tile_s, its output columns from col_s; segments past the
     launch's repeat the last, and tile_s is then past the grid). y (M, Σ N_s) in bf16, or with
@@ -525,11 +487,10 @@ def linear4bit_ws_kernel(x_desc, y_ptr, part_ptr,
                      code_ptr0, absmax_ptr0, absmax2_ptr0, code2_ptr0, offset_ptr0, n0,
                      code_ptr1, absmax_ptr1, absmax2_ptr1, code2_ptr1, offset_ptr1, n1,
                      code_ptr2, absmax_ptr2, absmax2_ptr2, code2_ptr2, offset_ptr2, n2,
-                     row0, K, step_lo, nsteps, BS, BS2, NESTED, STAGES, HAS_LORA, GLU,
-                     NAMED_EMPTY)),
+                     row0, K, step_lo, nsteps, BS, BS2, NESTED, STAGES, HAS_LORA, GLU)),
         (_producer, (x_desc, w_desc0, a_desc0, w_desc1, a_desc1, w_desc2, a_desc2, bufs,
                      xbufs, abufs, ready, empty, seg, row0, step_lo, nsteps, STAGES, HAS_LORA,
-                     GLU, PDL, NAMED_EMPTY)),
+                     GLU, PDL)),
     ], [1], [PRODUCER_REGS])
     if EARLY_NEXT:  # the next kernel may start now (its programs wait in their grid_wait)
         gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [],

@@ -48,7 +48,6 @@ STAGES = 2  # shared-memory stages a CTA streams ahead (more measured slower)
 MAXNREG = 128  # registers a thread at launch: two CTAs a SM; the consumer warps take the
 #                producer warp group's spare registers
 PRODUCER_REGS = 24
-NAMED_EMPTY = 1  # lab switch: stages handed back through named barriers (0: an mbarrier)
 # with PDL, a launch of at most this many CTAs a SM lets the next kernel launch once its K
 # loops are done (before the epilogue): the next kernel's programs then wait on SMs beside
 # them (0: never; 2: every launch, all of whose CTAs are resident)
@@ -225,7 +224,7 @@ def _launch(x: torch.Tensor, parts: list, glu: bool, defer_sum: bool,
         k, m, y.stride(0), partials.stride(1), partials.stride(0) if split > 1 else 0, per,
         BS=w.blocksize, BS2=w.blocksize2, NESTED=w.nested, SPLIT=split > 1, STAGES=STAGES,
         HAS_LORA=parts[0].lora_a is not None, HAS_BIAS=parts[0].bias is not None, GLU=glu,
-        PRODUCER_REGS=PRODUCER_REGS, NAMED_EMPTY=bool(NAMED_EMPTY),
+        PRODUCER_REGS=PRODUCER_REGS,
         **(pdl_args := launch_args(linear4bit_ws_kernel, x.device)),
         EARLY_NEXT=pdl_args["PDL"] and sum(tiles) * split <= EARLY_NEXT_CTAS_PER_SM * sms,
         num_warps=4, maxnreg=MAXNREG,
