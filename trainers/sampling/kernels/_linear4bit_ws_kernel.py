@@ -470,20 +470,20 @@ def _stream_producer(x_desc, w_desc0, a_desc0, w_desc1, a_desc1, w_desc2, a_desc
                             + (a_desc0.block_type.nbytes if HAS_LORA else 0))
     for i in gl.static_range(STAGES):
         if i < total:
-            _, seg, row0, step = _unit(u_lo + i, T, NS, tile1, tile2, GLU)
+            tile, seg, row0, step = _unit(u_lo + i, T, NS, tile1, tile2, GLU)
             mbarrier.expect(ready.index(i), nbytes)
             _load_weights(seg, w_desc0, a_desc0, w_desc1, a_desc1, w_desc2, a_desc2, row0, step,
                           ready.index(i), bufs.index(i), abufs.index(i), HAS_LORA)
     _grid_wait(PDL)
     for i in gl.static_range(STAGES):
         if i < total:
-            _, _, _, step = _unit(u_lo + i, T, NS, tile1, tile2, GLU)
+            tile, seg, row0, step = _unit(u_lo + i, T, NS, tile1, tile2, GLU)
             tma_load(x_desc, [0, step * 4, 0], ready.index(i), xbufs.index(i))
     for i in range(STAGES, total):
         s = i % STAGES
         mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
         mbarrier.expect(ready.index(s), nbytes)
-        _, seg, row0, step = _unit(u_lo + i, T, NS, tile1, tile2, GLU)
+        tile, seg, row0, step = _unit(u_lo + i, T, NS, tile1, tile2, GLU)
         _load_weights(seg, w_desc0, a_desc0, w_desc1, a_desc1, w_desc2, a_desc2, row0, step,
                       ready.index(s), bufs.index(s), abufs.index(s), HAS_LORA)
         tma_load(x_desc, [0, step * 4, 0], ready.index(s), xbufs.index(s))
@@ -564,6 +564,7 @@ def _stream_consumer(bufs, xbufs, abufs, ready, empty, y_ptr, part_ptr, count_pt
     (`arrivals`' protocol: each CTA's stores happen before its release, the last one's loads
     after its acquire). The fp32 sums only change order, so the output meets the bound."""
     pid = gl.program_id(0)
+    total = u_hi - u_lo
     u = u_lo
     while u < u_hi:
         tile, seg, row0, s0 = _unit(u, T, 1 << 30, tile1, tile2, False)

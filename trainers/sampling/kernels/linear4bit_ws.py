@@ -277,6 +277,7 @@ def _launch(x: torch.Tensor, parts: list, glu: bool, defer_sum: bool,
     from .linear4bit import _num_sms, _split_k_reduce_kernel, split_steps
 
     m, k = x.shape
+    w = parts[0].weight
     ns = [p.weight.shape[0] for p in parts]
     tiles = [triton.cdiv(n, 64) for n in ns[:1 if glu else None]]
     sms = _num_sms(x.device)
