@@ -48,10 +48,6 @@ every row runs to --new. Variants (--variants):
     loop_ws_no_pdl `loop` with the warp-specialized kernel launched without PDL
     loop_ws_2_per_sm `loop` with the warp-specialized kernel's split rule aiming at 1.8 CTAs a
                   SM (`linear4bit_ws.CTAS_PER_SM`)
-    loop_ws_tiles `loop` with the warp-specialized kernel on its tile grid (split K by its
-                  split rule) instead of stream-K (`linear4bit_ws.STREAM`)
-    loop_ws_3_per_sm `loop` with the stream-K grid at 3 CTAs a SM (80 registers a thread at
-                  launch)
     loop_ws_early_next, loop_ws_no_early `loop` with every launch of the warp-specialized kernel
                   letting the next kernel launch after its K loops, or none
                   (`linear4bit_ws.EARLY_NEXT_CTAS_PER_SM`)
@@ -106,7 +102,7 @@ VARIANTS = ("hf_eager", "fast_sampler", "loop", "loop_sdpa_attention", "loop_no_
             "loop_one_step_splits", "loop_rope_warps1", "loop_rope_warps2", "loop_norm_warps16",
             "loop_attention_warps2", "loop_attention_warps8", "loop_register_tile",
             "loop_ws_no_group", "loop_ws_no_pdl", "loop_ws_2_per_sm", "loop_ws_early_next",
-            "loop_ws_no_early", "loop_ws_tiles", "loop_ws_3_per_sm")
+            "loop_ws_no_early")
 # the lab variants' kernel plans: `loop`'s without one piece
 PLAN_WITHOUT = {"loop_no_silu_mul": {"silu_mul": frozenset()},
                 "loop_torch_sample": {"sample": False},
@@ -234,17 +230,6 @@ def _lab_patch(name: str):
         from trainers.sampling.kernels import linear4bit_ws
 
         return mock.patch.object(linear4bit_ws, "CTAS_PER_SM", 1.8)
-    if name == "loop_ws_tiles":  # the tile grid, split K by the split rule
-        from trainers.sampling.kernels import linear4bit_ws
-
-        return mock.patch.object(linear4bit_ws, "STREAM", 0)
-    if name == "loop_ws_3_per_sm":  # stream-K at 3 CTAs a SM
-        from trainers.sampling.kernels import linear4bit_ws
-
-        stack = contextlib.ExitStack()
-        stack.enter_context(mock.patch.object(linear4bit_ws, "STREAM_CTAS_PER_SM", 3))
-        stack.enter_context(mock.patch.object(linear4bit_ws, "MAXNREG", 80))
-        return stack
     if name in ("loop_ws_early_next", "loop_ws_no_early"):  # every launch / none
         from trainers.sampling.kernels import linear4bit_ws
 

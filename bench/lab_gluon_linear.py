@@ -47,9 +47,8 @@ def ws_linear(x: torch.Tensor, w: L.Packed4bit, *, lora_a: torch.Tensor | None =
 def check_variants(args) -> None:
     """The kernel against fp64 sums of bitsandbytes' own dequantized weight (within the fp32 sum
     bound) over NF4 and FP4, with and without double quant, blocksizes 64 and 128, M = 1, 3, 8,
-    an N that is not a multiple of 64 and a K of an odd number of steps; the product's launch
-    (stream-K where linear4bit_ws.STREAM), one and two splits of the tile grid; with a rank-16
-    LoRA term on the NF4 double-quant cases."""
+    an N that is not a multiple of 64 and a K of an odd number of steps, one and two splits;
+    with a rank-16 LoRA term on the NF4 double-quant cases."""
     from bitsandbytes import functional as bnbF
 
     device = torch.device("cuda")
@@ -63,7 +62,7 @@ def check_variants(args) -> None:
         pw = L.Packed4bit.from_quant_state(packed, qs)
         wd = bnbF.dequantize_4bit(packed, qs).double()
         loras = [False, True] if qt == "nf4" and nested else [False]
-        for m, split, lora in itertools.product((1, 3, 8), (None, 1, 2), loras):
+        for m, split, lora in itertools.product((1, 3, 8), (1, 2), loras):
             x = torch.randn(m, k, device=device, dtype=torch.bfloat16, generator=gen)
             xd = x.double()
             exact, big_s, kw = xd @ wd.T, xd.abs() @ wd.abs().T, {}
@@ -178,19 +177,19 @@ def run_gpu(args) -> None:
         best = None
         for (vname, overrides), split in itertools.product(_variants(args.variants),
                                                             map(int, args.splits.split(","))):
-            if (k // 256) // max(split, 1) < 2 and split > 1:
+            if (k // 256) // split < 2 and split > 1:
                 continue
             key = f"ws k{split}{vname}"
             with _overridden(overrides):
                 try:
-                    y = ws_linear(x, w0, **kw0, split=split or None)
+                    y = ws_linear(x, w0, **kw0, split=split)
                     torch.cuda.synchronize()
                 except Exception as e:  # noqa: BLE001 (a split that fails is reported)
                     row[key] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
                     continue
                 err = ((y.double() - exact).abs() / tol).max().item()
                 t, why = D.graph_ms([lambda c=c, x=x, md=mod, s=split: ws_linear(
-                    x, c[0], **_lora_args(c, md, args.lora), split=s or None) for c in copies],
+                    x, c[0], **_lora_args(c, md, args.lora), split=s) for c in copies],
                     device)
             row[key] = {"err_over_tol": err, "ms": t["ms"] if t else why}
             if t and err <= 1 and (best is None or t["ms"] < best[1]):
@@ -236,9 +235,7 @@ def main() -> None:
     ap.add_argument("--models", default="8b,1b")
     ap.add_argument("--shapes", default="", help="only these shape names, e.g. gate/up,down")
     ap.add_argument("--rows", type=int, default=8)
-    ap.add_argument("--splits", default="1,2,4,8",
-                    help="K splits of the tile grid; 0: the product's launch (stream-K where "
-                         "linear4bit_ws.STREAM, else the split rule)")
+    ap.add_argument("--splits", default="1,2,4,8")
     ap.add_argument("--lora", action="store_true", help="with the LoRA term (rank 16)")
     ap.add_argument("--variants", default="",
                     help="';'-separated sets of linear4bit_ws settings, e.g. ';STAGES=3' "

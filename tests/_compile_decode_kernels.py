@@ -83,10 +83,9 @@ def _compile_linear(nested, split, lora, lora_fp32, bs, prmt, xdt, segs=1, glu=F
 
 
 def compile_ws_linear(nested: bool, bs: int, lora: bool, split: bool, glu: bool,
-                      pdl: bool = True, bias: bool = False, stream: bool = False):
+                      pdl: bool = True, bias: bool = False):
     """`linear4bit_ws`'s Gluon kernel for sm_90 (its layout conversions assert, at this
-    compile, that they move no data), as `linear4bit_ws.launch` launches it (stream: its
-    stream-K launch)."""
+    compile, that they move no data), as `linear4bit_ws.launch` launches it."""
     import torch
     from triton.experimental.gluon._runtime import GluonASTSource
     from triton.runtime.jit import mangle_type
@@ -104,8 +103,8 @@ def compile_ws_linear(nested: bool, bs: int, lora: bool, split: bool, glu: bool,
                                       [8, k // 64, 64], [k, 64, 1], [8, 4, 64], 16)}
     consts = {"BS": bs, "BS2": 256, "NESTED": nested, "SPLIT": split, "STAGES": WS.STAGES,
               "HAS_LORA": lora, "HAS_BIAS": bias, "GLU": glu, "PDL": pdl, "EARLY_NEXT": pdl,
-              "PRODUCER_REGS": WS.PRODUCER_REGS, "STREAM": stream}
-    types = {"y_ptr": "*bf16", "part_ptr": "*fp32", "count_ptr": "*i32"}
+              "PRODUCER_REGS": WS.PRODUCER_REGS}
+    types = {"y_ptr": "*bf16", "part_ptr": "*fp32"}
     for seg in "012":
         descs.update({f"w_desc{seg}": w_desc, f"a_desc{seg}": a_desc})
         types.update({f"b_ptr{seg}": "*bf16", f"code_ptr{seg}": "*fp32",
@@ -209,11 +208,6 @@ def main():
     compile_ws_linear(True, 64, True, True, False, pdl=False)  # outside a decode step
     for split, glu in ((False, False), (True, False), (False, True)):  # with a bias
         compile_ws_linear(True, 64, True, split, glu, bias=True)
-    for nested, bs, lora, glu, bias in ((True, 64, True, False, False),  # stream-K
-                                        (True, 64, True, True, False),
-                                        (True, 64, False, False, True),
-                                        (False, 128, True, True, True)):
-        compile_ws_linear(nested, bs, lora, False, glu, bias=bias, stream=True)
     compile_kernel(S._chunk_lse_kernel, {"z_ptr": "*fp32", "m_ptr": "*fp32", "s_ptr": "*fp32"},
                    {"BLOCK": S.BLOCK}, num_warps=8)
     for sample in (False, True):

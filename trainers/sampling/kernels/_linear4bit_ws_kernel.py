@@ -297,13 +297,11 @@ def _k_loop(bufs, xbufs, abufs, ready, empty, code_ptr, absmax_ptr, absmax2_ptr,
     # loaded two steps ahead and gathered into the scale (code2[qa]) one step ahead, so
     # neither load's latency, nor the register moves that carry them to the next step, sits
     # between a step's start and its lookups
-    # (an empty range, nsteps 0, loads step K / 256 - 1's operands at most: never past K)
-    first = gl.minimum(step_lo, K // 256 - 1)
-    last = gl.maximum(first + nsteps - 1, first)
-    qa, a2 = _scale_operands(absmax_ptr, absmax2_ptr, row0, N, K, first, BS, BS2, NESTED)
+    last = step_lo + nsteps - 1
+    qa, a2 = _scale_operands(absmax_ptr, absmax2_ptr, row0, N, K, step_lo, BS, BS2, NESTED)
     scale = _scale(qa, a2, code2_ptr, offset, BS, NESTED)
     qa_next, a2_next = _scale_operands(absmax_ptr, absmax2_ptr, row0, N, K,
-                                       gl.minimum(first + 1, last), BS, BS2, NESTED)
+                                       gl.minimum(step_lo + 1, last), BS, BS2, NESTED)
     for i in range(nsteps):
         step = step_lo + i
         qa_after, a2_after = _scale_operands(absmax_ptr, absmax2_ptr, row0, N, K,
@@ -445,184 +443,7 @@ def _silu_mul(g, u):
 
 
 @gluon.jit
-def _unit(u, T, NS, tile1, tile2, GLU: gl.constexpr):
-    """Work unit u of a stream-K launch (one 256-column step of one tile; tile-major):
-    (tile, segment, its first row, the step along K). GLU: a tile's units are the gate's
-    NS steps, then the up projection's (segment 1)."""
-    tile = u // T
-    s = u - tile * T
-    if GLU:
-        seg = (s >= NS).to(gl.int32)
-        return tile, seg, tile * ROWS, s - seg * NS
-    else:
-        seg = (tile >= tile1).to(gl.int32) + (tile >= tile2).to(gl.int32)
-        row0 = (tile - (seg == 1).to(gl.int32) * tile1 - (seg == 2).to(gl.int32) * tile2) * ROWS
-        return tile, seg, row0, s
-
-
-@gluon.jit
-def _stream_producer(x_desc, w_desc0, a_desc0, w_desc1, a_desc1, w_desc2, a_desc2, bufs, xbufs,
-                     abufs, ready, empty, u_lo, total, T, NS, tile1, tile2,
-                     STAGES: gl.constexpr, HAS_LORA: gl.constexpr, GLU: gl.constexpr,
-                     PDL: gl.constexpr):
-    """`_producer` over the CTA's units u_lo .. u_lo + total - 1, across tiles."""
-    nbytes: gl.constexpr = (w_desc0.block_type.nbytes + x_desc.block_type.nbytes
-                            + (a_desc0.block_type.nbytes if HAS_LORA else 0))
-    for i in gl.static_range(STAGES):
-        if i < total:
-            tile, seg, row0, step = _unit(u_lo + i, T, NS, tile1, tile2, GLU)
-            mbarrier.expect(ready.index(i), nbytes)
-            _load_weights(seg, w_desc0, a_desc0, w_desc1, a_desc1, w_desc2, a_desc2, row0, step,
-                          ready.index(i), bufs.index(i), abufs.index(i), HAS_LORA)
-    _grid_wait(PDL)
-    for i in gl.static_range(STAGES):
-        if i < total:
-            tile, seg, row0, step = _unit(u_lo + i, T, NS, tile1, tile2, GLU)
-            tma_load(x_desc, [0, step * 4, 0], ready.index(i), xbufs.index(i))
-    for i in range(STAGES, total):
-        s = i % STAGES
-        mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
-        mbarrier.expect(ready.index(s), nbytes)
-        tile, seg, row0, step = _unit(u_lo + i, T, NS, tile1, tile2, GLU)
-        _load_weights(seg, w_desc0, a_desc0, w_desc1, a_desc1, w_desc2, a_desc2, row0, step,
-                      ready.index(s), bufs.index(s), abufs.index(s), HAS_LORA)
-        tma_load(x_desc, [0, step * 4, 0], ready.index(s), xbufs.index(s))
-
-
-@gluon.jit
-def _place(seg, n0, n1, n2, col1, col2, GLU: gl.constexpr):
-    """(N, first output column) of the segment's projection (GLU: the gate's, column 0)."""
-    if GLU:
-        return n0, 0
-    else:
-        return (_pick(seg, n0, n1, n2),
-                (seg == 1).to(gl.int32) * col1 + (seg == 2).to(gl.int32) * col2)
-
-
-@gluon.jit
-def _add_lora(acc, t, acc_u, t_u, seg, row0, n, b_ptr0, stride_bn0, scaling0, b_ptr1,
-              stride_bn1, scaling1, b_ptr2, stride_bn2, scaling2, GLU: gl.constexpr):
-    """acc (and GLU's acc_u) plus the LoRA term s · B[tile] @ t of their projection."""
-    if GLU:
-        acc += _lora_term(t, b_ptr0, row0, n, stride_bn0, scaling0)
-        acc_u += _lora_term(t_u, b_ptr1, row0, n, stride_bn1, scaling1)
-    else:
-        acc += _lora_term(t, _pick(seg, b_ptr0, b_ptr1, b_ptr2), row0, n,
-                          _pick(seg, stride_bn0, stride_bn1, stride_bn2),
-                          _pick(seg, scaling0, scaling1, scaling2))
-    return acc, acc_u
-
-
-@gluon.jit
-def _tile_store(acc, acc_u, y_ptr, row0, n, col, M, stride_ym, bias_ptr, bias_u_ptr,
-                HAS_BIAS: gl.constexpr, GLU: gl.constexpr):
-    """A tile's output from its whole fp32 sums (LoRA term in): the bias added, then one
-    rounding to bf16, or GLU's silu(gate) · up."""
-    r = gl.arange(0, 64, layout=gl.SliceLayout(1, MMA))
-    m = gl.arange(0, 8, layout=gl.SliceLayout(0, MMA))
-    nr = row0 + 32 * ((r >> 3) & 1) + 8 * (r >> 4) + (r & 7)  # the stage row of MMA row r
-    mask = (nr < n)[:, None] & (m < M)[None, :]
-    if HAS_BIAS:
-        acc += gl.load(bias_ptr + nr, mask=nr < n, other=0.0).to(gl.float32)[:, None]
-        if GLU:
-            acc_u += gl.load(bias_u_ptr + nr, mask=nr < n, other=0.0).to(gl.float32)[:, None]
-    if GLU:
-        gl.store(y_ptr + m[None, :] * stride_ym + nr[:, None], _silu_mul(acc, acc_u), mask=mask)
-    else:
-        gl.store(y_ptr + m[None, :] * stride_ym + (col + nr)[:, None], acc.to(gl.bfloat16),
-                 mask=mask)
-
-
-@gluon.jit
-def _record(part_ptr, slot):
-    """Offsets of a partial record's (64, 8) fp32 sums in the accumulator's layout: slot's gate
-    (or only) sums at part_ptr + slot · 1024, the up projection's 512 further."""
-    r = gl.arange(0, 64, layout=gl.SliceLayout(1, MMA))
-    m = gl.arange(0, 8, layout=gl.SliceLayout(0, MMA))
-    return part_ptr + slot * 1024 + r[:, None] * 8 + m[None, :]
-
-
-@gluon.jit
-def _stream_consumer(bufs, xbufs, abufs, ready, empty, y_ptr, part_ptr, count_ptr,
-                     code_ptr0, absmax_ptr0, absmax2_ptr0, code2_ptr0, offset_ptr0, n0,
-                     b_ptr0, stride_bn0, scaling0, bias_ptr0,
-                     code_ptr1, absmax_ptr1, absmax2_ptr1, code2_ptr1, offset_ptr1, n1,
-                     b_ptr1, stride_bn1, scaling1, bias_ptr1,
-                     code_ptr2, absmax_ptr2, absmax2_ptr2, code2_ptr2, offset_ptr2, n2,
-                     b_ptr2, stride_bn2, scaling2, bias_ptr2,
-                     u_lo, u_hi, U, G, T, NS, tile1, tile2, col1, col2, K, M, stride_ym,
-                     BS: gl.constexpr, BS2: gl.constexpr, NESTED: gl.constexpr,
-                     STAGES: gl.constexpr, HAS_LORA: gl.constexpr, HAS_BIAS: gl.constexpr,
-                     GLU: gl.constexpr):
-    """The CTA's units u_lo .. u_hi - 1, a tile's range at a time (the K loops of `_consumer`
-    on it). A tile whose units are all this CTA's is written whole (`_tile_store`). Else the
-    range's fp32 sums (its LoRA term in: the term is linear in t) go to the CTA's record for
-    the tile (slot 2 · pid for its first tile, 2 · pid + 1 for its last), and the tile's
-    arrival counter counts them: the CTA that arrives last sums the records of every CTA whose
-    units meet the tile (CTA c holds units c · U // G .. (c + 1) · U // G - 1, so unit u is
-    CTA ((u + 1) · G - 1) // U's), writes the tile and sets its counter back to 0
-    (`arrivals`' protocol: each CTA's stores happen before its release, the last one's loads
-    after its acquire). The fp32 sums only change order, so the output meets the bound."""
-    pid = gl.program_id(0)
-    total = u_hi - u_lo
-    u = u_lo
-    while u < u_hi:
-        tile, seg, row0, s0 = _unit(u, T, 1 << 30, tile1, tile2, False)
-        cnt = gl.minimum(T - s0, u_hi - u)
-        i0 = u - u_lo
-        if GLU:
-            g_n = gl.maximum(gl.minimum(s0 + cnt, NS) - s0, 0)
-            acc, t = _k_loop(bufs, xbufs, abufs, ready, empty, code_ptr0, absmax_ptr0,
-                             absmax2_ptr0, code2_ptr0, offset_ptr0, tile * ROWS, n0, K, s0,
-                             g_n, i0, BS, BS2, NESTED, STAGES, HAS_LORA)
-            acc_u, t_u = _k_loop(bufs, xbufs, abufs, ready, empty, code_ptr1, absmax_ptr1,
-                                 absmax2_ptr1, code2_ptr1, offset_ptr1, tile * ROWS, n0, K,
-                                 gl.maximum(s0, NS) - NS, cnt - g_n, i0 + g_n, BS, BS2,
-                                 NESTED, STAGES, HAS_LORA)
-        else:
-            acc, t = _k_loop(bufs, xbufs, abufs, ready, empty,
-                             _pick(seg, code_ptr0, code_ptr1, code_ptr2),
-                             _pick(seg, absmax_ptr0, absmax_ptr1, absmax_ptr2),
-                             _pick(seg, absmax2_ptr0, absmax2_ptr1, absmax2_ptr2),
-                             _pick(seg, code2_ptr0, code2_ptr1, code2_ptr2),
-                             _pick(seg, offset_ptr0, offset_ptr1, offset_ptr2), row0,
-                             _pick(seg, n0, n1, n2), K, s0, cnt, i0, BS, BS2, NESTED, STAGES,
-                             HAS_LORA)
-            acc_u, t_u = acc, t
-        n, col = _place(seg, n0, n1, n2, col1, col2, GLU)
-        if HAS_LORA:
-            acc, acc_u = _add_lora(acc, t, acc_u, t_u, seg, row0, n, b_ptr0, stride_bn0,
-                                   scaling0, b_ptr1, stride_bn1, scaling1, b_ptr2, stride_bn2,
-                                   scaling2, GLU)
-        bias = _pick(seg, bias_ptr0, bias_ptr1, bias_ptr2)
-        if cnt == T:
-            _tile_store(acc, acc_u, y_ptr, row0, n, col, M, stride_ym, bias, bias_ptr1,
-                        HAS_BIAS, GLU)
-        else:
-            slot = 2 * pid + (u_lo // T != tile).to(gl.int32)
-            gl.store(_record(part_ptr, slot), acc)
-            if GLU:
-                gl.store(_record(part_ptr, slot) + 512, acc_u)
-            gl.thread_barrier()  # every thread's record stored before the release
-            c_first = ((tile * T + 1) * G - 1) // U
-            c_last = ((tile + 1) * T * G - 1) // U
-            arrived = gl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
-            if arrived == c_last - c_first:
-                acc = gl.zeros([64, 8], gl.float32, MMA)
-                acc_u = gl.zeros([64, 8], gl.float32, MMA)
-                for c in range(c_first, c_last + 1):
-                    rec = _record(part_ptr, 2 * c + ((c * U // G) // T != tile).to(gl.int32))
-                    acc += gl.load(rec, cache_modifier=".cg")
-                    if GLU:
-                        acc_u += gl.load(rec + 512, cache_modifier=".cg")
-                _tile_store(acc, acc_u, y_ptr, row0, n, col, M, stride_ym, bias, bias_ptr1,
-                            HAS_BIAS, GLU)
-                gl.atomic_xchg(count_ptr + tile, 0, sem="relaxed", scope="gpu")
-        u += cnt
-
-
-@gluon.jit
-def linear4bit_ws_kernel(x_desc, y_ptr, part_ptr, count_ptr,
+def linear4bit_ws_kernel(x_desc, y_ptr, part_ptr,
                          w_desc0, a_desc0, b_ptr0, code_ptr0, absmax_ptr0, absmax2_ptr0,
                          code2_ptr0, offset_ptr0, scaling0, stride_bn0, n0, bias_ptr0,
                          w_desc1, a_desc1, b_ptr1, code_ptr1, absmax_ptr1, absmax2_ptr1,
@@ -630,12 +451,11 @@ def linear4bit_ws_kernel(x_desc, y_ptr, part_ptr, count_ptr,
                          w_desc2, a_desc2, b_ptr2, code_ptr2, absmax_ptr2, absmax2_ptr2,
                          code2_ptr2, offset_ptr2, scaling2, stride_bn2, n2, bias_ptr2,
                          tile1, tile2, col1, col2, K, M, stride_ym, stride_pm, stride_ps,
-                         steps_per_split, U, BS: gl.constexpr, BS2: gl.constexpr,
+                         steps_per_split, BS: gl.constexpr, BS2: gl.constexpr,
                          NESTED: gl.constexpr, SPLIT: gl.constexpr, STAGES: gl.constexpr,
                          HAS_LORA: gl.constexpr, HAS_BIAS: gl.constexpr, GLU: gl.constexpr,
                          PDL: gl.constexpr,
-                         EARLY_NEXT: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-                         STREAM: gl.constexpr):
+                         EARLY_NEXT: gl.constexpr, PRODUCER_REGS: gl.constexpr):
     """Grid (Σ_s N_s / 64 tiles, K splits): the arguments ending in s are projection s's
     (segment s, its tiles from tile_s, its output columns from col_s; segments past the
     launch's repeat the last, and tile_s is then past the grid). y (M, Σ N_s) in bf16, or with
@@ -645,112 +465,23 @@ def linear4bit_ws_kernel(x_desc, y_ptr, part_ptr, count_ptr,
     in fp32 before the one rounding (GLU: to each of gate and up), and left out of SPLIT
     partials (their sum adds it). PDL: launched with programmatic dependent launch (`pdl`);
     the producer waits for the previous kernel before it copies x.
-    STREAM (grid (G,), one split): stream-K. The tiles' steps are U units, tile-major (GLU:
-    a tile's gate steps, then its up steps); CTA c computes units c · U // G .. (c + 1) · U //
-    G - 1 (`_stream_consumer`), its producer copying them in order across tiles, so every CTA
-    streams the same number of steps whatever the tile count; tiles shared by CTAs are summed
-    through part_ptr's records and count_ptr's arrival counters.
     `linear4bit_ws.launch` gives the descriptors and the steps a split."""
-    if STREAM:
-        _stream_kernel(x_desc, y_ptr, part_ptr, count_ptr,
-                       w_desc0, a_desc0, b_ptr0, code_ptr0, absmax_ptr0, absmax2_ptr0,
-                       code2_ptr0, offset_ptr0, scaling0, stride_bn0, n0, bias_ptr0,
-                       w_desc1, a_desc1, b_ptr1, code_ptr1, absmax_ptr1, absmax2_ptr1,
-                       code2_ptr1, offset_ptr1, scaling1, stride_bn1, n1, bias_ptr1,
-                       w_desc2, a_desc2, b_ptr2, code_ptr2, absmax_ptr2, absmax2_ptr2,
-                       code2_ptr2, offset_ptr2, scaling2, stride_bn2, n2, bias_ptr2,
-                       tile1, tile2, col1, col2, K, M, stride_ym, U, BS, BS2, NESTED, STAGES,
-                       HAS_LORA, HAS_BIAS, GLU, PDL, EARLY_NEXT, PRODUCER_REGS)
-    else:
-        _tiles_kernel(x_desc, y_ptr, part_ptr,
-                      w_desc0, a_desc0, b_ptr0, code_ptr0, absmax_ptr0, absmax2_ptr0,
-                      code2_ptr0, offset_ptr0, scaling0, stride_bn0, n0, bias_ptr0,
-                      w_desc1, a_desc1, b_ptr1, code_ptr1, absmax_ptr1, absmax2_ptr1,
-                      code2_ptr1, offset_ptr1, scaling1, stride_bn1, n1, bias_ptr1,
-                      w_desc2, a_desc2, b_ptr2, code_ptr2, absmax_ptr2, absmax2_ptr2,
-                      code2_ptr2, offset_ptr2, scaling2, stride_bn2, n2, bias_ptr2,
-                      tile1, tile2, col1, col2, K, M, stride_ym, stride_pm, stride_ps,
-                      steps_per_split, BS, BS2, NESTED, SPLIT, STAGES, HAS_LORA, HAS_BIAS, GLU,
-                      PDL, EARLY_NEXT, PRODUCER_REGS)
-
-
-@gluon.jit
-def _ring(w_desc, x_desc, a_desc, STAGES: gl.constexpr, HAS_LORA: gl.constexpr):
-    """The CTA's shared-memory ring: STAGES stages of packed words, x and A, and their ready
-    and empty barriers."""
-    bufs = gl.allocate_shared_memory(gl.int32, [STAGES, ROWS, STEP_WORDS], w_desc.layout)
-    xbufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, 8, 4, 64], x_desc.layout)
-    abufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES if HAS_LORA else 1, RANK, 4, 64],
-                                      a_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for s in gl.static_range(STAGES):
-        mbarrier.init(ready.index(s), count=1)
-        mbarrier.init(empty.index(s), count=1)
-    fence_async_shared()
-    return bufs, xbufs, abufs, ready, empty
-
-
-@gluon.jit
-def _stream_kernel(x_desc, y_ptr, part_ptr, count_ptr,
-                   w_desc0, a_desc0, b_ptr0, code_ptr0, absmax_ptr0, absmax2_ptr0,
-                   code2_ptr0, offset_ptr0, scaling0, stride_bn0, n0, bias_ptr0,
-                   w_desc1, a_desc1, b_ptr1, code_ptr1, absmax_ptr1, absmax2_ptr1,
-                   code2_ptr1, offset_ptr1, scaling1, stride_bn1, n1, bias_ptr1,
-                   w_desc2, a_desc2, b_ptr2, code_ptr2, absmax_ptr2, absmax2_ptr2,
-                   code2_ptr2, offset_ptr2, scaling2, stride_bn2, n2, bias_ptr2,
-                   tile1, tile2, col1, col2, K, M, stride_ym, U, BS: gl.constexpr,
-                   BS2: gl.constexpr, NESTED: gl.constexpr, STAGES: gl.constexpr,
-                   HAS_LORA: gl.constexpr, HAS_BIAS: gl.constexpr, GLU: gl.constexpr,
-                   PDL: gl.constexpr, EARLY_NEXT: gl.constexpr, PRODUCER_REGS: gl.constexpr):
-    """`linear4bit_ws_kernel` with STREAM."""
-    pid = gl.program_id(0)
-    G = gl.num_programs(0)
-    NS = K // 256
-    T = NS * (2 if GLU else 1)
-    u_lo = pid * U // G
-    u_hi = (pid + 1) * U // G
-    bufs, xbufs, abufs, ready, empty = _ring(w_desc0, x_desc, a_desc0, STAGES, HAS_LORA)
-    gl.warp_specialize([
-        (_stream_consumer, (bufs, xbufs, abufs, ready, empty, y_ptr, part_ptr, count_ptr,
-                            code_ptr0, absmax_ptr0, absmax2_ptr0, code2_ptr0, offset_ptr0, n0,
-                            b_ptr0, stride_bn0, scaling0, bias_ptr0,
-                            code_ptr1, absmax_ptr1, absmax2_ptr1, code2_ptr1, offset_ptr1, n1,
-                            b_ptr1, stride_bn1, scaling1, bias_ptr1,
-                            code_ptr2, absmax_ptr2, absmax2_ptr2, code2_ptr2, offset_ptr2, n2,
-                            b_ptr2, stride_bn2, scaling2, bias_ptr2,
-                            u_lo, u_hi, U, G, T, NS, tile1, tile2, col1, col2, K, M, stride_ym,
-                            BS, BS2, NESTED, STAGES, HAS_LORA, HAS_BIAS, GLU)),
-        (_stream_producer, (x_desc, w_desc0, a_desc0, w_desc1, a_desc1, w_desc2, a_desc2, bufs,
-                            xbufs, abufs, ready, empty, u_lo, u_hi - u_lo, T, NS, tile1, tile2,
-                            STAGES, HAS_LORA, GLU, PDL)),
-    ], [1], [PRODUCER_REGS])
-    if EARLY_NEXT:  # the next kernel may start now (its programs wait in their grid_wait)
-        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [],
-                                  dtype=gl.int32, is_pure=False, pack=1)
-
-
-@gluon.jit
-def _tiles_kernel(x_desc, y_ptr, part_ptr,
-                  w_desc0, a_desc0, b_ptr0, code_ptr0, absmax_ptr0, absmax2_ptr0,
-                  code2_ptr0, offset_ptr0, scaling0, stride_bn0, n0, bias_ptr0,
-                  w_desc1, a_desc1, b_ptr1, code_ptr1, absmax_ptr1, absmax2_ptr1,
-                  code2_ptr1, offset_ptr1, scaling1, stride_bn1, n1, bias_ptr1,
-                  w_desc2, a_desc2, b_ptr2, code_ptr2, absmax_ptr2, absmax2_ptr2,
-                  code2_ptr2, offset_ptr2, scaling2, stride_bn2, n2, bias_ptr2,
-                  tile1, tile2, col1, col2, K, M, stride_ym, stride_pm, stride_ps,
-                  steps_per_split, BS: gl.constexpr, BS2: gl.constexpr,
-                  NESTED: gl.constexpr, SPLIT: gl.constexpr, STAGES: gl.constexpr,
-                  HAS_LORA: gl.constexpr, HAS_BIAS: gl.constexpr, GLU: gl.constexpr,
-                  PDL: gl.constexpr, EARLY_NEXT: gl.constexpr, PRODUCER_REGS: gl.constexpr):
-    """`linear4bit_ws_kernel` without STREAM: grid (tiles, K splits)."""
     pid = gl.program_id(0)
     seg = (pid >= tile1).to(gl.int32) + (pid >= tile2).to(gl.int32)
     row0 = (pid - (seg == 1).to(gl.int32) * tile1 - (seg == 2).to(gl.int32) * tile2) * ROWS
     pid_k = gl.program_id(1)
     step_lo = pid_k * steps_per_split
     nsteps = gl.minimum(steps_per_split, K // 256 - step_lo)
-    bufs, xbufs, abufs, ready, empty = _ring(w_desc0, x_desc, a_desc0, STAGES, HAS_LORA)
+    bufs = gl.allocate_shared_memory(gl.int32, [STAGES, ROWS, STEP_WORDS], w_desc0.layout)
+    xbufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, 8, 4, 64], x_desc.layout)
+    abufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES if HAS_LORA else 1, RANK, 4, 64],
+                                      a_desc0.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(STAGES):
+        mbarrier.init(ready.index(s), count=1)
+        mbarrier.init(empty.index(s), count=1)
+    fence_async_shared()
     acc, t, acc_u, t_u = gl.warp_specialize([
         (_consumer, (bufs, xbufs, abufs, ready, empty, seg,
                      code_ptr0, absmax_ptr0, absmax2_ptr0, code2_ptr0, offset_ptr0, n0,
@@ -764,16 +495,37 @@ def _tiles_kernel(x_desc, y_ptr, part_ptr,
     if EARLY_NEXT:  # the next kernel may start now (its programs wait in their grid_wait)
         gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [],
                                   dtype=gl.int32, is_pure=False, pack=1)
-    n, col = _place(seg, n0, n1, n2, col1, col2, GLU)
-    if HAS_LORA:
-        acc, acc_u = _add_lora(acc, t, acc_u, t_u, seg, row0, n, b_ptr0, stride_bn0, scaling0,
-                               b_ptr1, stride_bn1, scaling1, b_ptr2, stride_bn2, scaling2, GLU)
-    if SPLIT:  # a split's partials go without the bias: their sum adds it
-        r = gl.arange(0, 64, layout=gl.SliceLayout(1, MMA))
-        m = gl.arange(0, 8, layout=gl.SliceLayout(0, MMA))
-        nr = row0 + 32 * ((r >> 3) & 1) + 8 * (r >> 4) + (r & 7)  # the stage row of MMA row r
-        gl.store(part_ptr + pid_k * stride_ps + m[None, :] * stride_pm + (col + nr)[:, None],
-                 acc, mask=(nr < n)[:, None] & (m < M)[None, :])
+    if GLU:
+        n = n0
+        col = 0
     else:
-        _tile_store(acc, acc_u, y_ptr, row0, n, col, M, stride_ym,
-                    _pick(seg, bias_ptr0, bias_ptr1, bias_ptr2), bias_ptr1, HAS_BIAS, GLU)
+        n = _pick(seg, n0, n1, n2)
+        col = (seg == 1).to(gl.int32) * col1 + (seg == 2).to(gl.int32) * col2
+    if HAS_LORA:
+        if GLU:
+            acc += _lora_term(t, b_ptr0, row0, n, stride_bn0, scaling0)
+            acc_u += _lora_term(t_u, b_ptr1, row0, n, stride_bn1, scaling1)
+        else:
+            acc += _lora_term(t, _pick(seg, b_ptr0, b_ptr1, b_ptr2), row0, n,
+                              _pick(seg, stride_bn0, stride_bn1, stride_bn2),
+                              _pick(seg, scaling0, scaling1, scaling2))
+    r = gl.arange(0, 64, layout=gl.SliceLayout(1, MMA))
+    m = gl.arange(0, 8, layout=gl.SliceLayout(0, MMA))
+    nr = row0 + 32 * ((r >> 3) & 1) + 8 * (r >> 4) + (r & 7)  # the stage row of MMA row r
+    mask = (nr < n)[:, None] & (m < M)[None, :]
+    if HAS_BIAS and not SPLIT:  # a split's partials go without it: their sum adds it
+        if GLU:
+            acc += gl.load(bias_ptr0 + nr, mask=nr < n, other=0.0).to(gl.float32)[:, None]
+            acc_u += gl.load(bias_ptr1 + nr, mask=nr < n, other=0.0).to(gl.float32)[:, None]
+        else:
+            acc += gl.load(_pick(seg, bias_ptr0, bias_ptr1, bias_ptr2) + nr, mask=nr < n,
+                           other=0.0).to(gl.float32)[:, None]
+    if GLU:
+        gl.store(y_ptr + m[None, :] * stride_ym + nr[:, None], _silu_mul(acc, acc_u),
+                 mask=mask)
+    elif SPLIT:
+        gl.store(part_ptr + pid_k * stride_ps + m[None, :] * stride_pm + (col + nr)[:, None],
+                 acc, mask=mask)
+    else:
+        gl.store(y_ptr + m[None, :] * stride_ym + (col + nr)[:, None], acc.to(gl.bfloat16),
+                 mask=mask)

@@ -54,10 +54,6 @@ PRODUCER_REGS = 24
 EARLY_NEXT_CTAS_PER_SM = 1.0
 # the fewest CTAs a launch aims for, per SM (`split_rule`)
 CTAS_PER_SM = 0.9
-# stream-K (the default; 0: the tile grid, split by `split_rule`): CTAs a SM of the persistent
-# grid, each streaming an equal share of all tiles' steps
-STREAM = 1
-STREAM_CTAS_PER_SM = 2
 
 _log = logging.getLogger(__name__)
 _failed: list[str] = []  # the reason the path is off after a failed launch
@@ -197,28 +193,20 @@ def _part_args(part, x: torch.Tensor) -> list:
             part.bias if part.bias is not None else x]
 
 
-def stream_ctas(tiles: int, k: int, glu: bool, num_sms: int) -> int:
-    """The stream-K grid for `tiles` 64-row tiles of K columns: STREAM_CTAS_PER_SM a SM, at
-    most one a unit (a tile's 256-column step; GLU's tiles have the gate's and the up's)."""
-    units = tiles * (k // 256) * (2 if glu else 1)
-    return max(1, min(int(STREAM_CTAS_PER_SM * num_sms), units))
+def _launch(x: torch.Tensor, parts: list, glu: bool, defer_sum: bool,
+            split: int | None = None) -> list:
+    """`launch` without its fallback; `split` (default `split_rule`'s) for the lab's sweeps."""
+    from ._linear4bit_ws_kernel import linear4bit_ws_kernel
+    from .linear4bit import _num_sms, _split_k_reduce_kernel, split_steps
+    from .pdl import launch_args
 
-
-def partial_sums(n: int, k: int, glu: bool, num_sms: int) -> int:
-    """The most fp32 partial sums one output element adds (the bound's extra terms): the CTAs
-    that share a tile under stream-K, or the K splits of the tile grid."""
-    if not STREAM:
-        return 1 if glu else split_rule(n, k, num_sms)
-    tiles = triton.cdiv(n, 64)
-    per_tile = (k // 256) * (2 if glu else 1)
-    share = tiles * per_tile // stream_ctas(tiles, k, glu, num_sms)  # a CTA's fewest units
-    return min(per_tile, triton.cdiv(per_tile, share) + 1)
-
-
-def _args(x: torch.Tensor, parts: list, glu: bool, ns: list, tiles: list):
-    """x's descriptor, the three segments' arguments, the segments' first tiles and output
-    columns, and the output's width."""
     m, k = x.shape
+    w = parts[0].weight
+    ns = [p.weight.shape[0] for p in parts]
+    tiles = [triton.cdiv(n, 64) for n in ns[:1 if glu else None]]
+    sms = _num_sms(x.device)
+    split = 1 if glu else split or split_rule(64 * sum(tiles), k, sms)
+    per, split = split_steps(k // 256, split)
     # rows past M read as zeros
     x_desc = _descriptor(x, [m, k // 64, 64], [x.stride(0), 64, 1], [8, 4, 64], 16)
     segs = [_part_args(p, x) for p in parts]
@@ -226,73 +214,22 @@ def _args(x: torch.Tensor, parts: list, glu: bool, ns: list, tiles: list):
     # a segment's first tile and output column; past the grid where it is absent (or GLU's up)
     beyond = sum(tiles)
     first_tile = [sum(tiles[:i]) if i < len(tiles) else beyond for i in (1, 2)]
+    width = ns[0] if glu else sum(ns)
     first_col = [sum(ns[:i]) if i < len(tiles) else 0 for i in (1, 2)]
-    return x_desc, segs, first_tile, first_col, ns[0] if glu else sum(ns)
-
-
-def _run(x_desc, y, part, counts, parts, glu, segs, first_tile, first_col, k, m, stride_pm,
-         stride_ps, per, units, split, grid, sms) -> None:
-    """The kernel's launch (units > 0: stream-K on grid (G, 1); else the tile grid)."""
-    from ._linear4bit_ws_kernel import linear4bit_ws_kernel
-    from .pdl import launch_args
-
-    w = parts[0].weight
-    linear4bit_ws_kernel[grid](
-        x_desc, y, part, counts, *segs[0], *segs[1], *segs[2], *first_tile, *first_col,
-        k, m, y.stride(0), stride_pm, stride_ps, per, units,
-        BS=w.blocksize, BS2=w.blocksize2, NESTED=w.nested, SPLIT=split, STAGES=STAGES,
-        HAS_LORA=parts[0].lora_a is not None, HAS_BIAS=parts[0].bias is not None, GLU=glu,
-        PRODUCER_REGS=PRODUCER_REGS, STREAM=units > 0,
-        **(pdl_args := launch_args(linear4bit_ws_kernel, y.device)),
-        EARLY_NEXT=pdl_args["PDL"] and grid[0] * grid[1] <= EARLY_NEXT_CTAS_PER_SM * sms,
-        num_warps=4, maxnreg=MAXNREG,
-        # the double-quant scale code2 · absmax2 + offset with bitsandbytes' two roundings
-        enable_fp_fusion=False)
-
-
-def _launch_stream(x: torch.Tensor, parts: list, glu: bool, ns: list, tiles: list, sms: int,
-                   counters: torch.Tensor) -> list:
-    """The stream-K launch: [y_s] (or GLU's [silu(gate) · up]), never split partials."""
-    m, k = x.shape
-    x_desc, segs, first_tile, first_col, width = _args(x, parts, glu, ns, tiles)
-    grid = stream_ctas(sum(tiles), k, glu, sms)
-    units = sum(tiles) * (k // 256) * (2 if glu else 1)
-    y = torch.empty(m, width, device=x.device, dtype=x.dtype)
-    # each CTA's records of its first and last tile: (gate, up) x (64, 8) fp32 sums
-    records = torch.empty(grid, 2, 2, 512, device=x.device, dtype=torch.float32)
-    _run(x_desc, y, records, counters, parts, glu, segs, first_tile, first_col, k, m, 0, 0,
-         0, units, False, (grid, 1), sms)
-    LAUNCHES["silu_mul" if glu else "stream" + (f" x{len(parts)}" if len(parts) > 1 else "")] += 1
-    if glu:
-        return [y]
-    cols = [sum(ns[:i]) for i in range(len(ns))]
-    return [y[:, c:c + n] for c, n in zip(cols, ns)]
-
-
-def _launch(x: torch.Tensor, parts: list, glu: bool, defer_sum: bool,
-            split: int | None = None) -> list:
-    """`launch` without its fallback: stream-K (STREAM, and the arrival counters exist), else
-    the tile grid at `split` K splits (default `split_rule`'s; the lab's sweeps pass one)."""
-    from .arrivals import arrival_counters
-    from .linear4bit import _num_sms, _split_k_reduce_kernel, split_steps
-
-    m, k = x.shape
-    w = parts[0].weight
-    ns = [p.weight.shape[0] for p in parts]
-    tiles = [triton.cdiv(n, 64) for n in ns[:1 if glu else None]]
-    sms = _num_sms(x.device)
-    counters = arrival_counters(x.device, sum(tiles)) if STREAM and split is None else None
-    if counters is not None:
-        return _launch_stream(x, parts, glu, ns, tiles, sms, counters)
-    split = 1 if glu else split or split_rule(64 * sum(tiles), k, sms)
-    per, split = split_steps(k // 256, split)
-    x_desc, segs, first_tile, first_col, width = _args(x, parts, glu, ns, tiles)
     y = torch.empty(m, width, device=x.device, dtype=x.dtype)
     partials = (torch.empty(split, m, width, device=x.device, dtype=torch.float32)
                 if split > 1 else y)
-    _run(x_desc, y, partials, y, parts, glu, segs, first_tile, first_col, k, m,
-         partials.stride(1), partials.stride(0) if split > 1 else 0, per, 0, split > 1,
-         (sum(tiles), split), sms)
+    linear4bit_ws_kernel[(sum(tiles), split)](
+        x_desc, y, partials, *segs[0], *segs[1], *segs[2], *first_tile, *first_col,
+        k, m, y.stride(0), partials.stride(1), partials.stride(0) if split > 1 else 0, per,
+        BS=w.blocksize, BS2=w.blocksize2, NESTED=w.nested, SPLIT=split > 1, STAGES=STAGES,
+        HAS_LORA=parts[0].lora_a is not None, HAS_BIAS=parts[0].bias is not None, GLU=glu,
+        PRODUCER_REGS=PRODUCER_REGS,
+        **(pdl_args := launch_args(linear4bit_ws_kernel, x.device)),
+        EARLY_NEXT=pdl_args["PDL"] and sum(tiles) * split <= EARLY_NEXT_CTAS_PER_SM * sms,
+        num_warps=4, maxnreg=MAXNREG,
+        # the double-quant scale code2 · absmax2 + offset with bitsandbytes' two roundings
+        enable_fp_fusion=False)
     LAUNCHES["silu_mul" if glu else ("split" if split > 1 else "whole")
              + (f" x{len(parts)}" if len(parts) > 1 else "")] += 1
     cols = [sum(ns[:i]) for i in range(len(ns))]
