@@ -910,11 +910,13 @@ def test_kernels_option_is_checked():
 # -- GPU: captured graphs ---------------------------------------------------------------------
 
 def _gpu_llama(dtype=torch.bfloat16, *, vocab=512, seed=0, family="llama"):
-    """A small random model of `family` (llama, qwen3: q/k norms; mistral: a sliding window of
-    16, shorter than most prompts plus completions), GQA 8/2 heads, head_dim 64, untied head at
-    std 0.2: logits of a few units, so greedy choices are rarely decided by bf16 rounding."""
+    """A small random model of `family` (llama; qwen2: q/k/v biases; qwen3: q/k norms; mistral:
+    a sliding window of 16, shorter than most prompts plus completions), GQA 8/2 heads, head_dim
+    64, untied head at std 0.2: logits of a few units, so greedy choices are rarely decided by
+    bf16 rounding."""
     config_cls, model_cls, extra = {
         "llama": (LlamaConfig, LlamaForCausalLM, {}),
+        "qwen2": (Qwen2Config, Qwen2ForCausalLM, {}),
         "qwen3": (Qwen3Config, Qwen3ForCausalLM, {"head_dim": 64}),
         "mistral": (MistralConfig, MistralForCausalLM, {"sliding_window": 16, "head_dim": 64}),
     }[family]
@@ -930,6 +932,8 @@ def _gpu_llama(dtype=torch.bfloat16, *, vocab=512, seed=0, family="llama"):
         for name, p in model.named_parameters():
             if name.endswith(("q_norm.weight", "k_norm.weight")):  # Qwen3: norms that matter
                 p.data.uniform_(0.5, 1.5)
+            if name.endswith(("q_proj.bias", "k_proj.bias", "v_proj.bias")):  # Qwen2's biases
+                p.data.normal_(0.0, 0.5)
     return model.to("cuda", dtype).eval()
 
 
@@ -1004,8 +1008,9 @@ def test_near_tie_bound_scales_with_the_logits():
 
 def gpu_lora_llama(quant: str, tmp_path, family: str = "llama"):
     """`_gpu_llama(family=)` in bf16 or loaded from `tmp_path` with a 4-bit base ("nf4" with
-    double quant, or "fp4"), with LoRA r=8 on every linear layer and random B (std 0.02,
-    seed 1), so the adapter matters."""
+    double quant, or "fp4"), with LoRA on every linear layer and random B (std 0.02, seed 1),
+    so the adapter matters: r=8, or r=16 for Qwen2 (the warp-specialized decode linear's rank,
+    so its q/k/v with their biases take it)."""
     from peft import LoraConfig, get_peft_model
 
     model = _gpu_llama(family=family)
@@ -1019,7 +1024,9 @@ def gpu_lora_llama(quant: str, tmp_path, family: str = "llama"):
                                bnb_4bit_compute_dtype=torch.bfloat16)),
             dtype=torch.bfloat16, device_map={"": 0}).eval()
     torch.manual_seed(1)
-    model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules="all-linear"))
+    rank = 16 if family == "qwen2" else 8
+    model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=2 * rank,
+                                             target_modules="all-linear"))
     for name, p in model.named_parameters():
         if "lora_B" in name:
             p.data.normal_(0.0, 0.02)
@@ -1044,9 +1051,15 @@ def test_gpu_greedy_and_replay_after_optimizer_step(quant, kernels, family, tmp_
     N, k = 48, 16
     gc = GenerationConfig(max_new_tokens=N, do_sample=False, pad_token_id=0, eos_token_id=[1])
     loop = DecodeLoop(check_every=k, kernels=kernels)
+    from trainers.sampling.kernels import linear4bit_ws
+
+    grouped = sum(v for key, v in linear4bit_ws.LAUNCHES.items() if key.endswith("x3"))
     out = loop.generate(model, ids, mask, gc)
     assert loop.disabled_reason is None and out is not None and loop.stats.captures == 1
     assert loop.kernels == kernels  # the kernels passed the first-call check
+    if family == "qwen2" and quant == "nf4":  # q/k/v with their biases on the ws kernel
+        assert sum(v for key, v in linear4bit_ws.LAUNCHES.items()
+                   if key.endswith("x3")) > grouped, dict(linear4bit_ws.LAUNCHES)
     (plan,) = loop._plans.values()
     print(f"\n{family} {quant} kernels={kernels}: {plan.line}")
     if kernels == "auto":
