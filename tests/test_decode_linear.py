@@ -673,7 +673,17 @@ def test_code_lookups_agree_gpu():
 def test_unaligned_packed_weight_gpu():
     """A packed weight that is a view at a 2-byte offset cannot be read as 32-bit words: the
     launch takes the memory gathers (in the register tile at 8 rows, the block-a-step loop at
-    64) and gives the aligned weight's output bit for bit."""
+    64) and gives the aligned weight's output bit for bit. The warp-specialized kernel is off
+    here: it would take the aligned weight at 8 rows (its own order of the fp32 sums), and
+    its unaligned case is `linear4bit_ws.reason`'s."""
+    from trainers.sampling.kernels import linear4bit_ws
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(linear4bit_ws.ENV, "0")
+        _unaligned_packed_weight_matches()
+
+
+def _unaligned_packed_weight_matches():
     n, k = 2048, 2048
     packed, qs = _quantize(n, k, quant_type="nf4", double=True, device="cuda")
     w = Packed4bit.from_quant_state(packed, qs)
