@@ -1009,8 +1009,9 @@ def test_near_tie_bound_scales_with_the_logits():
 def gpu_lora_llama(quant: str, tmp_path, family: str = "llama"):
     """`_gpu_llama(family=)` in bf16 or loaded from `tmp_path` with a 4-bit base ("nf4" with
     double quant, or "fp4"), with LoRA on every linear layer and random B (std 0.02, seed 1),
-    so the adapter matters: r=8, or r=16 for Qwen2 (the warp-specialized decode linear's rank,
-    so its q/k/v with their biases take it)."""
+    so the adapter matters: r=8, or for Qwen2 r=16 with the factors in bf16 as TRL casts
+    QLoRA adapters (what the warp-specialized decode linear takes, so its q/k/v with their
+    biases run there)."""
     from peft import LoraConfig, get_peft_model
 
     model = _gpu_llama(family=family)
@@ -1030,6 +1031,8 @@ def gpu_lora_llama(quant: str, tmp_path, family: str = "llama"):
     for name, p in model.named_parameters():
         if "lora_B" in name:
             p.data.normal_(0.0, 0.02)
+        if family == "qwen2" and "lora_" in name:
+            p.data = p.data.to(torch.bfloat16)
     return model
 
 
