@@ -48,6 +48,7 @@ from trainers import tiny
 from trainers.generation import trim_after_eos
 from trainers.sampling import DecodeLoop, processors
 from trainers.sampling.cache import KVCache
+from trainers.sampling.kernels import linear4bit_ws
 from trainers.sampling.model_step import ModelStep
 
 NEW = 14
@@ -1006,6 +1007,11 @@ def test_near_tie_bound_scales_with_the_logits():
     assert _near_tie(14.0 / 3, 2.5, 14.0, layers=4)
 
 
+def _ws_qkv_launches() -> int:
+    """Grouped q/k/v launches of the warp-specialized decode linear so far."""
+    return sum(v for key, v in linear4bit_ws.LAUNCHES.items() if key.endswith("x3"))
+
+
 def gpu_lora_llama(quant: str, tmp_path, family: str = "llama"):
     """`_gpu_llama(family=)` in bf16 or loaded from `tmp_path` with a 4-bit base ("nf4" with
     double quant, or "fp4"), with LoRA on every linear layer and random B (std 0.02, seed 1),
@@ -1054,15 +1060,12 @@ def test_gpu_greedy_and_replay_after_optimizer_step(quant, kernels, family, tmp_
     N, k = 48, 16
     gc = GenerationConfig(max_new_tokens=N, do_sample=False, pad_token_id=0, eos_token_id=[1])
     loop = DecodeLoop(check_every=k, kernels=kernels)
-    from trainers.sampling.kernels import linear4bit_ws
-
-    grouped = sum(v for key, v in linear4bit_ws.LAUNCHES.items() if key.endswith("x3"))
+    qkv_launches = _ws_qkv_launches()
     out = loop.generate(model, ids, mask, gc)
     assert loop.disabled_reason is None and out is not None and loop.stats.captures == 1
     assert loop.kernels == kernels  # the kernels passed the first-call check
     if family == "qwen2" and quant == "nf4":  # q/k/v with their biases on the ws kernel
-        assert sum(v for key, v in linear4bit_ws.LAUNCHES.items()
-                   if key.endswith("x3")) > grouped, dict(linear4bit_ws.LAUNCHES)
+        assert _ws_qkv_launches() > qkv_launches, dict(linear4bit_ws.LAUNCHES)
     (plan,) = loop._plans.values()
     print(f"\n{family} {quant} kernels={kernels}: {plan.line}")
     if kernels == "auto":
