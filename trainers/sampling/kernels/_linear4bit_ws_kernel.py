@@ -222,24 +222,9 @@ def _lora_t_step(abuf, xbuf, t4):
 
 
 @gluon.jit
-def _step(bufs, xbufs, abufs, ready, empty, i, scale, acc, acc1, acc2, acc3, t4,
-          c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15,
-          STAGES: gl.constexpr, HAS_LORA: gl.constexpr):
-    """Step i of the CTA: stage i % STAGES's words, looked up at `scale` (64, 4), times x into
-    the accumulators (and A times x into t4); the stage is handed back once read."""
-    tb0, tb1, tb2, tb3, tb4, tb5, tb6, tb7 = _table(
-        scale, c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15)
-    s = i % STAGES
-    mbarrier.wait(ready.index(s), (i // STAGES) & 1)
-    words = bufs.index(s).load(WORDS2)
-    x0, x1 = _x_tiles(xbufs.index(s))
-    if HAS_LORA:
-        t4 = _lora_t_step(abufs.index(s), xbufs.index(s), t4)
-    # the stage goes back with no proxy fence: its reads (generic proxy) are ordered before
-    # the producer's next TMA write (async proxy) by this arrive's release and the producer's
-    # acquiring wait on it; a fence orders generic writes for async reads, and nothing here
-    # writes the stage
-    mbarrier.arrive(empty.index(s), count=1)
+def _lookup_mma(words, tb0, tb1, tb2, tb3, tb4, tb5, tb6, tb7, x0, x1, acc, acc1, acc2, acc3):
+    """A step's words (64, 32) in WORDS2 looked up in their chunk tables (`_table`'s, (64, 4)
+    each) and multiplied by x's two halves (x0, x1: `_x_tiles`) into the four accumulators."""
     w3 = gl.convert_layout(gl.reshape(words, [64, 4, 8]), WORDS3, assert_trivial=True)
     w_h0, w_h1 = gl.split(gl.permute(gl.reshape(w3, [64, 4, 2, 4]), (0, 1, 3, 2)))
     w_h0 = gl.convert_layout(w_h0, HALF, assert_trivial=True)
@@ -260,6 +245,30 @@ def _step(bufs, xbufs, abufs, ready, empty, i, scale, acc, acc1, acc2, acc3, t4,
     acc1 = mma_v2(a0h, b0h, acc1)
     acc2 = mma_v2(a1l, b1l, acc2)
     acc3 = mma_v2(a1h, b1h, acc3)
+    return acc, acc1, acc2, acc3
+
+
+@gluon.jit
+def _step(bufs, xbufs, abufs, ready, empty, i, scale, acc, acc1, acc2, acc3, t4,
+          c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15,
+          STAGES: gl.constexpr, HAS_LORA: gl.constexpr):
+    """Step i of the CTA: stage i % STAGES's words, looked up at `scale` (64, 4), times x into
+    the accumulators (and A times x into t4); the stage is handed back once read."""
+    tb0, tb1, tb2, tb3, tb4, tb5, tb6, tb7 = _table(
+        scale, c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15)
+    s = i % STAGES
+    mbarrier.wait(ready.index(s), (i // STAGES) & 1)
+    words = bufs.index(s).load(WORDS2)
+    x0, x1 = _x_tiles(xbufs.index(s))
+    if HAS_LORA:
+        t4 = _lora_t_step(abufs.index(s), xbufs.index(s), t4)
+    # the stage goes back with no proxy fence: its reads (generic proxy) are ordered before
+    # the producer's next TMA write (async proxy) by this arrive's release and the producer's
+    # acquiring wait on it; a fence orders generic writes for async reads, and nothing here
+    # writes the stage
+    mbarrier.arrive(empty.index(s), count=1)
+    acc, acc1, acc2, acc3 = _lookup_mma(words, tb0, tb1, tb2, tb3, tb4, tb5, tb6, tb7, x0, x1,
+                                        acc, acc1, acc2, acc3)
     return acc, acc1, acc2, acc3, t4
 
 
