@@ -112,6 +112,17 @@ def _halves(w):
 
 
 @gluon.jit
+def _codes(code_ptr):
+    """The 16 entries of the 4-bit code (NF4's or FP4's values), each a scalar for `_table`."""
+    return (gl.load(code_ptr + 0), gl.load(code_ptr + 1), gl.load(code_ptr + 2),
+            gl.load(code_ptr + 3), gl.load(code_ptr + 4), gl.load(code_ptr + 5),
+            gl.load(code_ptr + 6), gl.load(code_ptr + 7), gl.load(code_ptr + 8),
+            gl.load(code_ptr + 9), gl.load(code_ptr + 10), gl.load(code_ptr + 11),
+            gl.load(code_ptr + 12), gl.load(code_ptr + 13), gl.load(code_ptr + 14),
+            gl.load(code_ptr + 15))
+
+
+@gluon.jit
 def _table(scale, c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15):
     """linear4bit's 8 table words (round(code · scale) as byte planes) of each scale."""
     return gl.inline_asm_elementwise(
@@ -286,22 +297,7 @@ def _k_loop(bufs, xbufs, abufs, ready, empty, code_ptr, absmax_ptr, absmax2_ptr,
         offset = gl.load(offset_ptr)
     else:
         offset = 0.0
-    c0 = gl.load(code_ptr + 0)
-    c1 = gl.load(code_ptr + 1)
-    c2 = gl.load(code_ptr + 2)
-    c3 = gl.load(code_ptr + 3)
-    c4 = gl.load(code_ptr + 4)
-    c5 = gl.load(code_ptr + 5)
-    c6 = gl.load(code_ptr + 6)
-    c7 = gl.load(code_ptr + 7)
-    c8 = gl.load(code_ptr + 8)
-    c9 = gl.load(code_ptr + 9)
-    c10 = gl.load(code_ptr + 10)
-    c11 = gl.load(code_ptr + 11)
-    c12 = gl.load(code_ptr + 12)
-    c13 = gl.load(code_ptr + 13)
-    c14 = gl.load(code_ptr + 14)
-    c15 = gl.load(code_ptr + 15)
+    c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15 = _codes(code_ptr)
     # each step's scale comes from registers filled a step before: the scale operands are
     # loaded two steps ahead and gathered into the scale (code2[qa]) one step ahead, so
     # neither load's latency, nor the register moves that carry them to the next step, sits
