@@ -51,6 +51,9 @@ every row runs to --new. Variants (--variants):
     loop_ws_early_next, loop_ws_no_early `loop` with every launch of the warp-specialized kernel
                   letting the next kernel launch after its K loops, or none
                   (`linear4bit_ws.EARLY_NEXT_CTAS_PER_SM`)
+    loop_ws_byte_planes, loop_ws_pair_table `loop` with every launch of the warp-specialized
+                  kernel looking up in round(code · scale) tables of registers, or in the
+                  code's pair table (`linear4bit_ws.PAIR_TABLE` 0 or 2)
 
 Each loop variant runs once per --kernels value: "torch" (the modules' own forwards) and "auto"
 (the fused 4-bit + LoRA decode linear for the projections, add_rmsnorm for each residual add +
@@ -102,7 +105,7 @@ VARIANTS = ("hf_eager", "fast_sampler", "loop", "loop_sdpa_attention", "loop_no_
             "loop_one_step_splits", "loop_rope_warps1", "loop_rope_warps2", "loop_norm_warps16",
             "loop_attention_warps2", "loop_attention_warps8", "loop_register_tile",
             "loop_ws_no_group", "loop_ws_no_pdl", "loop_ws_2_per_sm", "loop_ws_early_next",
-            "loop_ws_no_early")
+            "loop_ws_no_early", "loop_ws_byte_planes", "loop_ws_pair_table")
 # the lab variants' kernel plans: `loop`'s without one piece
 PLAN_WITHOUT = {"loop_no_silu_mul": {"silu_mul": frozenset()},
                 "loop_torch_sample": {"sample": False},
@@ -219,6 +222,10 @@ def _lab_patch(name: str):
             return "lab: no grouped launch" if len(parts) > 1 and not glu else real_reason(
                 x, parts, glu, config)
         return mock.patch.object(linear4bit_ws, "reason", one)
+    if name in ("loop_ws_byte_planes", "loop_ws_pair_table"):  # one lookup for every launch
+        from trainers.sampling.kernels import linear4bit_ws
+
+        return mock.patch.object(linear4bit_ws, "PAIR_TABLE", 0 if "byte" in name else 2)
     if name == "loop_ws_no_pdl":  # the ws kernel launched without PDL
         real_args = pdl.launch_args
 

@@ -44,9 +44,14 @@ def ws_linear(x: torch.Tensor, w: L.Packed4bit, *, lora_a: torch.Tensor | None =
     return WS._launch(x, [part], False, False, split=split)[0]
 
 
+# the kernel's weights round(code) · scale lie within PAIR_U · u of round(W)'s (u = 2⁻⁸:
+# two roundings, the second relative to |round(code · scale)|; the kernel module's docstring)
+PAIR_U = (2 + 2.0**-8) / (1 - 2.0**-8)
+
+
 def check_variants(args) -> None:
-    """The kernel against fp64 sums of bitsandbytes' own dequantized weight (within the fp32 sum
-    bound) over NF4 and FP4, with and without double quant, blocksizes 64 and 128, M = 1, 3, 8,
+    """The kernel against fp64 sums of bitsandbytes' own dequantized weight (within the weights'
+    PAIR_U · u and the fp32 sum bound) over NF4 and FP4, with and without double quant, blocksizes 64 and 128, M = 1, 3, 8,
     an N that is not a multiple of 64 and a K of an odd number of steps, one and two splits;
     with a rank-16 LoRA term on the NF4 double-quant cases."""
     from bitsandbytes import functional as bnbF
@@ -73,7 +78,8 @@ def check_variants(args) -> None:
                 exact = exact + 2.0 * (xd @ a.double().T) @ b.double().T
                 big_s = big_s + 2.0 * (xd.abs() @ a.double().abs().T) @ b.double().abs().T
             y = ws_linear(x, pw, **kw, split=split)
-            bound = 2.0**-8 * exact.abs() + 2 * (k + 16 + 64) * 2.0**-24 * big_s
+            bound = (2.0**-8 * exact.abs()
+                     + (PAIR_U * 2.0**-8 + 2 * (k + 16 + 64) * 2.0**-24) * big_s)
             ratio = ((y.double() - exact).abs() / bound).max().item()
             worst = max(worst, ratio)
             results.append({"quant": qt, "nested": nested, "blocksize": bs, "N": n, "K": k,
@@ -93,7 +99,8 @@ def check_variants(args) -> None:
 
 def _exact_and_bound(x, mod, lora: bool):
     """fp64 x @ round(W)ᵀ (+ the LoRA term) of a `bench.decode_linear.make_module` layer, and
-    the bound of a sum in fp32 rounded once: u·|y| + 2(K + r + 64)·2⁻²⁴·S."""
+    the bound of a sum in fp32 rounded once, the kernel's weights within PAIR_U · u of round(W):
+    u·|y| + (PAIR_U · u + 2(K + r + 64)·2⁻²⁴)·S."""
     from bitsandbytes import functional as bnbF
 
     base = mod.get_base_layer()
@@ -108,7 +115,8 @@ def _exact_and_bound(x, mod, lora: bool):
         exact = exact + s * (xd @ a.T) @ b.T
         big_s = big_s + abs(s) * (xd.abs() @ a.abs().T) @ b.abs().T
     k = x.shape[1]
-    return exact, 2.0**-8 * exact.abs() + 2 * (k + 16 + 64) * 2.0**-24 * big_s
+    return exact, (2.0**-8 * exact.abs()
+                   + (PAIR_U * 2.0**-8 + 2 * (k + 16 + 64) * 2.0**-24) * big_s)
 
 
 def _lora_args(copy, mod, lora: bool) -> dict:

@@ -82,10 +82,21 @@ def _compile_linear(nested, split, lora, lora_fp32, bs, prmt, xdt, segs=1, glu=F
                    enable_fp_fusion=False, num_stages=1)
 
 
+def _assert_table_first(llir: str, table_bytes: int) -> None:
+    """Every other shared buffer lies past the table (no constant offset into shared memory
+    below its size): with no other buffer as large, the table is then at offset 0."""
+    import re
+
+    offsets = {int(o) for o in re.findall(r"@global_smem, i32 (\d+)\)", llir)}
+    low = sorted(o for o in offsets if 0 < o < table_bytes)
+    assert offsets and not low, f"shared buffers at {low} inside the pair table's bytes ({sorted(offsets)})"
+
+
 def compile_ws_linear(nested: bool, bs: int, lora: bool, split: bool, glu: bool,
-                      pdl: bool = True, bias: bool = False):
+                      pdl: bool = True, bias: bool = False, pair_table: bool = True):
     """`linear4bit_ws`'s Gluon kernel for sm_90 (its layout conversions assert, at this
-    compile, that they move no data), as `linear4bit_ws.launch` launches it."""
+    compile, that they move no data), as `linear4bit_ws.launch` launches it; with the pair
+    table, that the table is the start of shared memory, where its lookups address it."""
     import torch
     from triton.experimental.gluon._runtime import GluonASTSource
     from triton.runtime.jit import mangle_type
@@ -103,7 +114,7 @@ def compile_ws_linear(nested: bool, bs: int, lora: bool, split: bool, glu: bool,
                                       [8, k // 64, 64], [k, 64, 1], [8, 4, 64], 16)}
     consts = {"BS": bs, "BS2": 256, "NESTED": nested, "SPLIT": split, "STAGES": WS.STAGES,
               "HAS_LORA": lora, "HAS_BIAS": bias, "GLU": glu, "PDL": pdl, "EARLY_NEXT": pdl,
-              "PRODUCER_REGS": WS.PRODUCER_REGS}
+              "PRODUCER_REGS": WS.PRODUCER_REGS, "PAIR_TABLE": pair_table}
     types = {"y_ptr": "*bf16", "part_ptr": "*fp32"}
     for seg in "012":
         descs.update({f"w_desc{seg}": w_desc, f"a_desc{seg}": a_desc})
@@ -127,6 +138,8 @@ def compile_ws_linear(nested: bool, bs: int, lora: bool, split: bool, glu: bool,
     assert ptx.count("mma.sync") == (16 + (4 if lora else 0)) * (2 if glu else 1), "MMAs a step"
     assert "cp.async.bulk.tensor" in ptx, "TMA copies"
     assert ("griddepcontrol.wait" in ptx) == pdl, "the PDL wait"
+    if pair_table:
+        _assert_table_first(kernel.asm["llir"], 256 * 32 * 4)
     print(f"{fn.__name__} {consts}: shared {kernel.metadata.shared} B")
     return kernel
 
@@ -204,7 +217,8 @@ def main():
                                          (True, 128, True, False, False),
                                          (False, 64, True, True, False),
                                          (True, 64, True, False, True)):
-        compile_ws_linear(nested, bs, lora, split, glu)
+        for pair_table in (True, False):  # both lookups
+            compile_ws_linear(nested, bs, lora, split, glu, pair_table=pair_table)
     compile_ws_linear(True, 64, True, True, False, pdl=False)  # outside a decode step
     for split, glu in ((False, False), (True, False), (False, True)):  # with a bias
         compile_ws_linear(True, 64, True, split, glu, bias=True)

@@ -19,6 +19,7 @@ peft = pytest.importorskip("peft")
 
 from bitsandbytes import functional as bnbF
 from test_decode_linear import (
+    S_U_PAIR,
     _check,
     _fp64,
     _inputs,
@@ -57,14 +58,29 @@ def test_reason_names_what_keeps_the_path_off():
 
 
 def test_split_rule():
-    """The smallest power of two that fills 0.9 of the SMs with 64-row CTAs, at most 8 and at
-    most half the 256-column steps."""
-    assert linear4bit_ws.split_rule(14336, 4096, 132) == 1  # 224 tiles
-    assert linear4bit_ws.split_rule(4096, 14336, 132) == 2  # 64 tiles
+    """The smallest power of two that fills 0.9 of the SMs with 64-row CTAs (1.6 where the
+    launch takes the pair table), at most 8 and at most half the 256-column steps."""
+    assert linear4bit_ws.split_rule(14336, 4096, 132) == 1  # 224 tiles (pair table)
+    assert linear4bit_ws.split_rule(4096, 14336, 132) == 4  # 64 tiles (pair table)
+    assert linear4bit_ws.split_rule(4096, 14336, 132, linear4bit_ws.CTAS_PER_SM) == 2
     assert linear4bit_ws.split_rule(2048, 2048, 132) == 4  # 32 tiles, 8 steps
     assert linear4bit_ws.split_rule(512, 2048, 132) == 4  # 8 tiles, capped by 8 steps / 2
     assert linear4bit_ws.split_rule(1024, 4096, 132) == 8  # 16 tiles
     assert linear4bit_ws.split_rule(64, 256, 132) == 1  # one step: one split
+
+
+def test_pair_table_rule():
+    """The pair table where a launch's lookups come to at least 16 steps (64 rows x 256
+    columns) a SM: 8B's gate/up + silu · mul and down; not its q/k/v, o, nor any 1B launch."""
+    rule = linear4bit_ws.pair_table_rule
+    assert rule(224, 4096, True, 132) and rule(64, 14336, False, 132)  # 8B gate/up, down
+    assert not rule(96, 4096, False, 132) and not rule(64, 4096, False, 132)  # 8B q/k/v, o
+    assert not rule(128, 2048, True, 132) and not rule(32, 8192, False, 132)  # 1B gate/up, down
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(linear4bit_ws, "PAIR_TABLE", 0)
+        assert not rule(224, 4096, True, 132)
+        mp.setattr(linear4bit_ws, "PAIR_TABLE", 2)
+        assert rule(1, 256, False, 132)
 
 
 # ---------------------------------------------------------------------------------------- GPU
@@ -80,9 +96,15 @@ def _launches():
 @pytest.mark.parametrize("n,k", [(200, 1280), (2048, 2048), (512, 2048), (8192, 2048),
                                  (2048, 8192), (4096, 4096), (1024, 4096), (14336, 4096),
                                  (4096, 14336)])
-def test_matches_fp64_gpu(quant_type, double, blocksize, n, k):
-    """At M = 1, 3, 8, with and without a rank-16 bf16 LoRA term: within u·|y| + 2·K_eff·2⁻²⁴·S
-    of the fp64 sum of the same bf16 operands (one rounding of fp32 sums), the kernel counted."""
+@pytest.mark.parametrize("lookup", ["pair_table", "byte_planes"])
+def test_matches_fp64_gpu(quant_type, double, blocksize, n, k, lookup, monkeypatch):
+    """At M = 1, 3, 8, with and without a rank-16 bf16 LoRA term, each lookup: within u·|y| +
+    (s_u·u + 2·K_eff·2⁻²⁴)·S of the fp64 sum of the bf16 operands (one rounding of fp32 sums;
+    the pair table's weights round(code) · scale within S_U_PAIR·u of round(W), s_u =
+    S_U_PAIR; the register tables' are round(W), s_u = 0), the kernel counted."""
+    monkeypatch.setattr(linear4bit_ws, "PAIR_TABLE", 2 if lookup == "pair_table" else 0)
+    s_u = S_U_PAIR if lookup == "pair_table" else 0
+    key = "pair table" if lookup == "pair_table" else "register tables"
     packed, qs = _quantize(n, k, quant_type=quant_type, double=double, blocksize=blocksize,
                            device="cuda")
     w = Packed4bit.from_quant_state(packed, qs)
@@ -90,18 +112,19 @@ def test_matches_fp64_gpu(quant_type, double, blocksize, n, k):
     for m in (1, 3, 8):
         x, a, b, _ = _inputs(m, n, k, 16, device="cuda")
         for lora in (False, True):
-            before = _launches()
+            before, lookups = _launches(), linear4bit_ws.LOOKUPS[key]
             kw = {"lora_a": a, "lora_b": b, "scaling": 2.0} if lora else {}
             ours = linear4bit_lora(x, w, **kw)
+            assert linear4bit_ws.LOOKUPS[key] == lookups + 1, dict(linear4bit_ws.LOOKUPS)
             assert _launches() == before + 1, linear4bit_ws.reason(
                 x, [linear4bit.LinearPart(w, None, a if lora else None, b if lora else None,
                                           2.0)], False, None)
             y, big_s = _fp64(x, w_bf16, None, a if lora else None, b if lora else None, 2.0)
             splits = linear4bit_ws.split_rule(n, k, torch.cuda.get_device_properties(0)
                                               .multi_processor_count)
-            _check(ours, y, big_s, k_eff=k + 16 + 4 + splits, rel_u=1, s_u=0,
+            _check(ours, y, big_s, k_eff=k + 16 + 4 + splits, rel_u=1, s_u=s_u,
                    what=f"{quant_type} double={double} bs={blocksize} N={n} K={k} M={m} "
-                        f"lora={lora}")
+                        f"lora={lora} {lookup}")
 
 
 @pytest.mark.gpu
@@ -178,7 +201,7 @@ def test_bias_gpu(lora):
             assert _launches() == before + 1, linear4bit_ws.reason(x, [part], False, None)
             y, big_s = _fp64(x, w_bf16, bias, a, b, 2.0)
             _check(ours, y, big_s, k_eff=k + 16 + 5 + linear4bit_ws.split_rule(n, k, sms),
-                   rel_u=1, s_u=0, what=f"N={n} K={k} M={m}")
+                   rel_u=1, s_u=S_U_PAIR, what=f"N={n} K={k} M={m}")
             (deferred,) = linear4bit.linear4bit_lora_group(x, [part], defer_sum=True)
             got = deferred.materialize() if isinstance(deferred, SplitSum) else deferred
             assert torch.equal(got, ours), f"deferred N={n} M={m}"
@@ -198,7 +221,7 @@ def test_bias_gpu(lora):
         assert _launches() == before + 1, linear4bit_ws.reason(x, parts, False, None)
         for p, y_ours, w_bf16 in zip(parts, ys, refs):
             y, big_s = _fp64(x, w_bf16, p.bias, p.lora_a, p.lora_b, p.scaling)
-            _check(y_ours, y, big_s, k_eff=k + 16 + 5 + splits, rel_u=1, s_u=0,
+            _check(y_ours, y, big_s, k_eff=k + 16 + 5 + splits, rel_u=1, s_u=S_U_PAIR,
                    what=f"q/k/v N={p.weight.shape[0]} M={m}")
         for d, y_ours in zip(linear4bit.linear4bit_lora_group(x, parts, defer_sum=True), ys):
             assert torch.equal(d.materialize() if isinstance(d, SplitSum) else d, y_ours)
@@ -271,7 +294,7 @@ def test_grouped_qkv_gpu(k, ns, lora):
         assert any(key.endswith("x3") and v for key, v in linear4bit_ws.LAUNCHES.items())
         for p, y_ours, w_bf16 in zip(parts, ys, refs):
             y, big_s = _fp64(x, w_bf16, None, p.lora_a, p.lora_b, p.scaling)
-            _check(y_ours, y, big_s, k_eff=k + 16 + 4 + splits, rel_u=1, s_u=0,
+            _check(y_ours, y, big_s, k_eff=k + 16 + 4 + splits, rel_u=1, s_u=S_U_PAIR,
                    what=f"N={p.weight.shape[0]} K={k} M={m} lora={lora}")
         deferred = linear4bit.linear4bit_lora_group(x, parts, defer_sum=True)
         for d, y_ours in zip(deferred, ys):

@@ -17,17 +17,30 @@ Q = l % 4 (chunk Q of the step: 64 elements, one absmax block or part of one):
     x_h    the (128, 8) right operand: column c is x[:, 256·step + 64·Q + 32·h + 8·j + 2·i + E]
 
 so what a thread looks up is its MMA operand (every layout conversion asserts that it moves no
-data); the dot sums K in that permuted order. The lookup is `linear4bit`'s: per row and chunk
-the 16 values round(code[i] · scale) as byte planes (`_table_asm`), then byte permutes
-(`_PAIRS_ASM`), so the weight is round(W) bit for bit. The scale operands are loaded two steps
-ahead and the scale gathered one step ahead, in registers; the step's MMAs run in four
-independent chains, summed at the end.
+data); the dot sums K in that permuted order. Two lookups (PAIR_TABLE, `linear4bit_ws` picks):
+
+- Register tables, `linear4bit`'s: per row and chunk the 16 values round(code[i] · scale) as
+  byte planes (`_table_asm`), then byte permutes (`_PAIRS_ASM`), so the weight is round(W) bit
+  for bit. About two ALU operations a weight.
+- The pair table: the code's 256 byte values as bf16 pairs (round(code[hi]), round(code[lo])),
+  in shared memory, one copy per lane (conflict-free); a byte is one 32-bit load, its pair
+  the MMA operand register as it is. The K permutation swaps the roles of Q and j (WORDS_C:
+  the lane holds word j, the registers the chunks), so each MMA sums one chunk, from zero, and
+  its fp32 sum is scaled once: y = Σ_chunks scale · Σ round(code) · x. The weight is then
+  round(code) · scale, within (2u + u²) |code · scale| <= (2 + u) / (1 - u) · u · |round(W)|
+  of round(W) (u = 2⁻⁸: two roundings to bf16 of the same value), each product exact in fp32.
+  Half the ALU work; the loads go to the shared-memory pipe, which the lookups leave idle.
+
+The scale operands are loaded two steps ahead and the scale gathered one step ahead, in
+registers; the step's MMAs run in four independent chains, summed at the end. A stage goes
+back to the producer after the MMAs that read it (`_step`).
 
 The LoRA factor t = A @ xᵀ (fp32, never rounded) is split over the warps: warp w sums the
 columns 8·w .. 8·w + 7 of each half of each chunk (a batched MMA, the batch over warps), and the
 warps' parts are summed once after the loop; the epilogue adds s · B[tile] @ t in fp32 (each K
 split its own t_split: the term is linear in t) and the bias. Every sum is fp32 with one
-rounding of y, so the output meets `linear4bit`'s bound. Split K writes fp32 partials
+rounding of y, so the output meets `linear4bit`'s bound (with the pair table, plus the
+weights' (2 + u) / (1 - u) · u · Σ|x||round(W)|). Split K writes fp32 partials
 (SPLIT_K, M, Σ N_s) without the bias, which their sum adds.
 
 Segments (q, k and v in one launch): the grid's tiles are the segments' tiles one after the
@@ -101,6 +114,126 @@ X_SPLIT = gl.constexpr(gl.DistributedLinearLayout(
 # the epilogue's s · B[tile] @ t in fp32: (64 rows n, 16 ranks, 8 rows m), a thread all 16
 # ranks of its (n, m) pairs, so the sum over ranks stays in its registers
 LORA3 = gl.constexpr(gl.BlockedLayout([1, RANK.value, 1], [8, 1, 4], [4, 1, 1], [2, 1, 0]))
+
+
+# The pair table's lookup (module docstring). Thread (warp w, lane l) holds word 8·Q + 4·h + j
+# of stage rows ρ = 32·rb + 8·w + l // 4 with j = l % 4 and (Q, h, rb) in registers; chunk Q's
+# (64, 64) A operand has column c = 32·h + 16·i1 + 8·i0 + 2·j + E for element E of byte
+# i = 2·i1 + i0 of word j, half h, and x's (64, 8) operand row c the same column of the chunk:
+# every MMA sums one chunk (one absmax block or part of one).
+WORDS_C = gl.constexpr(gl.DistributedLinearLayout(
+    reg_bases=[[0, 4], [0, 8], [0, 16], [32, 0]],
+    lane_bases=[[0, 1], [0, 2], [1, 0], [2, 0], [4, 0]],
+    warp_bases=[[8, 0], [16, 0]], block_bases=[], shape=[ROWS.value, STEP_WORDS.value]))
+# a chunk's words (rows, h, j) as WORDS_C holds them
+WORDS_Q = gl.constexpr(gl.DistributedLinearLayout(
+    reg_bases=[[0, 1, 0], [32, 0, 0]],
+    lane_bases=[[0, 0, 1], [0, 0, 2], [1, 0, 0], [2, 0, 0], [4, 0, 0]],
+    warp_bases=[[8, 0, 0], [16, 0, 0]], block_bases=[], shape=[ROWS.value, 2, 4]))
+# x (8 rows m, chunk Q, column 32·h + 8·j + 2·i + E) as the MMAs take it: lane l holds row
+# l // 4 and columns with j = l % 4, every warp all of x
+XLOAD_C = gl.constexpr(gl.DistributedLinearLayout(
+    reg_bases=[[0, 0, 1], [0, 0, 2], [0, 0, 4], [0, 0, 32], [0, 1, 0], [0, 2, 0]],
+    lane_bases=[[0, 0, 8], [0, 0, 16], [1, 0, 0], [2, 0, 0], [4, 0, 0]],
+    warp_bases=[[0, 0, 0], [0, 0, 0]], block_bases=[], shape=[8, 4, 64]))
+# the code's byte-pair table in shared memory: entry e of lane l at word 32·e + l (each lane its
+# own bank: no two lanes of a warp conflict), e's high nibble's value in the lower half
+PAIR_TABLE_LAYOUT = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
+PAIR_FILL = gl.constexpr(gl.BlockedLayout([1, 1], [1, 32], [4, 1], [1, 0]))
+# PTX, one word $4 at a time: its bytes' entries ($0 .. $3, byte i in $i) from the table at
+# $5 (the table's address + 4 · lane): entry e at $5 + 128 · e
+PAIR_LOOKUP = gl.constexpr("{\n.reg .b32 t0, t1, t2, t3;\n" + "\n".join(
+    [f"{op} t{i}, $4, {sh};\nand.b32 t{i}, t{i}, 0x7F80;\nadd.u32 t{i}, t{i}, $5;\n"
+     f"ld.shared.b32 ${i}, [t{i}];"
+     for i, (op, sh) in enumerate((("shl.b32", 7), ("shr.u32", 1), ("shr.u32", 9),
+                                    ("shr.u32", 17)))]) + "\n}")
+
+# the chunk scales (64 MMA rows, chunk Q): each thread its MMA rows' four, as the accumulator
+# holds those rows (the lanes of a quad alike)
+SCALE_C3 = gl.constexpr(gl.DistributedLinearLayout(
+    reg_bases=[[0, 1, 0], [0, 2, 0], [8, 0, 0]],
+    lane_bases=[[0, 0, 0], [0, 0, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]],
+    warp_bases=[[16, 0, 0], [32, 0, 0]], block_bases=[], shape=[ROWS.value, 4, 1]))
+SCALE_C = gl.constexpr(gl.SliceLayout(2, SCALE_C3))
+
+@gluon.jit
+def _fill_pair_table(table, code_ptr):
+    """Entry e of every lane's copy: (round(code[e >> 4]), round(code[e & 15])) as bf16, the
+    first in the lower half."""
+    e = gl.arange(0, 256, layout=gl.SliceLayout(1, PAIR_FILL))
+    lane = gl.arange(0, 32, layout=gl.SliceLayout(0, PAIR_FILL))
+    first = gl.load(code_ptr + (e >> 4)).to(gl.bfloat16).to(gl.int16, bitcast=True)
+    second = gl.load(code_ptr + (e & 15)).to(gl.bfloat16).to(gl.int16, bitcast=True)
+    pair = (first.to(gl.int32) & 0xFFFF) | (second.to(gl.int32) << 16)
+    table.store(gl.broadcast(pair[:, None], lane[None, :])[0])
+
+
+@gluon.jit
+def _pair_table_base(like):
+    """The table's address + 4 · lane, shaped as `like` (the table is the kernel's first
+    shared allocation, at global_smem's start: `tests/_compile_decode_kernels.py` checks)."""
+    lane = gl.inline_asm_elementwise("mov.u32 $0, %laneid;", "=r,r", [like], dtype=gl.int32,
+                                     is_pure=True, pack=1)
+    return gl.inline_asm_elementwise("mov.u32 $0, global_smem;", "=r,r", [lane],
+                                     dtype=gl.int32, is_pure=True, pack=1) + lane * 4
+
+
+@gluon.jit
+def _chunk_a(w, base):
+    """Chunk Q's (64, 64) A operand from its words w (64, 2, 4) [ρ, h, j] in WORDS_Q."""
+    b0, b1, b2, b3 = gl.inline_asm_elementwise(
+        PAIR_LOOKUP, "=r,=r,=r,=r,r,r", [w, base],
+        dtype=(gl.int32, gl.int32, gl.int32, gl.int32), is_pure=True, pack=1)
+    v = gl.join(gl.join(_halves(b0), _halves(b1)), gl.join(_halves(b2), _halves(b3)))
+    v = gl.reshape(v, [2, 4, 8, 2, 4, 2, 2, 2])  # [rb, w, r8, h, j, E, i0, i1]
+    v = gl.permute(v, (1, 0, 2, 3, 7, 6, 4, 5))  # [w, rb, r8, h, i1, i0, j, E]
+    return gl.convert_layout(gl.reshape(v, [64, 64]), A_OP, assert_trivial=True)
+
+
+@gluon.jit
+def _quarters(v):
+    """The four (.., n) slices of v (.., 4, n) along its second-last axis, in order."""
+    shape: gl.constexpr = v.shape
+    lead: gl.constexpr = shape[0]
+    n: gl.constexpr = shape[-1]
+    v = gl.permute(gl.reshape(v, [lead, 2, 2, n]), (0, 3, 1, 2))  # [.., n, Q // 2, Q % 2]
+    even, odd = gl.split(v)  # split takes the last axis: Q % 2
+    q0, q2 = gl.split(even)
+    q1, q3 = gl.split(odd)
+    return q0, q1, q2, q3
+
+
+@gluon.jit
+def _chunk_x(xq):
+    """Chunk Q's (64, 8) B operand from x's (8, 64) columns of the chunk."""
+    v = gl.reshape(xq, [8, 2, 4, 2, 2, 2])  # [m, h, j, i1, i0, E]
+    v = gl.permute(v, (1, 3, 4, 2, 5, 0))  # [h, i1, i0, j, E, m]
+    return gl.convert_layout(gl.reshape(v, [64, 8]), B_OP, assert_trivial=True)
+
+
+@gluon.jit
+def _chunk_step(words, xv, base, scale, acc0, acc1, acc2, acc3):
+    """A step's words (64, 32) in WORDS_C times x (8, 4, 64) in XLOAD_C: chunk Q's MMA sum
+    (from zero), times its scale (column Q of `scale`, (64, 4) in SCALE_C), into acc_Q."""
+    w0, w1, w2, w3 = _quarters(gl.reshape(words, [64, 4, 8]))
+    x0, x1, x2, x3 = _quarters(xv)
+    s0, s1, s2, s3 = _quarters(scale[:, :, None])
+    zero = gl.zeros([64, 8], gl.float32, MMA)
+    acc0 = _chunk_mma(w0, x0, s0, base, zero, acc0)
+    acc1 = _chunk_mma(w1, x1, s1, base, zero, acc1)
+    acc2 = _chunk_mma(w2, x2, s2, base, zero, acc2)
+    acc3 = _chunk_mma(w3, x3, s3, base, zero, acc3)
+    return acc0, acc1, acc2, acc3
+
+
+@gluon.jit
+def _chunk_mma(w, x, s, base, zero, acc):
+    """acc + s · (chunk's A @ x) in fp32: w (64, 8) its words [ρ, 4·h + j], x (8, 64), s (64, 1)
+    its scales by MMA row."""
+    a = _chunk_a(gl.convert_layout(gl.reshape(w, [64, 2, 4]), WORDS_Q, assert_trivial=True),
+                 base)
+    s = gl.convert_layout(gl.reshape(s, [64]), gl.SliceLayout(1, MMA), assert_trivial=True)
+    return gl.fma(mma_v2(a, _chunk_x(x), zero), s[:, None], acc)
 
 
 @gluon.jit
@@ -264,7 +397,12 @@ def _step(bufs, xbufs, abufs, ready, empty, i, scale, acc, acc1, acc2, acc3, t4,
           c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15,
           STAGES: gl.constexpr, HAS_LORA: gl.constexpr):
     """Step i of the CTA: stage i % STAGES's words, looked up at `scale` (64, 4), times x into
-    the accumulators (and A times x into t4); the stage is handed back once read."""
+    the accumulators (and A times x into t4); the stage is handed back once read.
+
+    The stage goes back after the step's MMAs, which consumed every register loaded from it:
+    the producer's next TMA write (async proxy) must not overtake a load still queued in the
+    shared-memory pipe, and neither a CTA barrier nor the arrive's release waits for one (no
+    proxy fence is needed then: the reads are done)."""
     tb0, tb1, tb2, tb3, tb4, tb5, tb6, tb7 = _table(
         scale, c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15)
     s = i % STAGES
@@ -273,13 +411,9 @@ def _step(bufs, xbufs, abufs, ready, empty, i, scale, acc, acc1, acc2, acc3, t4,
     x0, x1 = _x_tiles(xbufs.index(s))
     if HAS_LORA:
         t4 = _lora_t_step(abufs.index(s), xbufs.index(s), t4)
-    # the stage goes back with no proxy fence: its reads (generic proxy) are ordered before
-    # the producer's next TMA write (async proxy) by this arrive's release and the producer's
-    # acquiring wait on it; a fence orders generic writes for async reads, and nothing here
-    # writes the stage
-    mbarrier.arrive(empty.index(s), count=1)
     acc, acc1, acc2, acc3 = _lookup_mma(words, tb0, tb1, tb2, tb3, tb4, tb5, tb6, tb7, x0, x1,
                                         acc, acc1, acc2, acc3)
+    mbarrier.arrive(empty.index(s), count=1)
     return acc, acc1, acc2, acc3, t4
 
 
@@ -323,6 +457,89 @@ def _k_loop(bufs, xbufs, abufs, ready, empty, code_ptr, absmax_ptr, absmax2_ptr,
 
 
 @gluon.jit
+def _stage_row(r):
+    """The stage row ρ = 32·rb + 8·w + l // 4 of MMA row r = 16·w + 8·rb + l // 4."""
+    return 32 * ((r >> 3) & 1) + 8 * (r >> 4) + (r & 7)
+
+
+@gluon.jit
+def _chunk_scale_operands(absmax_ptr, absmax2_ptr, row0, N, K, step, BS: gl.constexpr,
+                          BS2: gl.constexpr, NESTED: gl.constexpr):
+    """`_scale_operands` by MMA row, in SCALE_C (64, 4); with double quant and BS 64 the row's
+    word of four code indices (64,) (`_chunk_scale` takes byte Q)."""
+    r = gl.arange(0, 64, layout=gl.SliceLayout(1, SCALE_C))
+    q = gl.arange(0, 4, layout=gl.SliceLayout(0, SCALE_C))
+    row = row0 + _stage_row(r)
+    blk = row[:, None] * (K // BS) + (step * 4 + q[None, :]) // (BS // 64)
+    ok = (row < N)[:, None] & (q < 4)[None, :]
+    if NESTED:
+        if BS == 64:
+            qa = gl.load(absmax_ptr.to(gl.pointer_type(gl.int32)) + row * (K // 256) + step,
+                         mask=row < N, other=0)
+        else:
+            qa = gl.load(absmax_ptr + blk, mask=ok, other=0).to(gl.int32)
+        return qa, gl.load(absmax2_ptr + blk // BS2, mask=ok, other=0.0)
+    else:
+        a = gl.load(absmax_ptr + blk, mask=ok, other=0.0)
+        return a, a
+
+
+@gluon.jit
+def _chunk_scale(qa, a2, code2_ptr, offset, BS: gl.constexpr, NESTED: gl.constexpr):
+    """`_scale` of `_chunk_scale_operands`' operands: (64, 4) in SCALE_C."""
+    if NESTED:
+        if BS == 64:  # byte Q of the row's word
+            q = gl.arange(0, 4, layout=gl.SliceLayout(0, SCALE_C))
+            qa = (qa[:, None] >> (8 * q[None, :])) & 0xFF
+        return gl.load(code2_ptr + qa) * a2 + offset
+    else:
+        return qa
+
+
+@gluon.jit
+def _chunk_k_loop(bufs, xbufs, abufs, ready, empty, absmax_ptr, absmax2_ptr, code2_ptr,
+                  offset_ptr, row0, N, K, step_lo, nsteps, i0, BS: gl.constexpr,
+                  BS2: gl.constexpr, NESTED: gl.constexpr, STAGES: gl.constexpr,
+                  HAS_LORA: gl.constexpr):
+    """`_k_loop` through the pair table (`_chunk_step`): (acc, t), acc by MMA row; the stage
+    goes back as `_step` says."""
+    t4 = gl.zeros([4, RANK, 8], gl.float32, MMA3)
+    acc0 = gl.zeros([64, 8], gl.float32, MMA)
+    acc1 = gl.zeros([64, 8], gl.float32, MMA)
+    acc2 = gl.zeros([64, 8], gl.float32, MMA)
+    acc3 = gl.zeros([64, 8], gl.float32, MMA)
+    if NESTED:
+        offset = gl.load(offset_ptr)
+    else:
+        offset = 0.0
+    base = _pair_table_base(gl.zeros([64, 2, 4], gl.int32, WORDS_Q))
+    # as `_k_loop`: the scale operands two steps ahead, the scale one step ahead
+    last = step_lo + nsteps - 1
+    qa, a2 = _chunk_scale_operands(absmax_ptr, absmax2_ptr, row0, N, K, step_lo, BS, BS2,
+                                   NESTED)
+    scale = _chunk_scale(qa, a2, code2_ptr, offset, BS, NESTED)
+    qa_next, a2_next = _chunk_scale_operands(absmax_ptr, absmax2_ptr, row0, N, K,
+                                             gl.minimum(step_lo + 1, last), BS, BS2, NESTED)
+    for i in range(nsteps):
+        step = step_lo + i
+        scale_next = _chunk_scale(qa_next, a2_next, code2_ptr, offset, BS, NESTED)
+        s = (i0 + i) % STAGES
+        mbarrier.wait(ready.index(s), ((i0 + i) // STAGES) & 1)
+        words = bufs.index(s).load(WORDS_C)
+        xv = xbufs.index(s).load(XLOAD_C)
+        if HAS_LORA:
+            t4 = _lora_t_step(abufs.index(s), xbufs.index(s), t4)
+        qa_after, a2_after = _chunk_scale_operands(absmax_ptr, absmax2_ptr, row0, N, K,
+                                                   gl.minimum(step + 2, last), BS, BS2, NESTED)
+        acc0, acc1, acc2, acc3 = _chunk_step(words, xv, base, scale, acc0, acc1, acc2, acc3)
+        mbarrier.arrive(empty.index(s), count=1)  # as `_step`: after the MMAs
+        scale = scale_next
+        qa_next, a2_next = qa_after, a2_after
+    return (acc0 + acc1) + (acc2 + acc3), gl.convert_layout(gl.sum(t4, axis=0),
+                                                            gl.SliceLayout(0, LORA3))
+
+
+@gluon.jit
 def _pick(seg, v0, v1, v2):
     """v0, v1 or v2 by the segment index (a uniform branch)."""
     r = v0
@@ -340,10 +557,27 @@ def _consumer(bufs, xbufs, abufs, ready, empty, seg,
               code_ptr2, absmax_ptr2, absmax2_ptr2, code2_ptr2, offset_ptr2, n2,
               row0, K, step_lo, nsteps, BS: gl.constexpr, BS2: gl.constexpr,
               NESTED: gl.constexpr, STAGES: gl.constexpr, HAS_LORA: gl.constexpr,
-              GLU: gl.constexpr):
+              GLU: gl.constexpr, PAIR_TABLE: gl.constexpr):
     """(acc, t) of the CTA's segment; with GLU the gate's (segment 0), then the up
-    projection's (segment 1) from the next stages."""
-    if GLU:
+    projection's (segment 1) from the next stages. PAIR_TABLE: the lookups read the pair
+    table (`_chunk_k_loop`)."""
+    if PAIR_TABLE and GLU:
+        acc, t = _chunk_k_loop(bufs, xbufs, abufs, ready, empty, absmax_ptr0, absmax2_ptr0,
+                               code2_ptr0, offset_ptr0, row0, n0, K, step_lo, nsteps, 0, BS,
+                               BS2, NESTED, STAGES, HAS_LORA)
+        acc_u, t_u = _chunk_k_loop(bufs, xbufs, abufs, ready, empty, absmax_ptr1,
+                                   absmax2_ptr1, code2_ptr1, offset_ptr1, row0, n0, K, step_lo,
+                                   nsteps, nsteps, BS, BS2, NESTED, STAGES, HAS_LORA)
+    elif PAIR_TABLE:
+        acc, t = _chunk_k_loop(bufs, xbufs, abufs, ready, empty,
+                               _pick(seg, absmax_ptr0, absmax_ptr1, absmax_ptr2),
+                               _pick(seg, absmax2_ptr0, absmax2_ptr1, absmax2_ptr2),
+                               _pick(seg, code2_ptr0, code2_ptr1, code2_ptr2),
+                               _pick(seg, offset_ptr0, offset_ptr1, offset_ptr2), row0,
+                               _pick(seg, n0, n1, n2), K, step_lo, nsteps, 0, BS, BS2, NESTED,
+                               STAGES, HAS_LORA)
+        acc_u, t_u = acc, t
+    elif GLU:
         acc, t = _k_loop(bufs, xbufs, abufs, ready, empty, code_ptr0, absmax_ptr0,
                          absmax2_ptr0, code2_ptr0, offset_ptr0, row0, n0, K, step_lo, nsteps,
                          0, BS, BS2, NESTED, STAGES, HAS_LORA)
@@ -460,7 +694,8 @@ def linear4bit_ws_kernel(x_desc, y_ptr, part_ptr,
                          NESTED: gl.constexpr, SPLIT: gl.constexpr, STAGES: gl.constexpr,
                          HAS_LORA: gl.constexpr, HAS_BIAS: gl.constexpr, GLU: gl.constexpr,
                          PDL: gl.constexpr,
-                         EARLY_NEXT: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+                         EARLY_NEXT: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+                         PAIR_TABLE: gl.constexpr):
     """Grid (Σ_s N_s / 64 tiles, K splits): the arguments ending in s are projection s's
     (segment s, its tiles from tile_s, its output columns from col_s; segments past the
     launch's repeat the last, and tile_s is then past the grid). y (M, Σ N_s) in bf16, or with
@@ -477,6 +712,12 @@ def linear4bit_ws_kernel(x_desc, y_ptr, part_ptr,
     pid_k = gl.program_id(1)
     step_lo = pid_k * steps_per_split
     nsteps = gl.minimum(steps_per_split, K // 256 - step_lo)
+    # the pair table first, so that it sits at the start of shared memory (its lookups address
+    # it from there: `_pair_table_base`)
+    if PAIR_TABLE:
+        table = gl.allocate_shared_memory(gl.int32, [256, 32], PAIR_TABLE_LAYOUT)
+        _fill_pair_table(table, _pick(seg, code_ptr0, code_ptr1, code_ptr2))
+        gl.thread_barrier()
     bufs = gl.allocate_shared_memory(gl.int32, [STAGES, ROWS, STEP_WORDS], w_desc0.layout)
     xbufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, 8, 4, 64], x_desc.layout)
     abufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES if HAS_LORA else 1, RANK, 4, 64],
@@ -492,11 +733,14 @@ def linear4bit_ws_kernel(x_desc, y_ptr, part_ptr,
                      code_ptr0, absmax_ptr0, absmax2_ptr0, code2_ptr0, offset_ptr0, n0,
                      code_ptr1, absmax_ptr1, absmax2_ptr1, code2_ptr1, offset_ptr1, n1,
                      code_ptr2, absmax_ptr2, absmax2_ptr2, code2_ptr2, offset_ptr2, n2,
-                     row0, K, step_lo, nsteps, BS, BS2, NESTED, STAGES, HAS_LORA, GLU)),
+                     row0, K, step_lo, nsteps, BS, BS2, NESTED, STAGES, HAS_LORA, GLU,
+                     PAIR_TABLE)),
         (_producer, (x_desc, w_desc0, a_desc0, w_desc1, a_desc1, w_desc2, a_desc2, bufs,
                      xbufs, abufs, ready, empty, seg, row0, step_lo, nsteps, STAGES, HAS_LORA,
                      GLU, PDL)),
     ], [1], [PRODUCER_REGS])
+    if PAIR_TABLE:  # the table's last use as the compiler sees it (its lookups are inline
+        table._keep_alive()  # PTX): its bytes stay the table's through the K loops
     if EARLY_NEXT:  # the next kernel may start now (its programs wait in their grid_wait)
         gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [],
                                   dtype=gl.int32, is_pure=False, pack=1)

@@ -46,7 +46,8 @@ On an sm_90 GPU, one to three projections of at most 8 rows (q/k/v), or a gate/u
 launch, with or without a bias and with no LoRA or a rank-16 bf16 one, takes `linear4bit_ws`'s
 kernel instead (its
 docstring: the weight streamed through TMA into shared memory ahead of the lookups; the same
-round(W) and bound); `_launch` asks it first.
+round(W) and bound, or for its long launches weights within (2 + u) / (1 - u) · u of round(W),
+which adds that times S to each bound); `_launch` asks it first.
 
 Projections of the same x (q/k/v, gate/up) can share that launch (`linear4bit_lora_group`,
 `decode_linears`): the grid's output tiles run over each projection's rows in turn, and each
@@ -673,6 +674,7 @@ class Packed4bit:
     absmax2: torch.Tensor | None = None  # (N·K/BS/256,) fp32
     blocksize2: int = 256
     offset: torch.Tensor | None = None  # () fp32
+    quant_type: str = "nf4"  # the code's name: "nf4" or "fp4"
 
     @classmethod
     def from_quant_state(cls, packed: torch.Tensor, qs) -> Packed4bit:
@@ -696,7 +698,8 @@ class Packed4bit:
         if packed.numel() != n * k // 2:
             raise ValueError(f"packed weight has {packed.numel()} bytes, expected N·K/2 = "
                              f"{n * k // 2} for shape {(n, k)}")
-        common = {"packed": packed, "code": qs.code.float(), "blocksize": bs, "shape": (n, k)}
+        common = {"packed": packed, "code": qs.code.float(), "blocksize": bs, "shape": (n, k),
+                  "quant_type": qs.quant_type}
         if not qs.nested:
             return cls(absmax=qs.absmax.reshape(-1).float(), **common)
         s2 = qs.state2

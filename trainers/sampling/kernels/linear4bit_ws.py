@@ -3,8 +3,11 @@
 `_linear4bit_ws_kernel` (its docstring) streams the packed weight, x and the LoRA factor A
 through TMA into shared memory ahead of the warps that look the nibbles up, and runs the
 lookup's MMAs from there, so the weight stream no longer waits on the lookups (the register
-tile's limit; bench/README.md has the measurements). Its output meets `linear4bit`'s bound
-(the same round(W), fp32 sums in another order, the LoRA term in fp32).
+tile's limit; bench/README.md has the measurements). With the register tables its output
+meets `linear4bit`'s bound (the same round(W), fp32 sums in another order, the LoRA term in
+fp32); with the pair table (`pair_table_rule`: the long launches, as 8B's gate/up and down)
+each weight is round(code) · scale, within P·u·|round(W)| of round(W), P = (2 + u) / (1 - u),
+u = 2⁻⁸, which adds P·u·S to each of `linear4bit`'s bounds (its S).
 
 `reason(x, parts, glu, config)` decides, for `linear4bit._launch`: None where this kernel
 computes the call. It takes one to three projections of one input in one launch (q/k/v: each
@@ -40,8 +43,10 @@ from ._interp import interpreting
 from .split_sum import SplitSum
 
 ENV = "GRPO_LCE_WS_LINEAR"
-# launches of the kernel, by kind: tests assert that the path ran
+# launches of the kernel, by kind, and by lookup ("pair table", "register tables"): tests
+# assert that the path ran
 LAUNCHES: collections.Counter = collections.Counter()
+LOOKUPS: collections.Counter = collections.Counter()
 MAX_ROWS = 8
 RANK = 16
 STAGES = 2  # shared-memory stages a CTA streams ahead (more measured slower)
@@ -52,8 +57,17 @@ PRODUCER_REGS = 24
 # loops are done (before the epilogue): the next kernel's programs then wait on SMs beside
 # them (0: never; 2: every launch, all of whose CTAs are resident)
 EARLY_NEXT_CTAS_PER_SM = 1.0
-# the fewest CTAs a launch aims for, per SM (`split_rule`)
+# the lookup: through the code's pair table in shared memory (each MMA one chunk, scaled after
+# it) or through round(code · scale) tables in registers (byte permutes). 1: the table where a
+# launch's lookups are long, at least PAIR_TABLE_MIN_STEPS steps (64 rows x 256 columns) a SM
+# (its fill and its shared memory cost more than it saves below that: bench/README.md);
+# 0: never; 2: always
+PAIR_TABLE = 1
+PAIR_TABLE_MIN_STEPS = 16
+# the fewest CTAs a launch aims for, per SM (`split_rule`): with the register tables, and with
+# the pair table (whose lookups then keep two CTAs a SM busy; bench/README.md)
 CTAS_PER_SM = 0.9
+PAIR_CTAS_PER_SM = 1.6
 
 _log = logging.getLogger(__name__)
 _failed: list[str] = []  # the reason the path is off after a failed launch
@@ -106,13 +120,14 @@ def reason(x: torch.Tensor, parts: list, glu: bool, config: dict | None) -> str 
             return why
     if glu:
         g, u = parts[0].weight, parts[1].weight
-        if (g.blocksize, g.blocksize2, g.nested) != (u.blocksize, u.blocksize2, u.nested):
-            return "gate and up quantized differently"
+        if ((g.blocksize, g.blocksize2, g.nested, g.quant_type)
+                != (u.blocksize, u.blocksize2, u.nested, u.quant_type)):
+            return "gate and up quantized differently (the launch holds one code's table)"
         if (parts[0].lora_a is None) != (parts[1].lora_a is None):
             return "LoRA on one of gate and up"
         from .linear4bit import _num_sms
 
-        if split_rule(g.shape[0], k, _num_sms(x.device)) != 1:
+        if split_rule(g.shape[0], k, _num_sms(x.device), CTAS_PER_SM) != 1:
             return "gate/up would split K (the silu · mul launch takes one split)"
     return _gluon_reason()
 
@@ -134,15 +149,27 @@ def _part_reason(part, k: int) -> str | None:
     return None
 
 
-def split_rule(n: int, k: int, num_sms: int) -> int:
+def split_rule(n: int, k: int, num_sms: int, ctas_per_sm: float | None = None) -> int:
     """K splits for N output features: the smallest power of two that gives at least
-    CTAS_PER_SM · SMs CTAs of 64 rows, at most 8 and at most half the 256-column steps (each
-    split at least two)."""
+    ctas_per_sm · SMs CTAs of 64 rows (default: PAIR_CTAS_PER_SM where the launch takes the
+    pair table, else CTAS_PER_SM), at most 8 and at most half the 256-column steps (each split
+    at least two)."""
     tiles = triton.cdiv(n, 64)
+    if ctas_per_sm is None:
+        ctas_per_sm = (PAIR_CTAS_PER_SM if pair_table_rule(tiles, k, False, num_sms)
+                       else CTAS_PER_SM)
     split = 1
-    while tiles * split < CTAS_PER_SM * num_sms and split < 8:
+    while tiles * split < ctas_per_sm * num_sms and split < 8:
         split *= 2
     return max(1, min(split, (k // 256) // 2))
+
+
+def pair_table_rule(tiles: int, k: int, glu: bool, num_sms: int) -> bool:
+    """Whether a launch of `tiles` 64-row tiles over K looks its nibbles up in the pair table
+    (PAIR_TABLE)."""
+    if PAIR_TABLE != 1:
+        return PAIR_TABLE == 2
+    return tiles * (k // 256) * (2 if glu else 1) >= PAIR_TABLE_MIN_STEPS * num_sms
 
 
 def _descriptor(t: torch.Tensor, shape: list, strides: list, block: list, bits: int):
@@ -219,12 +246,13 @@ def _launch(x: torch.Tensor, parts: list, glu: bool, defer_sum: bool,
     y = torch.empty(m, width, device=x.device, dtype=x.dtype)
     partials = (torch.empty(split, m, width, device=x.device, dtype=torch.float32)
                 if split > 1 else y)
+    pair_table = pair_table_rule(sum(tiles), k, glu, sms)
     linear4bit_ws_kernel[(sum(tiles), split)](
         x_desc, y, partials, *segs[0], *segs[1], *segs[2], *first_tile, *first_col,
         k, m, y.stride(0), partials.stride(1), partials.stride(0) if split > 1 else 0, per,
         BS=w.blocksize, BS2=w.blocksize2, NESTED=w.nested, SPLIT=split > 1, STAGES=STAGES,
         HAS_LORA=parts[0].lora_a is not None, HAS_BIAS=parts[0].bias is not None, GLU=glu,
-        PRODUCER_REGS=PRODUCER_REGS,
+        PRODUCER_REGS=PRODUCER_REGS, PAIR_TABLE=pair_table,
         **(pdl_args := launch_args(linear4bit_ws_kernel, x.device)),
         EARLY_NEXT=pdl_args["PDL"] and sum(tiles) * split <= EARLY_NEXT_CTAS_PER_SM * sms,
         num_warps=4, maxnreg=MAXNREG,
@@ -232,6 +260,7 @@ def _launch(x: torch.Tensor, parts: list, glu: bool, defer_sum: bool,
         enable_fp_fusion=False)
     LAUNCHES["silu_mul" if glu else ("split" if split > 1 else "whole")
              + (f" x{len(parts)}" if len(parts) > 1 else "")] += 1
+    LOOKUPS["pair table" if pair_table else "register tables"] += 1
     cols = [sum(ns[:i]) for i in range(len(ns))]
     if split == 1:
         return [y] if glu else [y[:, c:c + n] for c, n in zip(cols, ns)]
