@@ -32,7 +32,6 @@ import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
 from trainers.sampling.kernels import _linear4bit_ws_kernel as WK
 
@@ -44,19 +43,8 @@ X_SMEM = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwi
 def _raw_mma(words, x0, x1, acc, acc1, acc2, acc3):
     """`_lookup_mma` with no lookup: each word's bits as its four operand registers (the same
     layouts, loads and MMAs; what the step costs without the table and the byte permutes)."""
-    w3 = gl.convert_layout(gl.reshape(words, [64, 4, 8]), WK.WORDS3, assert_trivial=True)
-    w_h0, w_h1 = gl.split(gl.permute(gl.reshape(w3, [64, 4, 2, 4]), (0, 1, 3, 2)))
-    w_h0 = gl.convert_layout(w_h0, WK.HALF, assert_trivial=True)
-    w_h1 = gl.convert_layout(w_h1, WK.HALF, assert_trivial=True)
-    a0l, a0h = WK._k_halves_a(_raw_tile(w_h0))
-    a1l, a1h = WK._k_halves_a(_raw_tile(w_h1))
-    b0l, b0h = WK._k_halves_b(x0)
-    b1l, b1h = WK._k_halves_b(x1)
-    acc = mma_v2(a0l, b0l, acc)
-    acc1 = mma_v2(a0h, b0h, acc1)
-    acc2 = mma_v2(a1l, b1l, acc2)
-    acc3 = mma_v2(a1h, b1h, acc3)
-    return acc, acc1, acc2, acc3
+    w_h0, w_h1 = WK._word_halves(words)
+    return WK._halves_mma(_raw_tile(w_h0), _raw_tile(w_h1), x0, x1, acc, acc1, acc2, acc3)
 
 
 @gluon.jit
@@ -66,10 +54,7 @@ def _raw_tile(w):
     b0, b1, b2, b3 = gl.inline_asm_elementwise(
         "mov.b32 $0, $4; mov.b32 $1, $4; mov.b32 $2, $4; mov.b32 $3, $4;", "=r,=r,=r,=r,r", [w],
         dtype=(gl.int32, gl.int32, gl.int32, gl.int32), is_pure=True, pack=1)
-    v = gl.join(gl.join(WK._halves(b0), WK._halves(b1)), gl.join(WK._halves(b2), WK._halves(b3)))
-    v = gl.reshape(v, [2, 4, 8, 4, 4, 2, 2, 2])
-    v = gl.permute(v, (1, 0, 2, 4, 7, 6, 3, 5))
-    return gl.convert_layout(gl.reshape(v, [64, 128]), WK.A_OP, assert_trivial=True)
+    return WK._pairs_a(b0, b1, b2, b3)
 
 
 @gluon.jit

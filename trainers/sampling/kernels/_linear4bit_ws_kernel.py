@@ -267,21 +267,31 @@ def _table(scale, c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c1
 
 @gluon.jit
 def _scale_operands(absmax_ptr, absmax2_ptr, row0, N, K, step, BS: gl.constexpr,
-                    BS2: gl.constexpr, NESTED: gl.constexpr):
-    """(64, 4) operands of the scale of each stage row's chunk Q of `step` (rows past N: 0),
-    all 32-bit (loop-carried as whole registers, so nothing repacks them while they load):
-    with double quant and BS 64 the int32 word of a row's four code indices of the step
-    (`_scale` takes byte Q), else the index or the absmax itself; and the second-level scale
-    (or the absmax again)."""
-    rho = gl.arange(0, 64, layout=gl.SliceLayout(1, gl.SliceLayout(2, HALF)))
-    q = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, HALF)))
-    row = row0 + rho[:, None]
-    blk = row * (K // BS) + (step * 4 + q[None, :]) // (BS // 64)
-    ok = (row < N) & (q[None, :] < 4)
+                    BS2: gl.constexpr, NESTED: gl.constexpr, PAIR: gl.constexpr):
+    """(64, 4) operands of the scale of each row's chunk Q of `step` (rows past N: 0), all
+    32-bit (loop-carried as whole registers, so nothing repacks them while they load): with
+    double quant and BS 64 the int32 word of a row's four code indices of the step (`_scale`
+    takes byte Q), else the index or the absmax itself; and the second-level scale (or the
+    absmax again). By stage row in SliceLayout(2, HALF) for the register tables; with PAIR by
+    MMA row in SCALE_C, the row's word then (64,)."""
+    if PAIR:
+        r = gl.arange(0, 64, layout=gl.SliceLayout(1, SCALE_C))
+        q = gl.arange(0, 4, layout=gl.SliceLayout(0, SCALE_C))
+        row = row0 + _stage_row(r)
+    else:
+        r = gl.arange(0, 64, layout=gl.SliceLayout(1, gl.SliceLayout(2, HALF)))
+        q = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, HALF)))
+        row = row0 + r
+    blk = row[:, None] * (K // BS) + (step * 4 + q[None, :]) // (BS // 64)
+    ok = (row[:, None] < N) & (q[None, :] < 4)
     if NESTED:
         if BS == 64:
-            qa = gl.load(absmax_ptr.to(gl.pointer_type(gl.int32)) + (row * (K // 256) + step)
-                         + 0 * q[None, :], mask=ok, other=0)
+            words = absmax_ptr.to(gl.pointer_type(gl.int32))
+            if PAIR:  # the chunks are a thread's registers: one load a row
+                qa = gl.load(words + row * (K // 256) + step, mask=row < N, other=0)
+            else:  # the chunks are lanes
+                qa = gl.load(words + (row[:, None] * (K // 256) + step) + 0 * q[None, :],
+                             mask=ok, other=0)
         else:
             qa = gl.load(absmax_ptr + blk, mask=ok, other=0).to(gl.int32)
         return qa, gl.load(absmax2_ptr + blk // BS2, mask=ok, other=0.0)
@@ -291,13 +301,18 @@ def _scale_operands(absmax_ptr, absmax2_ptr, row0, N, K, step, BS: gl.constexpr,
 
 
 @gluon.jit
-def _scale(qa, a2, code2_ptr, offset, BS: gl.constexpr, NESTED: gl.constexpr):
+def _scale(qa, a2, code2_ptr, offset, BS: gl.constexpr, NESTED: gl.constexpr,
+           PAIR: gl.constexpr):
     """code2[qa] · absmax2 + offset (two roundings: the kernel runs without FMA contraction, as
-    bitsandbytes forms it), or the absmax."""
+    bitsandbytes forms it), or the absmax; `_scale_operands`' layout."""
     if NESTED:
         if BS == 64:  # byte Q of the row's word
-            q = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, HALF)))
-            qa = (qa >> (8 * q[None, :])) & 0xFF
+            if PAIR:
+                q = gl.arange(0, 4, layout=gl.SliceLayout(0, SCALE_C))
+                qa = (qa[:, None] >> (8 * q[None, :])) & 0xFF
+            else:
+                q = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, HALF)))
+                qa = (qa >> (8 * q[None, :])) & 0xFF
         return gl.load(code2_ptr + qa) * a2 + offset
     else:
         return qa
@@ -310,6 +325,13 @@ def _a_tile(w, t0, t1, t2, t3, t4, t5, t6, t7):
     b0, b1, b2, b3 = gl.inline_asm_elementwise(
         PAIRS, PAIRS_CONSTRAINTS, [w, t0, t1, t2, t3, t4, t5, t6, t7],
         dtype=(gl.int32, gl.int32, gl.int32, gl.int32), is_pure=True, pack=1)
+    return _pairs_a(b0, b1, b2, b3)
+
+
+@gluon.jit
+def _pairs_a(b0, b1, b2, b3):
+    """The (64, 128) A operand from the pairs b_i (64, 4, 4) [ρ, Q, j] of each word's byte i
+    (two bf16, the first in the lower half)."""
     v = gl.join(gl.join(_halves(b0), _halves(b1)), gl.join(_halves(b2), _halves(b3)))
     v = gl.reshape(v, [2, 4, 8, 4, 4, 2, 2, 2])  # [rb, w, r8, Q, j, E, i0, i1]
     v = gl.permute(v, (1, 0, 2, 4, 7, 6, 3, 5))  # [w, rb, r8, j, i1, i0, Q, E]
@@ -369,10 +391,7 @@ def _lora_t_step(abuf, xbuf, t4):
 def _lookup_mma(words, tb0, tb1, tb2, tb3, tb4, tb5, tb6, tb7, x0, x1, acc, acc1, acc2, acc3):
     """A step's words (64, 32) in WORDS2 looked up in their chunk tables (`_table`'s, (64, 4)
     each) and multiplied by x's two halves (x0, x1: `_x_tiles`) into the four accumulators."""
-    w3 = gl.convert_layout(gl.reshape(words, [64, 4, 8]), WORDS3, assert_trivial=True)
-    w_h0, w_h1 = gl.split(gl.permute(gl.reshape(w3, [64, 4, 2, 4]), (0, 1, 3, 2)))
-    w_h0 = gl.convert_layout(w_h0, HALF, assert_trivial=True)
-    w_h1 = gl.convert_layout(w_h1, HALF, assert_trivial=True)
+    w_h0, w_h1 = _word_halves(words)
     tb0 = tb0[:, :, None]
     tb1 = tb1[:, :, None]
     tb2 = tb2[:, :, None]
@@ -381,8 +400,26 @@ def _lookup_mma(words, tb0, tb1, tb2, tb3, tb4, tb5, tb6, tb7, x0, x1, acc, acc1
     tb5 = tb5[:, :, None]
     tb6 = tb6[:, :, None]
     tb7 = tb7[:, :, None]
-    a0l, a0h = _k_halves_a(_a_tile(w_h0, tb0, tb1, tb2, tb3, tb4, tb5, tb6, tb7))
-    a1l, a1h = _k_halves_a(_a_tile(w_h1, tb0, tb1, tb2, tb3, tb4, tb5, tb6, tb7))
+    return _halves_mma(_a_tile(w_h0, tb0, tb1, tb2, tb3, tb4, tb5, tb6, tb7),
+                       _a_tile(w_h1, tb0, tb1, tb2, tb3, tb4, tb5, tb6, tb7), x0, x1, acc, acc1,
+                       acc2, acc3)
+
+
+@gluon.jit
+def _word_halves(words):
+    """A step's words (64, 32) in WORDS2 as its two halves' (64, 4, 4) [ρ, Q, j] in HALF."""
+    w3 = gl.convert_layout(gl.reshape(words, [64, 4, 8]), WORDS3, assert_trivial=True)
+    w_h0, w_h1 = gl.split(gl.permute(gl.reshape(w3, [64, 4, 2, 4]), (0, 1, 3, 2)))
+    return (gl.convert_layout(w_h0, HALF, assert_trivial=True),
+            gl.convert_layout(w_h1, HALF, assert_trivial=True))
+
+
+@gluon.jit
+def _halves_mma(a0, a1, x0, x1, acc, acc1, acc2, acc3):
+    """The two halves' A operands (64, 128) times x's (128, 8), each K half of each into its
+    own accumulator."""
+    a0l, a0h = _k_halves_a(a0)
+    a1l, a1h = _k_halves_a(a1)
     b0l, b0h = _k_halves_b(x0)
     b1l, b1h = _k_halves_b(x1)
     acc = mma_v2(a0l, b0l, acc)
@@ -418,34 +455,39 @@ def _step(bufs, xbufs, abufs, ready, empty, i, scale, acc, acc1, acc2, acc3, t4,
 
 
 @gluon.jit
-def _k_loop(bufs, xbufs, abufs, ready, empty, code_ptr, absmax_ptr, absmax2_ptr, code2_ptr,
-            offset_ptr, row0, N, K, step_lo, nsteps, i0, BS: gl.constexpr, BS2: gl.constexpr,
-            NESTED: gl.constexpr, STAGES: gl.constexpr, HAS_LORA: gl.constexpr):
-    """One projection's K loop over the ring's stages i0 .. i0 + nsteps - 1: (acc, t)."""
-    t4 = gl.zeros([4, RANK, 8], gl.float32, MMA3)
-    acc = gl.zeros([64, 8], gl.float32, MMA)
-    acc1 = gl.zeros([64, 8], gl.float32, MMA)
-    acc2 = gl.zeros([64, 8], gl.float32, MMA)
-    acc3 = gl.zeros([64, 8], gl.float32, MMA)
+def _loop_start(offset_ptr, NESTED: gl.constexpr):
+    """A K loop's zero sums (t4 and four accumulators) and the double-quant offset (or 0)."""
+    zero = gl.zeros([64, 8], gl.float32, MMA)
     if NESTED:
         offset = gl.load(offset_ptr)
     else:
         offset = 0.0
+    return gl.zeros([4, RANK, 8], gl.float32, MMA3), zero, zero, zero, zero, offset
+
+
+@gluon.jit
+def _k_loop(bufs, xbufs, abufs, ready, empty, code_ptr, absmax_ptr, absmax2_ptr, code2_ptr,
+            offset_ptr, row0, N, K, step_lo, nsteps, i0, BS: gl.constexpr, BS2: gl.constexpr,
+            NESTED: gl.constexpr, STAGES: gl.constexpr, HAS_LORA: gl.constexpr):
+    """One projection's K loop over the ring's stages i0 .. i0 + nsteps - 1: (acc, t)."""
+    t4, acc, acc1, acc2, acc3, offset = _loop_start(offset_ptr, NESTED)
     c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15 = _codes(code_ptr)
     # each step's scale comes from registers filled a step before: the scale operands are
     # loaded two steps ahead and gathered into the scale (code2[qa]) one step ahead, so
     # neither load's latency, nor the register moves that carry them to the next step, sits
     # between a step's start and its lookups
     last = step_lo + nsteps - 1
-    qa, a2 = _scale_operands(absmax_ptr, absmax2_ptr, row0, N, K, step_lo, BS, BS2, NESTED)
-    scale = _scale(qa, a2, code2_ptr, offset, BS, NESTED)
+    qa, a2 = _scale_operands(absmax_ptr, absmax2_ptr, row0, N, K, step_lo, BS, BS2, NESTED,
+                             False)
+    scale = _scale(qa, a2, code2_ptr, offset, BS, NESTED, False)
     qa_next, a2_next = _scale_operands(absmax_ptr, absmax2_ptr, row0, N, K,
-                                       gl.minimum(step_lo + 1, last), BS, BS2, NESTED)
+                                       gl.minimum(step_lo + 1, last), BS, BS2, NESTED, False)
     for i in range(nsteps):
         step = step_lo + i
         qa_after, a2_after = _scale_operands(absmax_ptr, absmax2_ptr, row0, N, K,
-                                             gl.minimum(step + 2, last), BS, BS2, NESTED)
-        scale_next = _scale(qa_next, a2_next, code2_ptr, offset, BS, NESTED)
+                                             gl.minimum(step + 2, last), BS, BS2, NESTED,
+                                             False)
+        scale_next = _scale(qa_next, a2_next, code2_ptr, offset, BS, NESTED, False)
         acc, acc1, acc2, acc3, t4 = _step(
             bufs, xbufs, abufs, ready, empty, i0 + i, scale, acc, acc1, acc2, acc3, t4,
             c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15, STAGES,
@@ -463,74 +505,32 @@ def _stage_row(r):
 
 
 @gluon.jit
-def _chunk_scale_operands(absmax_ptr, absmax2_ptr, row0, N, K, step, BS: gl.constexpr,
-                          BS2: gl.constexpr, NESTED: gl.constexpr):
-    """`_scale_operands` by MMA row, in SCALE_C (64, 4); with double quant and BS 64 the row's
-    word of four code indices (64,) (`_chunk_scale` takes byte Q)."""
-    r = gl.arange(0, 64, layout=gl.SliceLayout(1, SCALE_C))
-    q = gl.arange(0, 4, layout=gl.SliceLayout(0, SCALE_C))
-    row = row0 + _stage_row(r)
-    blk = row[:, None] * (K // BS) + (step * 4 + q[None, :]) // (BS // 64)
-    ok = (row < N)[:, None] & (q < 4)[None, :]
-    if NESTED:
-        if BS == 64:
-            qa = gl.load(absmax_ptr.to(gl.pointer_type(gl.int32)) + row * (K // 256) + step,
-                         mask=row < N, other=0)
-        else:
-            qa = gl.load(absmax_ptr + blk, mask=ok, other=0).to(gl.int32)
-        return qa, gl.load(absmax2_ptr + blk // BS2, mask=ok, other=0.0)
-    else:
-        a = gl.load(absmax_ptr + blk, mask=ok, other=0.0)
-        return a, a
-
-
-@gluon.jit
-def _chunk_scale(qa, a2, code2_ptr, offset, BS: gl.constexpr, NESTED: gl.constexpr):
-    """`_scale` of `_chunk_scale_operands`' operands: (64, 4) in SCALE_C."""
-    if NESTED:
-        if BS == 64:  # byte Q of the row's word
-            q = gl.arange(0, 4, layout=gl.SliceLayout(0, SCALE_C))
-            qa = (qa[:, None] >> (8 * q[None, :])) & 0xFF
-        return gl.load(code2_ptr + qa) * a2 + offset
-    else:
-        return qa
-
-
-@gluon.jit
 def _chunk_k_loop(bufs, xbufs, abufs, ready, empty, absmax_ptr, absmax2_ptr, code2_ptr,
                   offset_ptr, row0, N, K, step_lo, nsteps, i0, BS: gl.constexpr,
                   BS2: gl.constexpr, NESTED: gl.constexpr, STAGES: gl.constexpr,
                   HAS_LORA: gl.constexpr):
     """`_k_loop` through the pair table (`_chunk_step`): (acc, t), acc by MMA row; the stage
     goes back as `_step` says."""
-    t4 = gl.zeros([4, RANK, 8], gl.float32, MMA3)
-    acc0 = gl.zeros([64, 8], gl.float32, MMA)
-    acc1 = gl.zeros([64, 8], gl.float32, MMA)
-    acc2 = gl.zeros([64, 8], gl.float32, MMA)
-    acc3 = gl.zeros([64, 8], gl.float32, MMA)
-    if NESTED:
-        offset = gl.load(offset_ptr)
-    else:
-        offset = 0.0
+    t4, acc0, acc1, acc2, acc3, offset = _loop_start(offset_ptr, NESTED)
     base = _pair_table_base(gl.zeros([64, 2, 4], gl.int32, WORDS_Q))
     # as `_k_loop`: the scale operands two steps ahead, the scale one step ahead
     last = step_lo + nsteps - 1
-    qa, a2 = _chunk_scale_operands(absmax_ptr, absmax2_ptr, row0, N, K, step_lo, BS, BS2,
-                                   NESTED)
-    scale = _chunk_scale(qa, a2, code2_ptr, offset, BS, NESTED)
-    qa_next, a2_next = _chunk_scale_operands(absmax_ptr, absmax2_ptr, row0, N, K,
-                                             gl.minimum(step_lo + 1, last), BS, BS2, NESTED)
+    qa, a2 = _scale_operands(absmax_ptr, absmax2_ptr, row0, N, K, step_lo, BS, BS2, NESTED,
+                             True)
+    scale = _scale(qa, a2, code2_ptr, offset, BS, NESTED, True)
+    qa_next, a2_next = _scale_operands(absmax_ptr, absmax2_ptr, row0, N, K,
+                                       gl.minimum(step_lo + 1, last), BS, BS2, NESTED, True)
     for i in range(nsteps):
         step = step_lo + i
-        scale_next = _chunk_scale(qa_next, a2_next, code2_ptr, offset, BS, NESTED)
+        scale_next = _scale(qa_next, a2_next, code2_ptr, offset, BS, NESTED, True)
         s = (i0 + i) % STAGES
         mbarrier.wait(ready.index(s), ((i0 + i) // STAGES) & 1)
         words = bufs.index(s).load(WORDS_C)
         xv = xbufs.index(s).load(XLOAD_C)
         if HAS_LORA:
             t4 = _lora_t_step(abufs.index(s), xbufs.index(s), t4)
-        qa_after, a2_after = _chunk_scale_operands(absmax_ptr, absmax2_ptr, row0, N, K,
-                                                   gl.minimum(step + 2, last), BS, BS2, NESTED)
+        qa_after, a2_after = _scale_operands(absmax_ptr, absmax2_ptr, row0, N, K,
+                                             gl.minimum(step + 2, last), BS, BS2, NESTED, True)
         acc0, acc1, acc2, acc3 = _chunk_step(words, xv, base, scale, acc0, acc1, acc2, acc3)
         mbarrier.arrive(empty.index(s), count=1)  # as `_step`: after the MMAs
         scale = scale_next
