@@ -29,7 +29,8 @@ data); the dot sums K in that permuted order. Two lookups (PAIR_TABLE, `linear4b
   its fp32 sum is scaled once: y = Σ_chunks scale · Σ round(code) · x. The weight is then
   round(code) · scale, within (2u + u²) |code · scale| <= (2 + u) / (1 - u) · u · |round(W)|
   of round(W) (u = 2⁻⁸: two roundings to bf16 of the same value), each product exact in fp32.
-  Half the ALU work; the loads go to the shared-memory pipe, which the lookups leave idle.
+  Under half the ALU work; the loads go to the shared-memory pipe, which the register tables
+  leave idle.
 
 The scale operands are loaded two steps ahead and the scale gathered one step ahead, in
 registers; the step's MMAs run in four independent chains, summed at the end. A stage goes
@@ -155,6 +156,7 @@ SCALE_C3 = gl.constexpr(gl.DistributedLinearLayout(
     lane_bases=[[0, 0, 0], [0, 0, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]],
     warp_bases=[[16, 0, 0], [32, 0, 0]], block_bases=[], shape=[ROWS.value, 4, 1]))
 SCALE_C = gl.constexpr(gl.SliceLayout(2, SCALE_C3))
+
 
 @gluon.jit
 def _fill_pair_table(table, code_ptr):
