@@ -81,6 +81,9 @@ def test_pair_table_rule():
         assert not rule(224, 4096, True, 132)
         mp.setattr(linear4bit_ws, "PAIR_TABLE", 2)
         assert rule(1, 256, False, 132)
+        mp.setattr(linear4bit_ws, "PAIR_TABLE", 1)
+        mp.setenv(linear4bit_ws.PAIR_TABLE_ENV, "0")  # the user's switch: round(W) exactly
+        assert not rule(224, 4096, True, 132)
 
 
 # ---------------------------------------------------------------------------------------- GPU

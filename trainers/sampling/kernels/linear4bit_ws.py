@@ -43,6 +43,8 @@ from ._interp import interpreting
 from .split_sum import SplitSum
 
 ENV = "GRPO_LCE_WS_LINEAR"
+# "0": no launch takes the pair table (every weight bitsandbytes' round(W) bit for bit)
+PAIR_TABLE_ENV = "GRPO_LCE_WS_PAIR_TABLE"
 # launches of the kernel, by kind, and by lookup ("pair table", "register tables"): tests
 # assert that the path ran
 LAUNCHES: collections.Counter = collections.Counter()
@@ -166,7 +168,9 @@ def split_rule(n: int, k: int, num_sms: int, ctas_per_sm: float | None = None) -
 
 def pair_table_rule(tiles: int, k: int, glu: bool, num_sms: int) -> bool:
     """Whether a launch of `tiles` 64-row tiles over K looks its nibbles up in the pair table
-    (PAIR_TABLE)."""
+    (PAIR_TABLE; never with GRPO_LCE_WS_PAIR_TABLE=0)."""
+    if os.environ.get(PAIR_TABLE_ENV, "1") == "0":
+        return False
     if PAIR_TABLE != 1:
         return PAIR_TABLE == 2
     return tiles * (k // 256) * (2 if glu else 1) >= PAIR_TABLE_MIN_STEPS * num_sms
