@@ -92,7 +92,7 @@ def _lookup_peak_kernel(out_ptr, code_ptr, steps, LOOKUP: gl.constexpr):
         qc = gl.arange(0, 4, layout=gl.SliceLayout(0, WK.SCALE_C))
         chunk_scale = (rc[:, None] * 0.001 + 0.5) * (1.0 + 0.25 * qc[None, :].to(gl.float32))
         base = WK._pair_table_base(gl.zeros([64, 2, 4], gl.int32, WK.WORDS_Q))
-    gl.thread_barrier()
+    WK.cta_barrier()
     for i in range(steps):
         if LOOKUP == 2:
             acc, acc1, acc2, acc3 = WK._chunk_step(

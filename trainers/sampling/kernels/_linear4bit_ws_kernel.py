@@ -69,6 +69,8 @@ from . import linear4bit as L
 # the TMA load into shared memory: `async_load` in newer Tritons, `async_copy_global_to_shared`
 # before (where the new name is absent)
 tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+# a barrier of the CTA's threads: `barrier` in newer Tritons, `thread_barrier` before
+cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 
 ROWS = gl.constexpr(64)  # weight rows (output features) a CTA computes
 STEP_WORDS = gl.constexpr(32)  # int32 words of a row a step: 256 columns of K
@@ -719,7 +721,7 @@ def linear4bit_ws_kernel(x_desc, y_ptr, part_ptr,
     if PAIR_TABLE:
         table = gl.allocate_shared_memory(gl.int32, [256, 32], PAIR_TABLE_LAYOUT)
         _fill_pair_table(table, _pick(seg, code_ptr0, code_ptr1, code_ptr2))
-        gl.thread_barrier()
+        cta_barrier()
     bufs = gl.allocate_shared_memory(gl.int32, [STAGES, ROWS, STEP_WORDS], w_desc0.layout)
     xbufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, 8, 4, 64], x_desc.layout)
     abufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES if HAS_LORA else 1, RANK, 4, 64],
