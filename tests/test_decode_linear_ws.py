@@ -70,20 +70,20 @@ def test_split_rule():
 
 
 def test_pair_table_rule():
-    """The pair table where a launch's lookups come to at least 16 steps (64 rows x 256
-    columns) a SM: 8B's gate/up + silu · mul and down; not its q/k/v, o, nor any 1B launch."""
+    """The pair table where a projection's lookups come to at least 16 steps (64 rows x 256
+    columns) a SM: 8B's gate/up and down; not its q/k/v, o, nor any 1B launch."""
     rule = linear4bit_ws.pair_table_rule
-    assert rule(224, 4096, True, 132) and rule(64, 14336, False, 132)  # 8B gate/up, down
-    assert not rule(96, 4096, False, 132) and not rule(64, 4096, False, 132)  # 8B q/k/v, o
-    assert not rule(128, 2048, True, 132) and not rule(32, 8192, False, 132)  # 1B gate/up, down
+    assert rule(224, 4096, 132) and rule(64, 14336, 132)  # 8B gate/up, down
+    assert not rule(96, 4096, 132) and not rule(64, 4096, 132)  # 8B q/k/v, o
+    assert not rule(128, 2048, 132) and not rule(32, 8192, 132)  # 1B gate/up, down
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(linear4bit_ws, "PAIR_TABLE", 0)
-        assert not rule(224, 4096, True, 132)
+        assert not rule(224, 4096, 132)
         mp.setattr(linear4bit_ws, "PAIR_TABLE", 2)
-        assert rule(1, 256, False, 132)
+        assert rule(1, 256, 132)
         mp.setattr(linear4bit_ws, "PAIR_TABLE", 1)
         mp.setenv(linear4bit_ws.PAIR_TABLE_ENV, "0")  # the user's switch: round(W) exactly
-        assert not rule(224, 4096, True, 132)
+        assert not rule(224, 4096, 132)
 
 
 # ---------------------------------------------------------------------------------------- GPU
@@ -185,12 +185,17 @@ def test_switch_and_fallbacks_gpu():
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("lora", [False, True])
-def test_bias_gpu(lora):
+@pytest.mark.parametrize("lookup", ["pair_table", "byte_planes"])
+def test_bias_gpu(lora, lookup, monkeypatch):
     """A bias (Qwen's q/k/v have one) on the kernel: one projection of one split and of a split K
     (its partials summed with the bias, or handed on with it), q/k/v in one launch (odd N), and
     a gate/up + silu · mul launch; each output within the fp64 bound of the sum with the bias
     at M = 1, 3, 8, the launches counted; the deferred sums and the gate/up launch give the
-    plain launch's bits."""
+    plain launch's bits. Each lookup in every launch (and only it: counted)."""
+    monkeypatch.setattr(linear4bit_ws, "PAIR_TABLE", 2 if lookup == "pair_table" else 0)
+    key, other = (("pair table", "register tables") if lookup == "pair_table"
+                  else ("register tables", "pair table"))
+    lookups = dict(linear4bit_ws.LOOKUPS)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     for n, k in ((8192, 2048), (1024, 2048)):  # one split; split K
         packed, qs = _quantize(n, k, quant_type="nf4", double=True, device="cuda")
@@ -242,6 +247,8 @@ def test_bias_gpu(lora):
         assert linear4bit_ws.LAUNCHES["silu_mul"] == before + 1
         yg, yu = (linear4bit.linear4bit_lora_group(x, [p])[0] for p in g_u)
         assert torch.equal(h, torch.nn.functional.silu(yg) * yu), f"gate/up M={m}"
+    assert linear4bit_ws.LOOKUPS[key] > lookups.get(key, 0)
+    assert linear4bit_ws.LOOKUPS[other] == lookups.get(other, 0)
 
 
 @pytest.mark.gpu

@@ -61,8 +61,8 @@ PRODUCER_REGS = 24
 EARLY_NEXT_CTAS_PER_SM = 1.0
 # the lookup: through the code's pair table in shared memory (each MMA one chunk, scaled after
 # it) or through round(code · scale) tables in registers (byte permutes). 1: the table where a
-# launch's lookups are long, at least PAIR_TABLE_MIN_STEPS steps (64 rows x 256 columns) a SM
-# (its fill and its shared memory cost more than it saves below that: bench/README.md);
+# projection's lookups are long, at least PAIR_TABLE_MIN_STEPS steps (64 rows x 256 columns) a
+# SM (its fill and its shared memory cost more than it saves below that: bench/README.md);
 # 0: never; 2: always
 PAIR_TABLE = 1
 PAIR_TABLE_MIN_STEPS = 16
@@ -158,7 +158,7 @@ def split_rule(n: int, k: int, num_sms: int, ctas_per_sm: float | None = None) -
     at least two)."""
     tiles = triton.cdiv(n, 64)
     if ctas_per_sm is None:
-        ctas_per_sm = (PAIR_CTAS_PER_SM if pair_table_rule(tiles, k, False, num_sms)
+        ctas_per_sm = (PAIR_CTAS_PER_SM if pair_table_rule(tiles, k, num_sms)
                        else CTAS_PER_SM)
     split = 1
     while tiles * split < ctas_per_sm * num_sms and split < 8:
@@ -166,14 +166,15 @@ def split_rule(n: int, k: int, num_sms: int, ctas_per_sm: float | None = None) -
     return max(1, min(split, (k // 256) // 2))
 
 
-def pair_table_rule(tiles: int, k: int, glu: bool, num_sms: int) -> bool:
-    """Whether a launch of `tiles` 64-row tiles over K looks its nibbles up in the pair table
-    (PAIR_TABLE; never with GRPO_LCE_WS_PAIR_TABLE=0)."""
+def pair_table_rule(tiles: int, k: int, num_sms: int) -> bool:
+    """Whether a launch of `tiles` 64-row tiles over K (a gate/up launch: one projection's)
+    looks its nibbles up in the pair table (PAIR_TABLE; never with GRPO_LCE_WS_PAIR_TABLE=0).
+    By one projection's steps, so that a gate/up launch and its projections alone agree."""
     if os.environ.get(PAIR_TABLE_ENV, "1") == "0":
         return False
     if PAIR_TABLE != 1:
         return PAIR_TABLE == 2
-    return tiles * (k // 256) * (2 if glu else 1) >= PAIR_TABLE_MIN_STEPS * num_sms
+    return tiles * (k // 256) >= PAIR_TABLE_MIN_STEPS * num_sms
 
 
 def _descriptor(t: torch.Tensor, shape: list, strides: list, block: list, bits: int):
@@ -250,7 +251,7 @@ def _launch(x: torch.Tensor, parts: list, glu: bool, defer_sum: bool,
     y = torch.empty(m, width, device=x.device, dtype=x.dtype)
     partials = (torch.empty(split, m, width, device=x.device, dtype=torch.float32)
                 if split > 1 else y)
-    pair_table = pair_table_rule(sum(tiles), k, glu, sms)
+    pair_table = pair_table_rule(sum(tiles), k, sms)
     linear4bit_ws_kernel[(sum(tiles), split)](
         x_desc, y, partials, *segs[0], *segs[1], *segs[2], *first_tile, *first_col,
         k, m, y.stride(0), partials.stride(1), partials.stride(0) if split > 1 else 0, per,
