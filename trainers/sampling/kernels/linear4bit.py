@@ -53,8 +53,8 @@ Projections of the same x (q/k/v, gate/up) can share that launch (`linear4bit_lo
 `decode_linears`): the grid's output tiles run over each projection's rows in turn, and each
 output is bit for bit what the projection gives alone with the same tiles and lookup. A gate/up
 launch can also form the MLP's silu(gate) · up itself (`linear4bit_lora_silu_mul`,
-`decode_silu_mul`): the last program of each pair of gate and up tiles sums both and writes torch's silu · mul of the
-two rounded outputs, so neither projection's output goes to memory.
+`decode_silu_mul`): the last program of each pair of gate and up tiles sums both and writes
+torch's silu · mul of the two rounded outputs, so neither projection's output goes to memory.
 """
 
 from __future__ import annotations
