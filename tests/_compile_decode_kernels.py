@@ -7,6 +7,7 @@ off: TRITON_INTERPRET=0); prints one line per kernel with its registers and shar
 """
 
 import itertools
+import re
 import sys
 
 import triton
@@ -85,11 +86,10 @@ def _compile_linear(nested, split, lora, lora_fp32, bs, prmt, xdt, segs=1, glu=F
 def _assert_table_first(llir: str, table_bytes: int) -> None:
     """Every other shared buffer lies past the table (no constant offset into shared memory
     below its size): with no other buffer as large, the table is then at offset 0."""
-    import re
-
     offsets = {int(o) for o in re.findall(r"@global_smem, i32 (\d+)\)", llir)}
     low = sorted(o for o in offsets if 0 < o < table_bytes)
-    assert offsets and not low, f"shared buffers at {low} inside the pair table's bytes ({sorted(offsets)})"
+    assert offsets and not low, (f"shared buffers at {low} inside the pair table's bytes "
+                                 f"({sorted(offsets)})")
 
 
 def compile_ws_linear(nested: bool, bs: int, lora: bool, split: bool, glu: bool,

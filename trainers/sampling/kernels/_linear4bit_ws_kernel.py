@@ -188,8 +188,8 @@ def _chunk_a(w, base):
     b0, b1, b2, b3 = gl.inline_asm_elementwise(
         PAIR_LOOKUP, "=r,=r,=r,=r,r,r", [w, base],
         dtype=(gl.int32, gl.int32, gl.int32, gl.int32), is_pure=True, pack=1)
-    v = gl.join(gl.join(_halves(b0), _halves(b1)), gl.join(_halves(b2), _halves(b3)))
-    v = gl.reshape(v, [2, 4, 8, 2, 4, 2, 2, 2])  # [rb, w, r8, h, j, E, i0, i1]
+    # [rb, w, r8, h, j, E, i0, i1]
+    v = gl.reshape(_pair_values(b0, b1, b2, b3), [2, 4, 8, 2, 4, 2, 2, 2])
     v = gl.permute(v, (1, 0, 2, 3, 7, 6, 4, 5))  # [w, rb, r8, h, i1, i0, j, E]
     return gl.convert_layout(gl.reshape(v, [64, 64]), A_OP, assert_trivial=True)
 
@@ -238,6 +238,13 @@ def _chunk_mma(w, x, s, base, zero, acc):
                  base)
     s = gl.convert_layout(gl.reshape(s, [64]), gl.SliceLayout(1, MMA), assert_trivial=True)
     return gl.fma(mma_v2(a, _chunk_x(x), zero), s[:, None], acc)
+
+
+@gluon.jit
+def _pair_values(b0, b1, b2, b3):
+    """The bf16 values of the pairs b_i (byte i of each word, the first value in the lower
+    half) along new last axes [E, i0, i1], i = 2·i1 + i0."""
+    return gl.join(gl.join(_halves(b0), _halves(b1)), gl.join(_halves(b2), _halves(b3)))
 
 
 @gluon.jit
@@ -336,8 +343,8 @@ def _a_tile(w, t0, t1, t2, t3, t4, t5, t6, t7):
 def _pairs_a(b0, b1, b2, b3):
     """The (64, 128) A operand from the pairs b_i (64, 4, 4) [ρ, Q, j] of each word's byte i
     (two bf16, the first in the lower half)."""
-    v = gl.join(gl.join(_halves(b0), _halves(b1)), gl.join(_halves(b2), _halves(b3)))
-    v = gl.reshape(v, [2, 4, 8, 4, 4, 2, 2, 2])  # [rb, w, r8, Q, j, E, i0, i1]
+    # [rb, w, r8, Q, j, E, i0, i1]
+    v = gl.reshape(_pair_values(b0, b1, b2, b3), [2, 4, 8, 4, 4, 2, 2, 2])
     v = gl.permute(v, (1, 0, 2, 4, 7, 6, 3, 5))  # [w, rb, r8, j, i1, i0, Q, E]
     return gl.convert_layout(gl.reshape(v, [64, 128]), A_OP, assert_trivial=True)
 
@@ -472,8 +479,26 @@ def _loop_start(offset_ptr, NESTED: gl.constexpr):
 @gluon.jit
 def _k_loop(bufs, xbufs, abufs, ready, empty, code_ptr, absmax_ptr, absmax2_ptr, code2_ptr,
             offset_ptr, row0, N, K, step_lo, nsteps, i0, BS: gl.constexpr, BS2: gl.constexpr,
-            NESTED: gl.constexpr, STAGES: gl.constexpr, HAS_LORA: gl.constexpr):
-    """One projection's K loop over the ring's stages i0 .. i0 + nsteps - 1: (acc, t)."""
+            NESTED: gl.constexpr, STAGES: gl.constexpr, HAS_LORA: gl.constexpr,
+            PAIR_TABLE: gl.constexpr):
+    """One projection's K loop over the ring's stages i0 .. i0 + nsteps - 1: (acc, t), through
+    the pair table (whose code the kernel filled it with) or the register tables of code_ptr."""
+    if PAIR_TABLE:
+        return _chunk_k_loop(bufs, xbufs, abufs, ready, empty, absmax_ptr, absmax2_ptr,
+                             code2_ptr, offset_ptr, row0, N, K, step_lo, nsteps, i0, BS, BS2,
+                             NESTED, STAGES, HAS_LORA)
+    else:
+        return _table_k_loop(bufs, xbufs, abufs, ready, empty, code_ptr, absmax_ptr,
+                             absmax2_ptr, code2_ptr, offset_ptr, row0, N, K, step_lo, nsteps,
+                             i0, BS, BS2, NESTED, STAGES, HAS_LORA)
+
+
+@gluon.jit
+def _table_k_loop(bufs, xbufs, abufs, ready, empty, code_ptr, absmax_ptr, absmax2_ptr,
+                  code2_ptr, offset_ptr, row0, N, K, step_lo, nsteps, i0, BS: gl.constexpr,
+                  BS2: gl.constexpr, NESTED: gl.constexpr, STAGES: gl.constexpr,
+                  HAS_LORA: gl.constexpr):
+    """`_k_loop` through the register tables (`_step`)."""
     t4, acc, acc1, acc2, acc3, offset = _loop_start(offset_ptr, NESTED)
     c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15 = _codes(code_ptr)
     # each step's scale comes from registers filled a step before: the scale operands are
@@ -517,7 +542,7 @@ def _chunk_k_loop(bufs, xbufs, abufs, ready, empty, absmax_ptr, absmax2_ptr, cod
     goes back as `_step` says."""
     t4, acc0, acc1, acc2, acc3, offset = _loop_start(offset_ptr, NESTED)
     base = _pair_table_base(gl.zeros([64, 2, 4], gl.int32, WORDS_Q))
-    # as `_k_loop`: the scale operands two steps ahead, the scale one step ahead
+    # as `_table_k_loop`: the scale operands two steps ahead, the scale one step ahead
     last = step_lo + nsteps - 1
     qa, a2 = _scale_operands(absmax_ptr, absmax2_ptr, row0, N, K, step_lo, BS, BS2, NESTED,
                              True)
@@ -563,31 +588,14 @@ def _consumer(bufs, xbufs, abufs, ready, empty, seg,
               NESTED: gl.constexpr, STAGES: gl.constexpr, HAS_LORA: gl.constexpr,
               GLU: gl.constexpr, PAIR_TABLE: gl.constexpr):
     """(acc, t) of the CTA's segment; with GLU the gate's (segment 0), then the up
-    projection's (segment 1) from the next stages. PAIR_TABLE: the lookups read the pair
-    table (`_chunk_k_loop`)."""
-    if PAIR_TABLE and GLU:
-        acc, t = _chunk_k_loop(bufs, xbufs, abufs, ready, empty, absmax_ptr0, absmax2_ptr0,
-                               code2_ptr0, offset_ptr0, row0, n0, K, step_lo, nsteps, 0, BS,
-                               BS2, NESTED, STAGES, HAS_LORA)
-        acc_u, t_u = _chunk_k_loop(bufs, xbufs, abufs, ready, empty, absmax_ptr1,
-                                   absmax2_ptr1, code2_ptr1, offset_ptr1, row0, n0, K, step_lo,
-                                   nsteps, nsteps, BS, BS2, NESTED, STAGES, HAS_LORA)
-    elif PAIR_TABLE:
-        acc, t = _chunk_k_loop(bufs, xbufs, abufs, ready, empty,
-                               _pick(seg, absmax_ptr0, absmax_ptr1, absmax_ptr2),
-                               _pick(seg, absmax2_ptr0, absmax2_ptr1, absmax2_ptr2),
-                               _pick(seg, code2_ptr0, code2_ptr1, code2_ptr2),
-                               _pick(seg, offset_ptr0, offset_ptr1, offset_ptr2), row0,
-                               _pick(seg, n0, n1, n2), K, step_lo, nsteps, 0, BS, BS2, NESTED,
-                               STAGES, HAS_LORA)
-        acc_u, t_u = acc, t
-    elif GLU:
+    projection's (segment 1) from the next stages; the lookup by PAIR_TABLE (`_k_loop`)."""
+    if GLU:
         acc, t = _k_loop(bufs, xbufs, abufs, ready, empty, code_ptr0, absmax_ptr0,
                          absmax2_ptr0, code2_ptr0, offset_ptr0, row0, n0, K, step_lo, nsteps,
-                         0, BS, BS2, NESTED, STAGES, HAS_LORA)
+                         0, BS, BS2, NESTED, STAGES, HAS_LORA, PAIR_TABLE)
         acc_u, t_u = _k_loop(bufs, xbufs, abufs, ready, empty, code_ptr1, absmax_ptr1,
                              absmax2_ptr1, code2_ptr1, offset_ptr1, row0, n0, K, step_lo,
-                             nsteps, nsteps, BS, BS2, NESTED, STAGES, HAS_LORA)
+                             nsteps, nsteps, BS, BS2, NESTED, STAGES, HAS_LORA, PAIR_TABLE)
     else:
         acc, t = _k_loop(bufs, xbufs, abufs, ready, empty,
                          _pick(seg, code_ptr0, code_ptr1, code_ptr2),
@@ -596,7 +604,7 @@ def _consumer(bufs, xbufs, abufs, ready, empty, seg,
                          _pick(seg, code2_ptr0, code2_ptr1, code2_ptr2),
                          _pick(seg, offset_ptr0, offset_ptr1, offset_ptr2), row0,
                          _pick(seg, n0, n1, n2), K, step_lo, nsteps, 0, BS, BS2, NESTED,
-                         STAGES, HAS_LORA)
+                         STAGES, HAS_LORA, PAIR_TABLE)
         acc_u, t_u = acc, t
     return acc, t, acc_u, t_u
 
