@@ -60,7 +60,6 @@ from __future__ import annotations
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language._core import builtin
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 from triton.language.extra import libdevice
@@ -73,18 +72,9 @@ tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 # a barrier of the CTA's threads: `barrier` in newer Tritons, `thread_barrier` before
 cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 
-
-@builtin
-def _view(desc, dtype, shape, layout, _semantic=None):
-    """desc's bytes as (dtype, shape, layout): `reinterpret` in newer Tritons, `_reinterpret`
-    before."""
-    view = getattr(desc, "reinterpret", None) or desc._reinterpret
-    return view(dtype, shape, layout, _semantic=_semantic)
-
 ROWS = gl.constexpr(64)  # weight rows (output features) a CTA computes
 STEP_WORDS = gl.constexpr(32)  # int32 words of a row a step: 256 columns of K
 RANK = gl.constexpr(16)  # the LoRA rank the kernel takes
-X_ROWS = gl.constexpr(32)  # 128-byte rows of a stage's x (8 x 256 bf16)
 TABLE = gl.constexpr(L._table_asm("cvt.rn.bf16x2.f32"))
 TABLE_CONSTRAINTS = gl.constexpr(",".join(["=r"] * 8 + ["r"] * 17))
 PAIRS = gl.constexpr(L._PAIRS_ASM)
@@ -160,54 +150,6 @@ PAIR_LOOKUP = gl.constexpr("{\n.reg .b32 t0, t1, t2, t3;\n" + "\n".join(
      f"ld.shared.b32 ${i}, [t{i}];"
      for i, (op, sh) in enumerate((("shl.b32", 7), ("shr.u32", 1), ("shr.u32", 9),
                                     ("shr.u32", 17)))]) + "\n}")
-
-# The ring's mbarriers sit in two rows of the head (`linear4bit_ws_kernel`), from its byte
-# BARS: ready[s] at BARS + 8·s, empty[s] at BARS + 128 + 8·s, and the release word (below) at
-# BARS + 128 + RELEASE_WORD. The consumer
-# waits and releases through its own PTX at those addresses: Triton's membar analysis treats
-# its mbarrier arrive as touching all of shared memory and puts a CTA barrier before it and
-# before the next shared access (the next step's wait), two a step, where each warp needs only
-# itself.
-RELEASE_WORD = gl.constexpr(124)
-CONSUMER_WARPS = gl.constexpr(4)
-# $0 <- 0 once the mbarrier at shared byte $1 has completed the phase of parity $2
-WAIT_PTX = gl.constexpr("""{
-.reg .pred done;
-.reg .b32 bar;
-mov.u32 bar, global_smem;
-add.u32 bar, bar, $1;
-wait_ready:
-mbarrier.try_wait.parity.shared::cta.b64 done, [bar], $2;
-@!done bra.uni wait_ready;
-mov.u32 $0, 0;
-}""")
-# A warp hands its stage back (pack 4: a thread's four accumulator registers at a time). The
-# stage's shared loads must have returned before the producer's next TMA write (async proxy)
-# may land: a release does not wait for them. So every thread stores a word computed from its
-# step's last sums ($4, $8, $12, $16: one register of each accumulator chain, $20 of the
-# LoRA chain), which waits for the MMAs that consumed every loaded register; the warp
-# synchronizes; lane 0 arrives (release) on the empty barrier at byte $24, after its store.
-RELEASE_PTX = gl.constexpr("""{
-.reg .b32 d, bar, word, lane;
-.reg .pred lead;
-xor.b32 d, $4, $8;
-xor.b32 d, d, $12;
-xor.b32 d, d, $16;
-xor.b32 d, d, $20;
-mov.u32 bar, global_smem;
-add.u32 word, bar, $28;
-add.u32 bar, bar, $24;
-st.shared.b32 [word], d;
-bar.warp.sync -1;
-mov.u32 lane, %laneid;
-setp.eq.u32 lead, lane, 0;
-@lead mbarrier.arrive.shared::cta.b64 _, [bar];
-mov.u32 $0, 0;
-mov.u32 $1, 0;
-mov.u32 $2, 0;
-mov.u32 $3, 0;
-}""")
-RELEASE_CONSTRAINTS = gl.constexpr(",".join(["=r"] * 4 + ["r"] * 28))
 
 # the chunk scales (64 MMA rows, chunk Q): each thread its MMA rows' four, as the accumulator
 # holds those rows (the lanes of a quad alike)
@@ -499,49 +441,28 @@ def _halves_mma(a0, a1, x0, x1, acc, acc1, acc2, acc3):
 
 
 @gluon.jit
-def _step(bufs, xbufs, abufs, i, scale, acc, acc1, acc2, acc3, t4,
+def _step(bufs, xbufs, abufs, ready, empty, i, scale, acc, acc1, acc2, acc3, t4,
           c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15,
-          BARS: gl.constexpr, STAGES: gl.constexpr, HAS_LORA: gl.constexpr):
+          STAGES: gl.constexpr, HAS_LORA: gl.constexpr):
     """Step i of the CTA: stage i % STAGES's words, looked up at `scale` (64, 4), times x into
-    the accumulators (and A times x into t4); the stage is handed back once read
-    (`_release_stage`)."""
+    the accumulators (and A times x into t4); the stage is handed back once read.
+
+    The stage goes back after the step's MMAs, which consumed every register loaded from it:
+    the producer's next TMA write (async proxy) must not overtake a load still queued in the
+    shared-memory pipe, and neither a CTA barrier nor the arrive's release waits for one (no
+    proxy fence is needed then: the reads are done)."""
     tb0, tb1, tb2, tb3, tb4, tb5, tb6, tb7 = _table(
         scale, c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15)
     s = i % STAGES
-    _wait_stage(BARS, i, STAGES)
+    mbarrier.wait(ready.index(s), (i // STAGES) & 1)
     words = bufs.index(s).load(WORDS2)
     x0, x1 = _x_tiles(xbufs.index(s))
     if HAS_LORA:
         t4 = _lora_t_step(abufs.index(s), xbufs.index(s), t4)
     acc, acc1, acc2, acc3 = _lookup_mma(words, tb0, tb1, tb2, tb3, tb4, tb5, tb6, tb7, x0, x1,
                                         acc, acc1, acc2, acc3)
-    _release_stage(BARS, i, STAGES, acc, acc1, acc2, acc3, t4)
+    mbarrier.arrive(empty.index(s), count=1)
     return acc, acc1, acc2, acc3, t4
-
-
-@gluon.jit
-def _wait_stage(BARS: gl.constexpr, i, STAGES: gl.constexpr):
-    """Wait until stage i % STAGES holds step i: its ready barrier (byte BARS + 8 · (i %
-    STAGES)) has completed phase i // STAGES. Every consumer thread waits for itself
-    (`WAIT_PTX`); the acquire orders the stage's loads after it."""
-    gl.inline_asm_elementwise(WAIT_PTX, "=r,r,r", [BARS + 8 * (i % STAGES), (i // STAGES) & 1],
-                              dtype=gl.int32, is_pure=False, pack=1)
-
-
-@gluon.jit
-def _release_stage(BARS: gl.constexpr, i, STAGES: gl.constexpr, acc0, acc1, acc2, acc3, t4):
-    """Hand stage i % STAGES back to the producer (one arrive a warp on its empty barrier, byte
-    BARS + 128 + 8 · (i % STAGES), initialized to CONSUMER_WARPS) once the step's sums acc0 .. acc3 ((64, 8), MMA) and t4
-    ((4, 16, 8), MMA3: the same registers as (64, 8)) hold every register loaded from it
-    (`RELEASE_PTX`)."""
-    t = gl.convert_layout(gl.reshape(t4, [64, 8]), MMA, assert_trivial=True)
-    zero = gl.zeros([64, 8], gl.int32, MMA)
-    gl.inline_asm_elementwise(
-        RELEASE_PTX, RELEASE_CONSTRAINTS,
-        [acc0.to(gl.int32, bitcast=True), acc1.to(gl.int32, bitcast=True),
-         acc2.to(gl.int32, bitcast=True), acc3.to(gl.int32, bitcast=True),
-         t.to(gl.int32, bitcast=True), zero + (BARS + 128 + 8 * (i % STAGES)),
-         zero + (BARS + 128 + RELEASE_WORD)], dtype=gl.int32, is_pure=False, pack=4)
 
 
 @gluon.jit
@@ -556,27 +477,27 @@ def _loop_start(offset_ptr, NESTED: gl.constexpr):
 
 
 @gluon.jit
-def _k_loop(bufs, xbufs, abufs, code_ptr, absmax_ptr, absmax2_ptr, code2_ptr,
+def _k_loop(bufs, xbufs, abufs, ready, empty, code_ptr, absmax_ptr, absmax2_ptr, code2_ptr,
             offset_ptr, row0, N, K, step_lo, nsteps, i0, BS: gl.constexpr, BS2: gl.constexpr,
-            NESTED: gl.constexpr, BARS: gl.constexpr, STAGES: gl.constexpr,
-            HAS_LORA: gl.constexpr, PAIR_TABLE: gl.constexpr):
+            NESTED: gl.constexpr, STAGES: gl.constexpr, HAS_LORA: gl.constexpr,
+            PAIR_TABLE: gl.constexpr):
     """One projection's K loop over the ring's stages i0 .. i0 + nsteps - 1: (acc, t), through
     the pair table (whose code the kernel filled it with) or the register tables of code_ptr."""
     if PAIR_TABLE:
-        return _chunk_k_loop(bufs, xbufs, abufs, absmax_ptr, absmax2_ptr, code2_ptr,
-                             offset_ptr, row0, N, K, step_lo, nsteps, i0, BS, BS2, NESTED,
-                             BARS, STAGES, HAS_LORA)
-    else:
-        return _table_k_loop(bufs, xbufs, abufs, code_ptr, absmax_ptr, absmax2_ptr,
+        return _chunk_k_loop(bufs, xbufs, abufs, ready, empty, absmax_ptr, absmax2_ptr,
                              code2_ptr, offset_ptr, row0, N, K, step_lo, nsteps, i0, BS, BS2,
-                             NESTED, BARS, STAGES, HAS_LORA)
+                             NESTED, STAGES, HAS_LORA)
+    else:
+        return _table_k_loop(bufs, xbufs, abufs, ready, empty, code_ptr, absmax_ptr,
+                             absmax2_ptr, code2_ptr, offset_ptr, row0, N, K, step_lo, nsteps,
+                             i0, BS, BS2, NESTED, STAGES, HAS_LORA)
 
 
 @gluon.jit
-def _table_k_loop(bufs, xbufs, abufs, code_ptr, absmax_ptr, absmax2_ptr, code2_ptr,
-                  offset_ptr, row0, N, K, step_lo, nsteps, i0, BS: gl.constexpr,
-                  BS2: gl.constexpr, NESTED: gl.constexpr, BARS: gl.constexpr,
-                  STAGES: gl.constexpr, HAS_LORA: gl.constexpr):
+def _table_k_loop(bufs, xbufs, abufs, ready, empty, code_ptr, absmax_ptr, absmax2_ptr,
+                  code2_ptr, offset_ptr, row0, N, K, step_lo, nsteps, i0, BS: gl.constexpr,
+                  BS2: gl.constexpr, NESTED: gl.constexpr, STAGES: gl.constexpr,
+                  HAS_LORA: gl.constexpr):
     """`_k_loop` through the register tables (`_step`)."""
     t4, acc, acc1, acc2, acc3, offset = _loop_start(offset_ptr, NESTED)
     c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15 = _codes(code_ptr)
@@ -597,8 +518,8 @@ def _table_k_loop(bufs, xbufs, abufs, code_ptr, absmax_ptr, absmax2_ptr, code2_p
                                              False)
         scale_next = _scale(qa_next, a2_next, code2_ptr, offset, BS, NESTED, False)
         acc, acc1, acc2, acc3, t4 = _step(
-            bufs, xbufs, abufs, i0 + i, scale, acc, acc1, acc2, acc3, t4,
-            c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15, BARS, STAGES,
+            bufs, xbufs, abufs, ready, empty, i0 + i, scale, acc, acc1, acc2, acc3, t4,
+            c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15, STAGES,
             HAS_LORA)
         scale = scale_next
         qa_next, a2_next = qa_after, a2_after
@@ -613,9 +534,9 @@ def _stage_row(r):
 
 
 @gluon.jit
-def _chunk_k_loop(bufs, xbufs, abufs, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, row0,
-                  N, K, step_lo, nsteps, i0, BS: gl.constexpr, BS2: gl.constexpr,
-                  NESTED: gl.constexpr, BARS: gl.constexpr, STAGES: gl.constexpr,
+def _chunk_k_loop(bufs, xbufs, abufs, ready, empty, absmax_ptr, absmax2_ptr, code2_ptr,
+                  offset_ptr, row0, N, K, step_lo, nsteps, i0, BS: gl.constexpr,
+                  BS2: gl.constexpr, NESTED: gl.constexpr, STAGES: gl.constexpr,
                   HAS_LORA: gl.constexpr):
     """`_k_loop` through the pair table (`_chunk_step`): (acc, t), acc by MMA row; the stage
     goes back as `_step` says."""
@@ -632,7 +553,7 @@ def _chunk_k_loop(bufs, xbufs, abufs, absmax_ptr, absmax2_ptr, code2_ptr, offset
         step = step_lo + i
         scale_next = _scale(qa_next, a2_next, code2_ptr, offset, BS, NESTED, True)
         s = (i0 + i) % STAGES
-        _wait_stage(BARS, i0 + i, STAGES)
+        mbarrier.wait(ready.index(s), ((i0 + i) // STAGES) & 1)
         words = bufs.index(s).load(WORDS_C)
         xv = xbufs.index(s).load(XLOAD_C)
         if HAS_LORA:
@@ -640,7 +561,7 @@ def _chunk_k_loop(bufs, xbufs, abufs, absmax_ptr, absmax2_ptr, code2_ptr, offset
         qa_after, a2_after = _scale_operands(absmax_ptr, absmax2_ptr, row0, N, K,
                                              gl.minimum(step + 2, last), BS, BS2, NESTED, True)
         acc0, acc1, acc2, acc3 = _chunk_step(words, xv, base, scale, acc0, acc1, acc2, acc3)
-        _release_stage(BARS, i0 + i, STAGES, acc0, acc1, acc2, acc3, t4)
+        mbarrier.arrive(empty.index(s), count=1)  # as `_step`: after the MMAs
         scale = scale_next
         qa_next, a2_next = qa_after, a2_after
     return (acc0 + acc1) + (acc2 + acc3), gl.convert_layout(gl.sum(t4, axis=0),
@@ -659,30 +580,31 @@ def _pick(seg, v0, v1, v2):
 
 
 @gluon.jit
-def _consumer(bufs, xbufs, abufs, seg,
+def _consumer(bufs, xbufs, abufs, ready, empty, seg,
               code_ptr0, absmax_ptr0, absmax2_ptr0, code2_ptr0, offset_ptr0, n0,
               code_ptr1, absmax_ptr1, absmax2_ptr1, code2_ptr1, offset_ptr1, n1,
               code_ptr2, absmax_ptr2, absmax2_ptr2, code2_ptr2, offset_ptr2, n2,
               row0, K, step_lo, nsteps, BS: gl.constexpr, BS2: gl.constexpr,
-              NESTED: gl.constexpr, BARS: gl.constexpr, STAGES: gl.constexpr,
-              HAS_LORA: gl.constexpr, GLU: gl.constexpr, PAIR_TABLE: gl.constexpr):
+              NESTED: gl.constexpr, STAGES: gl.constexpr, HAS_LORA: gl.constexpr,
+              GLU: gl.constexpr, PAIR_TABLE: gl.constexpr):
     """(acc, t) of the CTA's segment; with GLU the gate's (segment 0), then the up
     projection's (segment 1) from the next stages; the lookup by PAIR_TABLE (`_k_loop`)."""
     if GLU:
-        acc, t = _k_loop(bufs, xbufs, abufs, code_ptr0, absmax_ptr0, absmax2_ptr0, code2_ptr0,
-                         offset_ptr0, row0, n0, K, step_lo, nsteps, 0, BS, BS2, NESTED, BARS,
-                         STAGES, HAS_LORA, PAIR_TABLE)
-        acc_u, t_u = _k_loop(bufs, xbufs, abufs, code_ptr1, absmax_ptr1, absmax2_ptr1,
-                             code2_ptr1, offset_ptr1, row0, n0, K, step_lo, nsteps, nsteps, BS,
-                             BS2, NESTED, BARS, STAGES, HAS_LORA, PAIR_TABLE)
+        acc, t = _k_loop(bufs, xbufs, abufs, ready, empty, code_ptr0, absmax_ptr0,
+                         absmax2_ptr0, code2_ptr0, offset_ptr0, row0, n0, K, step_lo, nsteps,
+                         0, BS, BS2, NESTED, STAGES, HAS_LORA, PAIR_TABLE)
+        acc_u, t_u = _k_loop(bufs, xbufs, abufs, ready, empty, code_ptr1, absmax_ptr1,
+                             absmax2_ptr1, code2_ptr1, offset_ptr1, row0, n0, K, step_lo,
+                             nsteps, nsteps, BS, BS2, NESTED, STAGES, HAS_LORA, PAIR_TABLE)
     else:
-        acc, t = _k_loop(bufs, xbufs, abufs, _pick(seg, code_ptr0, code_ptr1, code_ptr2),
+        acc, t = _k_loop(bufs, xbufs, abufs, ready, empty,
+                         _pick(seg, code_ptr0, code_ptr1, code_ptr2),
                          _pick(seg, absmax_ptr0, absmax_ptr1, absmax_ptr2),
                          _pick(seg, absmax2_ptr0, absmax2_ptr1, absmax2_ptr2),
                          _pick(seg, code2_ptr0, code2_ptr1, code2_ptr2),
                          _pick(seg, offset_ptr0, offset_ptr1, offset_ptr2), row0,
                          _pick(seg, n0, n1, n2), K, step_lo, nsteps, 0, BS, BS2, NESTED,
-                         BARS, STAGES, HAS_LORA, PAIR_TABLE)
+                         STAGES, HAS_LORA, PAIR_TABLE)
         acc_u, t_u = acc, t
     return acc, t, acc_u, t_u
 
@@ -771,15 +693,6 @@ def _silu_mul(g, u):
     return (s * u).to(gl.bfloat16)
 
 
-@gluon.constexpr_function
-def _head_rows(table_rows, stages):
-    """Rows of 128 bytes in the head: the pair table's (256 or none), the stages' packed words
-    (ROWS a stage) and x (X_ROWS a stage), the two barrier rows (`RELEASE_WORD`), rounded up
-    to a power of two (Triton's allocations are)."""
-    need = table_rows + stages * (ROWS.value + X_ROWS.value) + 2
-    return 1 << (need - 1).bit_length()
-
-
 @gluon.jit
 def linear4bit_ws_kernel(x_desc, y_ptr, part_ptr,
                          w_desc0, a_desc0, b_ptr0, code_ptr0, absmax_ptr0, absmax2_ptr0,
@@ -811,44 +724,35 @@ def linear4bit_ws_kernel(x_desc, y_ptr, part_ptr,
     pid_k = gl.program_id(1)
     step_lo = pid_k * steps_per_split
     nsteps = gl.minimum(steps_per_split, K // 256 - step_lo)
-    # the head (`_head_rows`), the kernel's first and largest allocation, so at the start of
-    # shared memory, where the lookups and the consumer's barrier PTX address it
-    # (`tests/_compile_decode_kernels.py` checks)
-    TABLE_ROWS: gl.constexpr = 256 if PAIR_TABLE else 0
-    WORD_ROWS: gl.constexpr = TABLE_ROWS + STAGES * ROWS  # the first row past the packed words
-    BAR_ROW: gl.constexpr = WORD_ROWS + STAGES * X_ROWS
-    BARS: gl.constexpr = BAR_ROW * STEP_WORDS * 4  # the barrier rows' byte offset
-    head = gl.allocate_shared_memory(gl.int32, [_head_rows(TABLE_ROWS, STAGES), STEP_WORDS],
-                                     PAIR_TABLE_LAYOUT)
+    # the pair table first, so that it sits at the start of shared memory (its lookups address
+    # it from there: `_pair_table_base`)
     if PAIR_TABLE:
-        _fill_pair_table(head.slice(0, 256), _pick(seg, code_ptr0, code_ptr1, code_ptr2))
+        table = gl.allocate_shared_memory(gl.int32, [256, 32], PAIR_TABLE_LAYOUT)
+        _fill_pair_table(table, _pick(seg, code_ptr0, code_ptr1, code_ptr2))
         cta_barrier()
-    bufs = _view(head.slice(TABLE_ROWS, STAGES * ROWS), gl.int32, [STAGES, ROWS, STEP_WORDS],
-                 w_desc0.layout)
-    xbufs = _view(head.slice(WORD_ROWS, STAGES * X_ROWS), gl.bfloat16, [STAGES, 8, 4, 64],
-                  x_desc.layout)
-    ready = _view(head.slice(BAR_ROW, 1), gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = _view(head.slice(BAR_ROW + 1, 1), gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    bufs = gl.allocate_shared_memory(gl.int32, [STAGES, ROWS, STEP_WORDS], w_desc0.layout)
+    xbufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, 8, 4, 64], x_desc.layout)
     abufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES if HAS_LORA else 1, RANK, 4, 64],
                                       a_desc0.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for s in gl.static_range(STAGES):
         mbarrier.init(ready.index(s), count=1)
-        mbarrier.init(empty.index(s), count=CONSUMER_WARPS)
+        mbarrier.init(empty.index(s), count=1)
     fence_async_shared()
-    cta_barrier()  # the inits before any use, and none pending where the consumer reads the head
     acc, t, acc_u, t_u = gl.warp_specialize([
-        (_consumer, (bufs, xbufs, abufs, seg,
+        (_consumer, (bufs, xbufs, abufs, ready, empty, seg,
                      code_ptr0, absmax_ptr0, absmax2_ptr0, code2_ptr0, offset_ptr0, n0,
                      code_ptr1, absmax_ptr1, absmax2_ptr1, code2_ptr1, offset_ptr1, n1,
                      code_ptr2, absmax_ptr2, absmax2_ptr2, code2_ptr2, offset_ptr2, n2,
-                     row0, K, step_lo, nsteps, BS, BS2, NESTED, BARS, STAGES, HAS_LORA, GLU,
+                     row0, K, step_lo, nsteps, BS, BS2, NESTED, STAGES, HAS_LORA, GLU,
                      PAIR_TABLE)),
         (_producer, (x_desc, w_desc0, a_desc0, w_desc1, a_desc1, w_desc2, a_desc2, bufs,
                      xbufs, abufs, ready, empty, seg, row0, step_lo, nsteps, STAGES, HAS_LORA,
                      GLU, PDL)),
     ], [1], [PRODUCER_REGS])
-    head._keep_alive()  # its last use as the compiler sees it (the lookups and the consumer's
-    # barrier PTX address it directly): its bytes stay the head's through the K loops
+    if PAIR_TABLE:  # the table's last use as the compiler sees it (its lookups are inline
+        table._keep_alive()  # PTX): its bytes stay the table's through the K loops
     if EARLY_NEXT:  # the next kernel may start now (its programs wait in their grid_wait)
         gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [],
                                   dtype=gl.int32, is_pure=False, pack=1)
