@@ -482,7 +482,7 @@ def _k_loop(bufs, xbufs, abufs, ready, empty, code_ptr, absmax_ptr, absmax2_ptr,
             NESTED: gl.constexpr, STAGES: gl.constexpr, HAS_LORA: gl.constexpr,
             PAIR_TABLE: gl.constexpr):
     """One projection's K loop over the ring's stages i0 .. i0 + nsteps - 1: (acc, t), through
-    the pair table (whose code the kernel filled it with) or the register tables of code_ptr."""
+    the pair table (whose code `_consumer` filled it with) or the register tables of code_ptr."""
     if PAIR_TABLE:
         return _chunk_k_loop(bufs, xbufs, abufs, ready, empty, absmax_ptr, absmax2_ptr,
                              code2_ptr, offset_ptr, row0, N, K, step_lo, nsteps, i0, BS, BS2,
@@ -580,7 +580,7 @@ def _pick(seg, v0, v1, v2):
 
 
 @gluon.jit
-def _consumer(bufs, xbufs, abufs, ready, empty, seg,
+def _consumer(table, bufs, xbufs, abufs, ready, empty, seg,
               code_ptr0, absmax_ptr0, absmax2_ptr0, code2_ptr0, offset_ptr0, n0,
               code_ptr1, absmax_ptr1, absmax2_ptr1, code2_ptr1, offset_ptr1, n1,
               code_ptr2, absmax_ptr2, absmax2_ptr2, code2_ptr2, offset_ptr2, n2,
@@ -588,7 +588,12 @@ def _consumer(bufs, xbufs, abufs, ready, empty, seg,
               NESTED: gl.constexpr, STAGES: gl.constexpr, HAS_LORA: gl.constexpr,
               GLU: gl.constexpr, PAIR_TABLE: gl.constexpr):
     """(acc, t) of the CTA's segment; with GLU the gate's (segment 0), then the up
-    projection's (segment 1) from the next stages; the lookup by PAIR_TABLE (`_k_loop`)."""
+    projection's (segment 1) from the next stages; the lookup by PAIR_TABLE (`_k_loop`). The
+    consumer warps fill the pair table themselves (a barrier of their own), so that the
+    producer's first copies are not queued behind the code's load."""
+    if PAIR_TABLE:
+        _fill_pair_table(table, _pick(seg, code_ptr0, code_ptr1, code_ptr2))
+        cta_barrier()
     if GLU:
         acc, t = _k_loop(bufs, xbufs, abufs, ready, empty, code_ptr0, absmax_ptr0,
                          absmax2_ptr0, code2_ptr0, offset_ptr0, row0, n0, K, step_lo, nsteps,
@@ -725,11 +730,10 @@ def linear4bit_ws_kernel(x_desc, y_ptr, part_ptr,
     step_lo = pid_k * steps_per_split
     nsteps = gl.minimum(steps_per_split, K // 256 - step_lo)
     # the pair table first, so that it sits at the start of shared memory (its lookups address
-    # it from there: `_pair_table_base`)
-    if PAIR_TABLE:
-        table = gl.allocate_shared_memory(gl.int32, [256, 32], PAIR_TABLE_LAYOUT)
-        _fill_pair_table(table, _pick(seg, code_ptr0, code_ptr1, code_ptr2))
-        cta_barrier()
+    # it from there: `_pair_table_base`); the consumer fills it (`_consumer`). Without the
+    # table, a one-row stand-in that nothing reads.
+    table = gl.allocate_shared_memory(gl.int32, [256 if PAIR_TABLE else 1, 32],
+                                      PAIR_TABLE_LAYOUT)
     bufs = gl.allocate_shared_memory(gl.int32, [STAGES, ROWS, STEP_WORDS], w_desc0.layout)
     xbufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, 8, 4, 64], x_desc.layout)
     abufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES if HAS_LORA else 1, RANK, 4, 64],
@@ -741,7 +745,7 @@ def linear4bit_ws_kernel(x_desc, y_ptr, part_ptr,
         mbarrier.init(empty.index(s), count=1)
     fence_async_shared()
     acc, t, acc_u, t_u = gl.warp_specialize([
-        (_consumer, (bufs, xbufs, abufs, ready, empty, seg,
+        (_consumer, (table, bufs, xbufs, abufs, ready, empty, seg,
                      code_ptr0, absmax_ptr0, absmax2_ptr0, code2_ptr0, offset_ptr0, n0,
                      code_ptr1, absmax_ptr1, absmax2_ptr1, code2_ptr1, offset_ptr1, n1,
                      code_ptr2, absmax_ptr2, absmax2_ptr2, code2_ptr2, offset_ptr2, n2,
