@@ -190,8 +190,9 @@ def test_bias_gpu(lora, lookup, monkeypatch):
     """A bias (Qwen's q/k/v have one) on the kernel: one projection of one split and of a split K
     (its partials summed with the bias, or handed on with it), q/k/v in one launch (odd N), and
     a gate/up + silu · mul launch; each output within the fp64 bound of the sum with the bias
-    at M = 1, 3, 8, the launches counted; the deferred sums and the gate/up launch give the
-    plain launch's bits. Each lookup in every launch (and only it: counted)."""
+    at M = 1, 3, 8, the launches counted; the deferred sums give the plain launch's bits, the
+    gate/up launch its projections' at its one split. Each lookup in every launch (and only it:
+    counted)."""
     monkeypatch.setattr(linear4bit_ws, "PAIR_TABLE", 2 if lookup == "pair_table" else 0)
     key, other = (("pair table", "register tables") if lookup == "pair_table"
                   else ("register tables", "pair table"))
