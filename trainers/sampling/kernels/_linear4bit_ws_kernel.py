@@ -477,6 +477,32 @@ def _loop_start(offset_ptr, NESTED: gl.constexpr):
 
 
 @gluon.jit
+def _scale_start(absmax_ptr, absmax2_ptr, code2_ptr, offset, row0, N, K, step_lo, nsteps,
+                 BS: gl.constexpr, BS2: gl.constexpr, NESTED: gl.constexpr,
+                 PAIR: gl.constexpr):
+    """A K loop's scale pipeline before its first step: (its last step, the first step's
+    scale, the second step's scale operands). Each step's scale comes from registers filled a
+    step before: the loops load the scale operands two steps ahead and gather them into the
+    scale (code2[qa]) one step ahead, so neither load's latency, nor the register moves that
+    carry them to the next step, sits between a step's start and its lookups."""
+    last = step_lo + nsteps - 1
+    qa, a2 = _scale_operands(absmax_ptr, absmax2_ptr, row0, N, K, step_lo, BS, BS2, NESTED,
+                             PAIR)
+    scale = _scale(qa, a2, code2_ptr, offset, BS, NESTED, PAIR)
+    qa_next, a2_next = _scale_operands(absmax_ptr, absmax2_ptr, row0, N, K,
+                                       gl.minimum(step_lo + 1, last), BS, BS2, NESTED, PAIR)
+    return last, scale, qa_next, a2_next
+
+
+@gluon.jit
+def _loop_sums(acc0, acc1, acc2, acc3, t4):
+    """A K loop's result: its four accumulators summed, and t (t4 summed over the warps) in
+    the epilogue's rank-sum layout."""
+    return (acc0 + acc1) + (acc2 + acc3), gl.convert_layout(gl.sum(t4, axis=0),
+                                                            gl.SliceLayout(0, LORA3))
+
+
+@gluon.jit
 def _k_loop(bufs, xbufs, abufs, ready, empty, code_ptr, absmax_ptr, absmax2_ptr, code2_ptr,
             offset_ptr, row0, N, K, step_lo, nsteps, i0, BS: gl.constexpr, BS2: gl.constexpr,
             NESTED: gl.constexpr, STAGES: gl.constexpr, HAS_LORA: gl.constexpr,
@@ -501,16 +527,9 @@ def _table_k_loop(bufs, xbufs, abufs, ready, empty, code_ptr, absmax_ptr, absmax
     """`_k_loop` through the register tables (`_step`)."""
     t4, acc, acc1, acc2, acc3, offset = _loop_start(offset_ptr, NESTED)
     c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15 = _codes(code_ptr)
-    # each step's scale comes from registers filled a step before: the scale operands are
-    # loaded two steps ahead and gathered into the scale (code2[qa]) one step ahead, so
-    # neither load's latency, nor the register moves that carry them to the next step, sits
-    # between a step's start and its lookups
-    last = step_lo + nsteps - 1
-    qa, a2 = _scale_operands(absmax_ptr, absmax2_ptr, row0, N, K, step_lo, BS, BS2, NESTED,
-                             False)
-    scale = _scale(qa, a2, code2_ptr, offset, BS, NESTED, False)
-    qa_next, a2_next = _scale_operands(absmax_ptr, absmax2_ptr, row0, N, K,
-                                       gl.minimum(step_lo + 1, last), BS, BS2, NESTED, False)
+    last, scale, qa_next, a2_next = _scale_start(absmax_ptr, absmax2_ptr, code2_ptr, offset,
+                                                 row0, N, K, step_lo, nsteps, BS, BS2, NESTED,
+                                                 False)
     for i in range(nsteps):
         step = step_lo + i
         qa_after, a2_after = _scale_operands(absmax_ptr, absmax2_ptr, row0, N, K,
@@ -523,8 +542,7 @@ def _table_k_loop(bufs, xbufs, abufs, ready, empty, code_ptr, absmax_ptr, absmax
             HAS_LORA)
         scale = scale_next
         qa_next, a2_next = qa_after, a2_after
-    return (acc + acc1) + (acc2 + acc3), gl.convert_layout(gl.sum(t4, axis=0),
-                                                           gl.SliceLayout(0, LORA3))
+    return _loop_sums(acc, acc1, acc2, acc3, t4)
 
 
 @gluon.jit
@@ -542,13 +560,9 @@ def _chunk_k_loop(bufs, xbufs, abufs, ready, empty, absmax_ptr, absmax2_ptr, cod
     goes back as `_step` says."""
     t4, acc0, acc1, acc2, acc3, offset = _loop_start(offset_ptr, NESTED)
     base = _pair_table_base(gl.zeros([64, 2, 4], gl.int32, WORDS_Q))
-    # as `_table_k_loop`: the scale operands two steps ahead, the scale one step ahead
-    last = step_lo + nsteps - 1
-    qa, a2 = _scale_operands(absmax_ptr, absmax2_ptr, row0, N, K, step_lo, BS, BS2, NESTED,
-                             True)
-    scale = _scale(qa, a2, code2_ptr, offset, BS, NESTED, True)
-    qa_next, a2_next = _scale_operands(absmax_ptr, absmax2_ptr, row0, N, K,
-                                       gl.minimum(step_lo + 1, last), BS, BS2, NESTED, True)
+    last, scale, qa_next, a2_next = _scale_start(absmax_ptr, absmax2_ptr, code2_ptr, offset,
+                                                 row0, N, K, step_lo, nsteps, BS, BS2, NESTED,
+                                                 True)
     for i in range(nsteps):
         step = step_lo + i
         scale_next = _scale(qa_next, a2_next, code2_ptr, offset, BS, NESTED, True)
@@ -564,8 +578,7 @@ def _chunk_k_loop(bufs, xbufs, abufs, ready, empty, absmax_ptr, absmax2_ptr, cod
         mbarrier.arrive(empty.index(s), count=1)  # as `_step`: after the MMAs
         scale = scale_next
         qa_next, a2_next = qa_after, a2_after
-    return (acc0 + acc1) + (acc2 + acc3), gl.convert_layout(gl.sum(t4, axis=0),
-                                                            gl.SliceLayout(0, LORA3))
+    return _loop_sums(acc0, acc1, acc2, acc3, t4)
 
 
 @gluon.jit
