@@ -144,9 +144,13 @@ XLOAD_C = gl.constexpr(gl.DistributedLinearLayout(
 PAIR_TABLE_LAYOUT = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
 PAIR_FILL = gl.constexpr(gl.BlockedLayout([1, 1], [1, 32], [4, 1], [1, 0]))
 # PTX, one word $4 at a time: its bytes' entries ($0 .. $3, byte i in $i) from the table at
-# $5 (the table's address + 4 · lane): entry e at $5 + 128 · e
-PAIR_LOOKUP = gl.constexpr("{\n.reg .b32 t0, t1, t2, t3;\n" + "\n".join(
-    [f"{op} t{i}, $4, {sh};\nand.b32 t{i}, t{i}, 0x7F80;\nadd.u32 t{i}, t{i}, $5;\n"
+# global_smem's start, entry e of lane l at global_smem + 128 · e + 4 · l with $5 = 4 · l. The
+# byte lands in bits 7..14 (the `and`), 4 · l lies in bits 2..6, so the `or` is the sum and
+# shift + and + or fold into one LOP3 after the shift; global_smem is a link-time constant
+# that ptxas folds into the load's immediate offset.
+PAIR_LOOKUP = gl.constexpr("{\n.reg .b32 t0, t1, t2, t3, g;\nmov.u32 g, global_smem;\n" + "\n".join(
+    [f"{op} t{i}, $4, {sh};\nand.b32 t{i}, t{i}, 0x7F80;\nor.b32 t{i}, t{i}, $5;\n"
+     f"add.u32 t{i}, t{i}, g;\n"
      f"ld.shared.b32 ${i}, [t{i}];"
      for i, (op, sh) in enumerate((("shl.b32", 7), ("shr.u32", 1), ("shr.u32", 9),
                                     ("shr.u32", 17)))]) + "\n}")
@@ -174,12 +178,12 @@ def _fill_pair_table(table, code_ptr):
 
 @gluon.jit
 def _pair_table_base(like):
-    """The table's address + 4 · lane, shaped as `like` (the table is the kernel's first
-    shared allocation, at global_smem's start: `tests/_compile_decode_kernels.py` checks)."""
+    """4 · lane, the lane's offset into the table, shaped as `like` (the table is the kernel's
+    first shared allocation, at global_smem's start: `tests/_compile_decode_kernels.py`
+    checks)."""
     lane = gl.inline_asm_elementwise("mov.u32 $0, %laneid;", "=r,r", [like], dtype=gl.int32,
                                      is_pure=True, pack=1)
-    return gl.inline_asm_elementwise("mov.u32 $0, global_smem;", "=r,r", [lane],
-                                     dtype=gl.int32, is_pure=True, pack=1) + lane * 4
+    return lane * 4
 
 
 @gluon.jit
@@ -284,7 +288,8 @@ def _scale_operands(absmax_ptr, absmax2_ptr, row0, N, K, step, BS: gl.constexpr,
     double quant and BS 64 the int32 word of a row's four code indices of the step (`_scale`
     takes byte Q), else the index or the absmax itself; and the second-level scale (or the
     absmax again). By stage row in SliceLayout(2, HALF) for the register tables; with PAIR by
-    MMA row in SCALE_C, the row's word then (64,)."""
+    MMA row in SCALE_C, the row's word then (64,), and the second-level scale (64,) where the
+    step's blocks share one (`_row_absmax2`)."""
     if PAIR:
         r = gl.arange(0, 64, layout=gl.SliceLayout(1, SCALE_C))
         q = gl.arange(0, 4, layout=gl.SliceLayout(0, SCALE_C))
@@ -293,7 +298,8 @@ def _scale_operands(absmax_ptr, absmax2_ptr, row0, N, K, step, BS: gl.constexpr,
         r = gl.arange(0, 64, layout=gl.SliceLayout(1, gl.SliceLayout(2, HALF)))
         q = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, HALF)))
         row = row0 + r
-    blk = row[:, None] * (K // BS) + (step * 4 + q[None, :]) // (BS // 64)
+    # the block indices are >= 0: unsigned, so that // BS2 (a power of two) is one shift
+    blk = (row[:, None] * (K // BS) + (step * 4 + q[None, :]) // (BS // 64)).to(gl.uint32)
     ok = (row[:, None] < N) & (q[None, :] < 4)
     if NESTED:
         if BS == 64:
@@ -305,15 +311,27 @@ def _scale_operands(absmax_ptr, absmax2_ptr, row0, N, K, step, BS: gl.constexpr,
                              mask=ok, other=0)
         else:
             qa = gl.load(absmax_ptr + blk, mask=ok, other=0).to(gl.int32)
-        return qa, gl.load(absmax2_ptr + blk // BS2, mask=ok, other=0.0)
+        if PAIR and _row_absmax2(BS, BS2):  # one load a row
+            first = (row * (K // BS) + step * (256 // BS)).to(gl.uint32)
+            return qa, gl.load(absmax2_ptr + first // BS2, mask=row < N, other=0.0)
+        else:
+            return qa, gl.load(absmax2_ptr + blk // BS2, mask=ok, other=0.0)
     else:
         a = gl.load(absmax_ptr + blk, mask=ok, other=0.0)
         return a, a
 
 
+@gluon.constexpr_function
+def _row_absmax2(BS, BS2):
+    """Whether a step's 256 // BS blocks of a row share one second-level scale: a row starts
+    at a multiple of 256 // BS blocks (K is a multiple of 256), and so does each step, so
+    where BS2 is a multiple of 256 // BS no group of BS2 blocks starts inside a step."""
+    return BS2 % (256 // BS) == 0
+
+
 @gluon.jit
 def _scale(qa, a2, code2_ptr, offset, BS: gl.constexpr, NESTED: gl.constexpr,
-           PAIR: gl.constexpr):
+           PAIR: gl.constexpr, BS2: gl.constexpr):
     """code2[qa] · absmax2 + offset (two roundings: the kernel runs without FMA contraction, as
     bitsandbytes forms it), or the absmax; `_scale_operands`' layout."""
     if NESTED:
@@ -324,7 +342,10 @@ def _scale(qa, a2, code2_ptr, offset, BS: gl.constexpr, NESTED: gl.constexpr,
             else:
                 q = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, HALF)))
                 qa = (qa >> (8 * q[None, :])) & 0xFF
-        return gl.load(code2_ptr + qa) * a2 + offset
+        if PAIR and _row_absmax2(BS, BS2):
+            return gl.load(code2_ptr + qa) * a2[:, None] + offset
+        else:
+            return gl.load(code2_ptr + qa) * a2 + offset
     else:
         return qa
 
@@ -488,7 +509,7 @@ def _scale_start(absmax_ptr, absmax2_ptr, code2_ptr, offset, row0, N, K, step_lo
     last = step_lo + nsteps - 1
     qa, a2 = _scale_operands(absmax_ptr, absmax2_ptr, row0, N, K, step_lo, BS, BS2, NESTED,
                              PAIR)
-    scale = _scale(qa, a2, code2_ptr, offset, BS, NESTED, PAIR)
+    scale = _scale(qa, a2, code2_ptr, offset, BS, NESTED, PAIR, BS2)
     qa_next, a2_next = _scale_operands(absmax_ptr, absmax2_ptr, row0, N, K,
                                        gl.minimum(step_lo + 1, last), BS, BS2, NESTED, PAIR)
     return last, scale, qa_next, a2_next
@@ -503,16 +524,17 @@ def _loop_sums(acc0, acc1, acc2, acc3, t4):
 
 
 @gluon.jit
-def _k_loop(bufs, xbufs, abufs, ready, empty, code_ptr, absmax_ptr, absmax2_ptr, code2_ptr,
-            offset_ptr, row0, N, K, step_lo, nsteps, i0, BS: gl.constexpr, BS2: gl.constexpr,
-            NESTED: gl.constexpr, STAGES: gl.constexpr, HAS_LORA: gl.constexpr,
-            PAIR_TABLE: gl.constexpr):
+def _k_loop(table, bufs, xbufs, abufs, ready, empty, code_ptr, absmax_ptr, absmax2_ptr,
+            code2_ptr, offset_ptr, row0, N, K, step_lo, nsteps, i0, BS: gl.constexpr,
+            BS2: gl.constexpr, NESTED: gl.constexpr, STAGES: gl.constexpr,
+            HAS_LORA: gl.constexpr, PAIR_TABLE: gl.constexpr, FILL: gl.constexpr):
     """One projection's K loop over the ring's stages i0 .. i0 + nsteps - 1: (acc, t), through
-    the pair table (whose code `_consumer` filled it with) or the register tables of code_ptr."""
+    the pair table of code_ptr's code (filled first where FILL) or the register tables of
+    code_ptr."""
     if PAIR_TABLE:
-        return _chunk_k_loop(bufs, xbufs, abufs, ready, empty, absmax_ptr, absmax2_ptr,
-                             code2_ptr, offset_ptr, row0, N, K, step_lo, nsteps, i0, BS, BS2,
-                             NESTED, STAGES, HAS_LORA)
+        return _chunk_k_loop(table, bufs, xbufs, abufs, ready, empty, code_ptr, absmax_ptr,
+                             absmax2_ptr, code2_ptr, offset_ptr, row0, N, K, step_lo, nsteps,
+                             i0, BS, BS2, NESTED, STAGES, HAS_LORA, FILL)
     else:
         return _table_k_loop(bufs, xbufs, abufs, ready, empty, code_ptr, absmax_ptr,
                              absmax2_ptr, code2_ptr, offset_ptr, row0, N, K, step_lo, nsteps,
@@ -535,7 +557,7 @@ def _table_k_loop(bufs, xbufs, abufs, ready, empty, code_ptr, absmax_ptr, absmax
         qa_after, a2_after = _scale_operands(absmax_ptr, absmax2_ptr, row0, N, K,
                                              gl.minimum(step + 2, last), BS, BS2, NESTED,
                                              False)
-        scale_next = _scale(qa_next, a2_next, code2_ptr, offset, BS, NESTED, False)
+        scale_next = _scale(qa_next, a2_next, code2_ptr, offset, BS, NESTED, False, BS2)
         acc, acc1, acc2, acc3, t4 = _step(
             bufs, xbufs, abufs, ready, empty, i0 + i, scale, acc, acc1, acc2, acc3, t4,
             c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15, STAGES,
@@ -552,20 +574,26 @@ def _stage_row(r):
 
 
 @gluon.jit
-def _chunk_k_loop(bufs, xbufs, abufs, ready, empty, absmax_ptr, absmax2_ptr, code2_ptr,
-                  offset_ptr, row0, N, K, step_lo, nsteps, i0, BS: gl.constexpr,
+def _chunk_k_loop(table, bufs, xbufs, abufs, ready, empty, code_ptr, absmax_ptr, absmax2_ptr,
+                  code2_ptr, offset_ptr, row0, N, K, step_lo, nsteps, i0, BS: gl.constexpr,
                   BS2: gl.constexpr, NESTED: gl.constexpr, STAGES: gl.constexpr,
-                  HAS_LORA: gl.constexpr):
+                  HAS_LORA: gl.constexpr, FILL: gl.constexpr):
     """`_k_loop` through the pair table (`_chunk_step`): (acc, t), acc by MMA row; the stage
-    goes back as `_step` says."""
+    goes back as `_step` says. With FILL the consumer warps fill the table first, after the
+    first step's scale loads are issued, so that those loads' latency (the scale is two
+    dependent loads: its code index, then code2 at it) and the fill's overlap; the barrier is
+    the consumer warps' own (the producer's first copies are not held behind the fill)."""
     t4, acc0, acc1, acc2, acc3, offset = _loop_start(offset_ptr, NESTED)
     base = _pair_table_base(gl.zeros([64, 2, 4], gl.int32, WORDS_Q))
     last, scale, qa_next, a2_next = _scale_start(absmax_ptr, absmax2_ptr, code2_ptr, offset,
                                                  row0, N, K, step_lo, nsteps, BS, BS2, NESTED,
                                                  True)
+    if FILL:
+        _fill_pair_table(table, code_ptr)
+        cta_barrier()
     for i in range(nsteps):
         step = step_lo + i
-        scale_next = _scale(qa_next, a2_next, code2_ptr, offset, BS, NESTED, True)
+        scale_next = _scale(qa_next, a2_next, code2_ptr, offset, BS, NESTED, True, BS2)
         s = (i0 + i) % STAGES
         mbarrier.wait(ready.index(s), ((i0 + i) // STAGES) & 1)
         words = bufs.index(s).load(WORDS_C)
@@ -594,37 +622,44 @@ def _pick(seg, v0, v1, v2):
 
 @gluon.jit
 def _consumer(table, bufs, xbufs, abufs, ready, empty, seg,
-              code_ptr0, absmax_ptr0, absmax2_ptr0, code2_ptr0, offset_ptr0, n0,
-              code_ptr1, absmax_ptr1, absmax2_ptr1, code2_ptr1, offset_ptr1, n1,
-              code_ptr2, absmax_ptr2, absmax2_ptr2, code2_ptr2, offset_ptr2, n2,
+              code_ptr0, absmax_ptr0, absmax2_ptr0, code2_ptr0, offset_ptr0, n0, b_ptr0,
+              stride_bn0,
+              code_ptr1, absmax_ptr1, absmax2_ptr1, code2_ptr1, offset_ptr1, n1, b_ptr1,
+              stride_bn1,
+              code_ptr2, absmax_ptr2, absmax2_ptr2, code2_ptr2, offset_ptr2, n2, b_ptr2,
+              stride_bn2,
               row0, K, step_lo, nsteps, BS: gl.constexpr, BS2: gl.constexpr,
               NESTED: gl.constexpr, STAGES: gl.constexpr, HAS_LORA: gl.constexpr,
               GLU: gl.constexpr, PAIR_TABLE: gl.constexpr):
-    """(acc, t) of the CTA's segment; with GLU the gate's (segment 0), then the up
-    projection's (segment 1) from the next stages; the lookup by PAIR_TABLE (`_k_loop`). The
-    consumer warps fill the pair table themselves (a barrier of their own), so that the
-    producer's first copies are not queued behind the code's load."""
-    if PAIR_TABLE:
-        _fill_pair_table(table, _pick(seg, code_ptr0, code_ptr1, code_ptr2))
-        cta_barrier()
+    """(acc, t, B's tile) of the CTA's segment; with GLU the gate's (segment 0), then the up
+    projection's (segment 1) from the next stages; the lookup by PAIR_TABLE (`_k_loop`; the
+    first K loop fills the pair table, the launch's projections share one code). B's tiles
+    are loaded before their K loops, so the epilogue does not wait for them (the up
+    projection's after the gate's loop: one tile's registers live through each loop)."""
     if GLU:
-        acc, t = _k_loop(bufs, xbufs, abufs, ready, empty, code_ptr0, absmax_ptr0,
+        b = _lora_b(b_ptr0, row0, n0, stride_bn0, HAS_LORA)
+        acc, t = _k_loop(table, bufs, xbufs, abufs, ready, empty, code_ptr0, absmax_ptr0,
                          absmax2_ptr0, code2_ptr0, offset_ptr0, row0, n0, K, step_lo, nsteps,
-                         0, BS, BS2, NESTED, STAGES, HAS_LORA, PAIR_TABLE)
-        acc_u, t_u = _k_loop(bufs, xbufs, abufs, ready, empty, code_ptr1, absmax_ptr1,
+                         0, BS, BS2, NESTED, STAGES, HAS_LORA, PAIR_TABLE, True)
+        b_u = _lora_b(b_ptr1, row0, n0, stride_bn1, HAS_LORA)
+        acc_u, t_u = _k_loop(table, bufs, xbufs, abufs, ready, empty, code_ptr1, absmax_ptr1,
                              absmax2_ptr1, code2_ptr1, offset_ptr1, row0, n0, K, step_lo,
-                             nsteps, nsteps, BS, BS2, NESTED, STAGES, HAS_LORA, PAIR_TABLE)
+                             nsteps, nsteps, BS, BS2, NESTED, STAGES, HAS_LORA, PAIR_TABLE,
+                             False)
     else:
-        acc, t = _k_loop(bufs, xbufs, abufs, ready, empty,
+        b = _lora_b(_pick(seg, b_ptr0, b_ptr1, b_ptr2), row0, _pick(seg, n0, n1, n2),
+                    _pick(seg, stride_bn0, stride_bn1, stride_bn2), HAS_LORA)
+        b_u = b
+        acc, t = _k_loop(table, bufs, xbufs, abufs, ready, empty,
                          _pick(seg, code_ptr0, code_ptr1, code_ptr2),
                          _pick(seg, absmax_ptr0, absmax_ptr1, absmax_ptr2),
                          _pick(seg, absmax2_ptr0, absmax2_ptr1, absmax2_ptr2),
                          _pick(seg, code2_ptr0, code2_ptr1, code2_ptr2),
                          _pick(seg, offset_ptr0, offset_ptr1, offset_ptr2), row0,
                          _pick(seg, n0, n1, n2), K, step_lo, nsteps, 0, BS, BS2, NESTED,
-                         STAGES, HAS_LORA, PAIR_TABLE)
+                         STAGES, HAS_LORA, PAIR_TABLE, True)
         acc_u, t_u = acc, t
-    return acc, t, acc_u, t_u
+    return acc, t, b, acc_u, t_u, b_u
 
 
 @gluon.jit
@@ -687,15 +722,24 @@ def _producer(x_desc, w_desc0, a_desc0, w_desc1, a_desc1, w_desc2, a_desc2, bufs
 
 
 @gluon.jit
-def _lora_term(t3, b_ptr, row0, N, stride_bn, scaling):
-    """s · B[tile] @ t, (64, 8) fp32 in the accumulator's layout, rows in stage order, from t
-    (16, 8) in the rank-sum layout."""
+def _lora_b(b_ptr, row0, N, stride_bn, HAS_LORA: gl.constexpr):
+    """B[tile] (64, 16) bf16 in the rank-sum layout, rows in stage order (rows past N: 0);
+    zeros without LoRA (nothing reads them then)."""
     r = gl.arange(0, 64, layout=gl.SliceLayout(1, gl.SliceLayout(2, LORA3)))
     j = gl.arange(0, RANK, layout=gl.SliceLayout(0, gl.SliceLayout(2, LORA3)))
-    n = row0 + 32 * ((r >> 3) & 1) + 8 * (r >> 4) + (r & 7)
-    b = gl.load(b_ptr + n[:, None] * stride_bn + j[None, :],
-                mask=(n < N)[:, None] & (j < RANK)[None, :], other=0.0).to(gl.float32)
-    lora = gl.sum(b[:, :, None] * t3[None, :, :], axis=1)
+    if HAS_LORA:
+        n = row0 + 32 * ((r >> 3) & 1) + 8 * (r >> 4) + (r & 7)
+        return gl.load(b_ptr + n[:, None] * stride_bn + j[None, :],
+                       mask=(n < N)[:, None] & (j < RANK)[None, :], other=0.0)
+    else:
+        return gl.zeros([64, RANK], gl.bfloat16, gl.SliceLayout(2, LORA3))
+
+
+@gluon.jit
+def _lora_term(t3, b, scaling):
+    """s · B[tile] @ t, (64, 8) fp32 in the accumulator's layout, rows in stage order, from B's
+    tile b (`_lora_b`) and t (16, 8) in the rank-sum layout."""
+    lora = gl.sum(b.to(gl.float32)[:, :, None] * t3[None, :, :], axis=1)
     return gl.convert_layout(lora * scaling, MMA)
 
 
@@ -743,7 +787,7 @@ def linear4bit_ws_kernel(x_desc, y_ptr, part_ptr,
     step_lo = pid_k * steps_per_split
     nsteps = gl.minimum(steps_per_split, K // 256 - step_lo)
     # the pair table first, so that it sits at the start of shared memory (its lookups address
-    # it from there: `_pair_table_base`); the consumer fills it (`_consumer`). Without the
+    # it from there: `_pair_table_base`); the consumer fills it (`_chunk_k_loop`). Without the
     # table, a one-row stand-in that nothing reads.
     table = gl.allocate_shared_memory(gl.int32, [256 if PAIR_TABLE else 1, 32],
                                       PAIR_TABLE_LAYOUT)
@@ -757,11 +801,14 @@ def linear4bit_ws_kernel(x_desc, y_ptr, part_ptr,
         mbarrier.init(ready.index(s), count=1)
         mbarrier.init(empty.index(s), count=1)
     fence_async_shared()
-    acc, t, acc_u, t_u = gl.warp_specialize([
+    acc, t, b, acc_u, t_u, b_u = gl.warp_specialize([
         (_consumer, (table, bufs, xbufs, abufs, ready, empty, seg,
                      code_ptr0, absmax_ptr0, absmax2_ptr0, code2_ptr0, offset_ptr0, n0,
+                     b_ptr0, stride_bn0,
                      code_ptr1, absmax_ptr1, absmax2_ptr1, code2_ptr1, offset_ptr1, n1,
+                     b_ptr1, stride_bn1,
                      code_ptr2, absmax_ptr2, absmax2_ptr2, code2_ptr2, offset_ptr2, n2,
+                     b_ptr2, stride_bn2,
                      row0, K, step_lo, nsteps, BS, BS2, NESTED, STAGES, HAS_LORA, GLU,
                      PAIR_TABLE)),
         (_producer, (x_desc, w_desc0, a_desc0, w_desc1, a_desc1, w_desc2, a_desc2, bufs,
@@ -781,12 +828,10 @@ def linear4bit_ws_kernel(x_desc, y_ptr, part_ptr,
         col = (seg == 1).to(gl.int32) * col1 + (seg == 2).to(gl.int32) * col2
     if HAS_LORA:
         if GLU:
-            acc += _lora_term(t, b_ptr0, row0, n, stride_bn0, scaling0)
-            acc_u += _lora_term(t_u, b_ptr1, row0, n, stride_bn1, scaling1)
+            acc += _lora_term(t, b, scaling0)
+            acc_u += _lora_term(t_u, b_u, scaling1)
         else:
-            acc += _lora_term(t, _pick(seg, b_ptr0, b_ptr1, b_ptr2), row0, n,
-                              _pick(seg, stride_bn0, stride_bn1, stride_bn2),
-                              _pick(seg, scaling0, scaling1, scaling2))
+            acc += _lora_term(t, b, _pick(seg, scaling0, scaling1, scaling2))
     r = gl.arange(0, 64, layout=gl.SliceLayout(1, MMA))
     m = gl.arange(0, 8, layout=gl.SliceLayout(0, MMA))
     nr = row0 + 32 * ((r >> 3) & 1) + 8 * (r >> 4) + (r & 7)  # the stage row of MMA row r
