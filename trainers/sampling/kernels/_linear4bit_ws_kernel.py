@@ -288,7 +288,7 @@ def _scale_operands(absmax_ptr, absmax2_ptr, row0, N, K, step, BS: gl.constexpr,
     double quant and BS 64 the int32 word of a row's four code indices of the step (`_scale`
     takes byte Q), else the index or the absmax itself; and the second-level scale (or the
     absmax again). By stage row in SliceLayout(2, HALF) for the register tables; with PAIR by
-    MMA row in SCALE_C, the row's word then (64,), and the second-level scale (64,) where the
+    MMA row in SCALE_C, the row's word then (64,), and the second-level scale (64, 1) where the
     step's blocks share one (`_row_absmax2`)."""
     if PAIR:
         r = gl.arange(0, 64, layout=gl.SliceLayout(1, SCALE_C))
@@ -313,7 +313,7 @@ def _scale_operands(absmax_ptr, absmax2_ptr, row0, N, K, step, BS: gl.constexpr,
             qa = gl.load(absmax_ptr + blk, mask=ok, other=0).to(gl.int32)
         if PAIR and _row_absmax2(BS, BS2):  # one load a row
             first = (row * (K // BS) + step * (256 // BS)).to(gl.uint32)
-            return qa, gl.load(absmax2_ptr + first // BS2, mask=row < N, other=0.0)
+            return qa, gl.load(absmax2_ptr + first // BS2, mask=row < N, other=0.0)[:, None]
         else:
             return qa, gl.load(absmax2_ptr + blk // BS2, mask=ok, other=0.0)
     else:
@@ -331,7 +331,7 @@ def _row_absmax2(BS, BS2):
 
 @gluon.jit
 def _scale(qa, a2, code2_ptr, offset, BS: gl.constexpr, NESTED: gl.constexpr,
-           PAIR: gl.constexpr, BS2: gl.constexpr):
+           PAIR: gl.constexpr):
     """code2[qa] · absmax2 + offset (two roundings: the kernel runs without FMA contraction, as
     bitsandbytes forms it), or the absmax; `_scale_operands`' layout."""
     if NESTED:
@@ -342,10 +342,7 @@ def _scale(qa, a2, code2_ptr, offset, BS: gl.constexpr, NESTED: gl.constexpr,
             else:
                 q = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, HALF)))
                 qa = (qa >> (8 * q[None, :])) & 0xFF
-        if PAIR and _row_absmax2(BS, BS2):
-            return gl.load(code2_ptr + qa) * a2[:, None] + offset
-        else:
-            return gl.load(code2_ptr + qa) * a2 + offset
+        return gl.load(code2_ptr + qa) * a2 + offset
     else:
         return qa
 
@@ -509,7 +506,7 @@ def _scale_start(absmax_ptr, absmax2_ptr, code2_ptr, offset, row0, N, K, step_lo
     last = step_lo + nsteps - 1
     qa, a2 = _scale_operands(absmax_ptr, absmax2_ptr, row0, N, K, step_lo, BS, BS2, NESTED,
                              PAIR)
-    scale = _scale(qa, a2, code2_ptr, offset, BS, NESTED, PAIR, BS2)
+    scale = _scale(qa, a2, code2_ptr, offset, BS, NESTED, PAIR)
     qa_next, a2_next = _scale_operands(absmax_ptr, absmax2_ptr, row0, N, K,
                                        gl.minimum(step_lo + 1, last), BS, BS2, NESTED, PAIR)
     return last, scale, qa_next, a2_next
@@ -557,7 +554,7 @@ def _table_k_loop(bufs, xbufs, abufs, ready, empty, code_ptr, absmax_ptr, absmax
         qa_after, a2_after = _scale_operands(absmax_ptr, absmax2_ptr, row0, N, K,
                                              gl.minimum(step + 2, last), BS, BS2, NESTED,
                                              False)
-        scale_next = _scale(qa_next, a2_next, code2_ptr, offset, BS, NESTED, False, BS2)
+        scale_next = _scale(qa_next, a2_next, code2_ptr, offset, BS, NESTED, False)
         acc, acc1, acc2, acc3, t4 = _step(
             bufs, xbufs, abufs, ready, empty, i0 + i, scale, acc, acc1, acc2, acc3, t4,
             c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15, STAGES,
@@ -593,7 +590,7 @@ def _chunk_k_loop(table, bufs, xbufs, abufs, ready, empty, code_ptr, absmax_ptr,
         cta_barrier()
     for i in range(nsteps):
         step = step_lo + i
-        scale_next = _scale(qa_next, a2_next, code2_ptr, offset, BS, NESTED, True, BS2)
+        scale_next = _scale(qa_next, a2_next, code2_ptr, offset, BS, NESTED, True)
         s = (i0 + i) % STAGES
         mbarrier.wait(ready.index(s), ((i0 + i) // STAGES) & 1)
         words = bufs.index(s).load(WORDS_C)
