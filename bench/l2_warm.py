@@ -20,6 +20,7 @@ import os
 
 import torch
 
+from bench import common as bc
 from bench import decode_linear as D
 from trainers.sampling.kernels import linear4bit as L
 from trainers.sampling.kernels import linear4bit_ws as WS
@@ -63,10 +64,10 @@ def main() -> None:
             print(json.dumps(row), flush=True)
             rows.append(row)
         del mod, copies
-        torch.cuda.empty_cache()
-    out = {"gpu": torch.cuda.get_device_name(), "commit": os.environ.get("BENCH_COMMIT", ""),
-           "torch": torch.__version__, "rows": rows}
-    name = os.path.join(os.environ.get("OUT", "bench/results"), f"l2_warm_H100{args.tag}.json")
+        bc.free_memory()
+    out = {"env": bc.env_info(device), "rows": rows}
+    name = os.path.join(os.environ.get("OUT", "bench/results"),
+                        f"l2_warm_{bc.gpu_short_name(device)}{args.tag}.json")
     with open(name, "w") as f:
         json.dump(out, f, indent=1)
     print("wrote", name)
