@@ -114,8 +114,7 @@ def compile_ws_linear(nested: bool, bs: int, lora: bool, split: bool, glu: bool,
                                       [8, k // 64, 64], [k, 64, 1], [8, 4, 64], 16)}
     consts = {"BS": bs, "BS2": 256, "NESTED": nested, "SPLIT": split, "STAGES": WS.STAGES,
               "HAS_LORA": lora, "HAS_BIAS": bias, "GLU": glu, "PDL": pdl, "EARLY_NEXT": pdl,
-              "PRODUCER_REGS": WS.PRODUCER_REGS, "PAIR_TABLE": pair_table,
-              "WGMMA": bool(WS.WGMMA)}
+              "PRODUCER_REGS": WS.PRODUCER_REGS, "PAIR_TABLE": pair_table}
     types = {"y_ptr": "*bf16", "part_ptr": "*fp32"}
     for seg in "012":
         descs.update({f"w_desc{seg}": w_desc, f"a_desc{seg}": a_desc})
@@ -136,9 +135,7 @@ def compile_ws_linear(nested: bool, bs: int, lora: bool, split: bool, glu: bool,
                                                          "enable_fp_fusion": False,
                                                          "launch_pdl": pdl})
     ptx = kernel.asm["ptx"]
-    wg, loops = pair_table and WS.WGMMA, 2 if glu else 1  # each loop's MMAs of a step
-    assert ptx.count("mma.sync") == ((0 if wg else 16) + (4 if lora else 0)) * loops, "MMAs"
-    assert ptx.count("wgmma.mma_async") == (16 if wg else 0) * loops, "warpgroup MMAs"
+    assert ptx.count("mma.sync") == (16 + (4 if lora else 0)) * (2 if glu else 1), "MMAs a step"
     assert "cp.async.bulk.tensor" in ptx, "TMA copies"
     assert ("griddepcontrol.wait" in ptx) == pdl, "the PDL wait"
     if pair_table:

@@ -61,13 +61,7 @@ from __future__ import annotations
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
-from triton.experimental.gluon.language.nvidia.hopper import (
-    fence_async_shared,
-    mbarrier,
-    tma,
-    warpgroup_mma,
-    warpgroup_mma_wait,
-)
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 from triton.language.extra import libdevice
 
 from . import linear4bit as L
@@ -161,16 +155,6 @@ PAIR_LOOKUP = gl.constexpr("{\n.reg .b32 t0, t1, t2, t3, g;\nmov.u32 g, global_s
      for i, (op, sh) in enumerate((("shl.b32", 7), ("shr.u32", 1), ("shr.u32", 9),
                                     ("shr.u32", 17)))]) + "\n}")
 
-# WGMMA: the pair table's chunk MMAs as warpgroup MMAs (m64n8k16, A from registers), x from
-# shared memory in the lookup's K order (`_x_permuted`): the stage's x (8, 4, 64) with warp Q
-# holding chunk Q, lane (row m, j = l % 4) columns 32·h + 8·j + 0..7 of each half h
-XPERM = gl.constexpr(gl.BlockedLayout([1, 1, 8], [8, 1, 4], [1, 4, 1], [2, 1, 0]))
-XP_LAYOUT = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16,
-                                              rank=2))
-MMA_WG = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                instr_shape=[16, 8, 16]))
-A_WG = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=MMA_WG, k_width=2))
-
 # the chunk scales (64 MMA rows, chunk Q): each thread its MMA rows' four, as the accumulator
 # holds those rows (the lanes of a quad alike)
 SCALE_C3 = gl.constexpr(gl.DistributedLinearLayout(
@@ -258,55 +242,6 @@ def _chunk_mma(w, x, s, base, zero, acc):
                  base)
     s = gl.convert_layout(gl.reshape(s, [64]), gl.SliceLayout(1, MMA), assert_trivial=True)
     return gl.fma(mma_v2(a, _chunk_x(x), zero), s[:, None], acc)
-
-
-@gluon.jit
-def _x_permuted(xbuf, xp):
-    """The stage's x (8, 4, 64) into xp (32, 64) [8·Q + m, c], each chunk's columns in the
-    lookup's K order: c = 32·h + 16·i1 + 8·i0 + 2·j + E holds x's column 32·h + 8·j + 2·i + E
-    of the chunk (i = 2·i1 + i0: `_chunk_a`'s column of element E of byte i of word j)."""
-    v = gl.reshape(xbuf.load(XPERM), [8, 4, 2, 4, 2, 2, 2])  # [m, Q, h, j, i1, i0, E]
-    v = gl.permute(v, (1, 0, 2, 4, 5, 3, 6))  # [Q, m, h, i1, i0, j, E]
-    xp.store(gl.reshape(v, [32, 64]))
-
-
-@gluon.jit
-def _wg_chunk(w, base, xq):
-    """The async warpgroup MMA of a chunk: its A operand looked up from its words w (64, 8)
-    times x's chunk xq (8, 64) in shared memory (`_x_permuted`), from zero; (token, A)."""
-    a = gl.convert_layout(_chunk_a(_chunk_words(w), base), A_WG, assert_trivial=True)
-    zero = gl.zeros([64, 8], gl.float32, MMA_WG)
-    return warpgroup_mma(a, xq.permute((1, 0)), zero, use_acc=False, is_async=True), a
-
-
-@gluon.jit
-def _wg_scaled(r, s, acc):
-    """acc + s · r: a chunk's warpgroup MMA sum r, s (64, 1) its scales by MMA row."""
-    r = gl.convert_layout(r, MMA, assert_trivial=True)
-    s = gl.convert_layout(gl.reshape(s, [64]), gl.SliceLayout(1, MMA), assert_trivial=True)
-    return gl.fma(r, s[:, None], acc)
-
-
-@gluon.jit
-def _chunk_step_wg(words, xp, base, scale, acc0, acc1, acc2, acc3):
-    """`_chunk_step` through warpgroup MMAs: each chunk's MMA issued as soon as its lookups are
-    done (the next chunk's lookups run beside it), all four awaited, then scaled."""
-    w0, w1, w2, w3 = _quarters(gl.reshape(words, [64, 4, 8]))
-    s0, s1, s2, s3 = _quarters(scale[:, :, None])
-    t0, a0 = _wg_chunk(w0, base, xp.slice(0, 8, dim=0))
-    t1, a1 = _wg_chunk(w1, base, xp.slice(8, 8, dim=0))
-    t2, a2 = _wg_chunk(w2, base, xp.slice(16, 8, dim=0))
-    t3, a3 = _wg_chunk(w3, base, xp.slice(24, 8, dim=0))
-    r0, r1, r2, r3, a0, a1, a2, a3 = warpgroup_mma_wait(0, deps=[t0, t1, t2, t3, a0, a1, a2,
-                                                                  a3])
-    return (_wg_scaled(r0, s0, acc0), _wg_scaled(r1, s1, acc1), _wg_scaled(r2, s2, acc2),
-            _wg_scaled(r3, s3, acc3))
-
-
-@gluon.jit
-def _chunk_words(w):
-    """A chunk's words (64, 8) [ρ, 4·h + j] as (64, 2, 4) in WORDS_Q."""
-    return gl.convert_layout(gl.reshape(w, [64, 2, 4]), WORDS_Q, assert_trivial=True)
 
 
 @gluon.jit
@@ -586,18 +521,17 @@ def _loop_sums(acc0, acc1, acc2, acc3, t4):
 
 
 @gluon.jit
-def _k_loop(table, xp, bufs, xbufs, abufs, ready, empty, code_ptr, absmax_ptr, absmax2_ptr,
+def _k_loop(table, bufs, xbufs, abufs, ready, empty, code_ptr, absmax_ptr, absmax2_ptr,
             code2_ptr, offset_ptr, row0, N, K, step_lo, nsteps, i0, BS: gl.constexpr,
             BS2: gl.constexpr, NESTED: gl.constexpr, STAGES: gl.constexpr,
-            HAS_LORA: gl.constexpr, PAIR_TABLE: gl.constexpr, FILL: gl.constexpr,
-            WGMMA: gl.constexpr):
+            HAS_LORA: gl.constexpr, PAIR_TABLE: gl.constexpr, FILL: gl.constexpr):
     """One projection's K loop over the ring's stages i0 .. i0 + nsteps - 1: (acc, t), through
     the pair table of code_ptr's code (filled first where FILL) or the register tables of
     code_ptr."""
     if PAIR_TABLE:
-        return _chunk_k_loop(table, xp, bufs, xbufs, abufs, ready, empty, code_ptr, absmax_ptr,
+        return _chunk_k_loop(table, bufs, xbufs, abufs, ready, empty, code_ptr, absmax_ptr,
                              absmax2_ptr, code2_ptr, offset_ptr, row0, N, K, step_lo, nsteps,
-                             i0, BS, BS2, NESTED, STAGES, HAS_LORA, FILL, WGMMA)
+                             i0, BS, BS2, NESTED, STAGES, HAS_LORA, FILL)
     else:
         return _table_k_loop(bufs, xbufs, abufs, ready, empty, code_ptr, absmax_ptr,
                              absmax2_ptr, code2_ptr, offset_ptr, row0, N, K, step_lo, nsteps,
@@ -637,11 +571,10 @@ def _stage_row(r):
 
 
 @gluon.jit
-def _chunk_k_loop(table, xp, bufs, xbufs, abufs, ready, empty, code_ptr, absmax_ptr,
-                  absmax2_ptr, code2_ptr, offset_ptr, row0, N, K, step_lo, nsteps, i0,
-                  BS: gl.constexpr, BS2: gl.constexpr, NESTED: gl.constexpr,
-                  STAGES: gl.constexpr, HAS_LORA: gl.constexpr, FILL: gl.constexpr,
-                  WGMMA: gl.constexpr):
+def _chunk_k_loop(table, bufs, xbufs, abufs, ready, empty, code_ptr, absmax_ptr, absmax2_ptr,
+                  code2_ptr, offset_ptr, row0, N, K, step_lo, nsteps, i0, BS: gl.constexpr,
+                  BS2: gl.constexpr, NESTED: gl.constexpr, STAGES: gl.constexpr,
+                  HAS_LORA: gl.constexpr, FILL: gl.constexpr):
     """`_k_loop` through the pair table (`_chunk_step`): (acc, t), acc by MMA row; the stage
     goes back as `_step` says. With FILL the consumer warps fill the table first, after the
     first step's scale loads are issued, so that those loads' latency (the scale is two
@@ -661,22 +594,12 @@ def _chunk_k_loop(table, xp, bufs, xbufs, abufs, ready, empty, code_ptr, absmax_
         s = (i0 + i) % STAGES
         mbarrier.wait(ready.index(s), ((i0 + i) // STAGES) & 1)
         words = bufs.index(s).load(WORDS_C)
-        if WGMMA:  # x in the lookup's K order for the warpgroup MMAs (the last step's are done)
-            _x_permuted(xbufs.index(s), xp)
-            fence_async_shared()
-            cta_barrier()
-        else:
-            xv = xbufs.index(s).load(XLOAD_C)
+        xv = xbufs.index(s).load(XLOAD_C)
         if HAS_LORA:
             t4 = _lora_t_step(abufs.index(s), xbufs.index(s), t4)
         qa_after, a2_after = _scale_operands(absmax_ptr, absmax2_ptr, row0, N, K,
                                              gl.minimum(step + 2, last), BS, BS2, NESTED, True)
-        if WGMMA:
-            acc0, acc1, acc2, acc3 = _chunk_step_wg(words, xp, base, scale, acc0, acc1, acc2,
-                                                    acc3)
-        else:
-            acc0, acc1, acc2, acc3 = _chunk_step(words, xv, base, scale, acc0, acc1, acc2,
-                                                 acc3)
+        acc0, acc1, acc2, acc3 = _chunk_step(words, xv, base, scale, acc0, acc1, acc2, acc3)
         mbarrier.arrive(empty.index(s), count=1)  # as `_step`: after the MMAs
         scale = scale_next
         qa_next, a2_next = qa_after, a2_after
@@ -695,7 +618,7 @@ def _pick(seg, v0, v1, v2):
 
 
 @gluon.jit
-def _consumer(table, xp, bufs, xbufs, abufs, ready, empty, seg,
+def _consumer(table, bufs, xbufs, abufs, ready, empty, seg,
               code_ptr0, absmax_ptr0, absmax2_ptr0, code2_ptr0, offset_ptr0, n0, b_ptr0,
               stride_bn0,
               code_ptr1, absmax_ptr1, absmax2_ptr1, code2_ptr1, offset_ptr1, n1, b_ptr1,
@@ -704,7 +627,7 @@ def _consumer(table, xp, bufs, xbufs, abufs, ready, empty, seg,
               stride_bn2,
               row0, K, step_lo, nsteps, BS: gl.constexpr, BS2: gl.constexpr,
               NESTED: gl.constexpr, STAGES: gl.constexpr, HAS_LORA: gl.constexpr,
-              GLU: gl.constexpr, PAIR_TABLE: gl.constexpr, WGMMA: gl.constexpr):
+              GLU: gl.constexpr, PAIR_TABLE: gl.constexpr):
     """(acc, t, B's tile) of the CTA's segment; with GLU the gate's (segment 0), then the up
     projection's (segment 1) from the next stages; the lookup by PAIR_TABLE (`_k_loop`; the
     first K loop fills the pair table, the launch's projections share one code). B's tiles
@@ -712,26 +635,26 @@ def _consumer(table, xp, bufs, xbufs, abufs, ready, empty, seg,
     projection's after the gate's loop: one tile's registers live through each loop)."""
     if GLU:
         b = _lora_b(b_ptr0, row0, n0, stride_bn0, HAS_LORA)
-        acc, t = _k_loop(table, xp, bufs, xbufs, abufs, ready, empty, code_ptr0, absmax_ptr0,
+        acc, t = _k_loop(table, bufs, xbufs, abufs, ready, empty, code_ptr0, absmax_ptr0,
                          absmax2_ptr0, code2_ptr0, offset_ptr0, row0, n0, K, step_lo, nsteps,
-                         0, BS, BS2, NESTED, STAGES, HAS_LORA, PAIR_TABLE, True, WGMMA)
+                         0, BS, BS2, NESTED, STAGES, HAS_LORA, PAIR_TABLE, True)
         b_u = _lora_b(b_ptr1, row0, n0, stride_bn1, HAS_LORA)
-        acc_u, t_u = _k_loop(table, xp, bufs, xbufs, abufs, ready, empty, code_ptr1, absmax_ptr1,
+        acc_u, t_u = _k_loop(table, bufs, xbufs, abufs, ready, empty, code_ptr1, absmax_ptr1,
                              absmax2_ptr1, code2_ptr1, offset_ptr1, row0, n0, K, step_lo,
                              nsteps, nsteps, BS, BS2, NESTED, STAGES, HAS_LORA, PAIR_TABLE,
-                             False, WGMMA)
+                             False)
     else:
         b = _lora_b(_pick(seg, b_ptr0, b_ptr1, b_ptr2), row0, _pick(seg, n0, n1, n2),
                     _pick(seg, stride_bn0, stride_bn1, stride_bn2), HAS_LORA)
         b_u = b
-        acc, t = _k_loop(table, xp, bufs, xbufs, abufs, ready, empty,
+        acc, t = _k_loop(table, bufs, xbufs, abufs, ready, empty,
                          _pick(seg, code_ptr0, code_ptr1, code_ptr2),
                          _pick(seg, absmax_ptr0, absmax_ptr1, absmax_ptr2),
                          _pick(seg, absmax2_ptr0, absmax2_ptr1, absmax2_ptr2),
                          _pick(seg, code2_ptr0, code2_ptr1, code2_ptr2),
                          _pick(seg, offset_ptr0, offset_ptr1, offset_ptr2), row0,
                          _pick(seg, n0, n1, n2), K, step_lo, nsteps, 0, BS, BS2, NESTED,
-                         STAGES, HAS_LORA, PAIR_TABLE, True, WGMMA)
+                         STAGES, HAS_LORA, PAIR_TABLE, True)
         acc_u, t_u = acc, t
     return acc, t, b, acc_u, t_u, b_u
 
@@ -843,7 +766,7 @@ def linear4bit_ws_kernel(x_desc, y_ptr, part_ptr,
                          HAS_LORA: gl.constexpr, HAS_BIAS: gl.constexpr, GLU: gl.constexpr,
                          PDL: gl.constexpr,
                          EARLY_NEXT: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-                         PAIR_TABLE: gl.constexpr, WGMMA: gl.constexpr):
+                         PAIR_TABLE: gl.constexpr):
     """Grid (Σ_s N_s / 64 tiles, K splits): the arguments ending in s are projection s's
     (segment s, its tiles from tile_s, its output columns from col_s; segments past the
     launch's repeat the last, and tile_s is then past the grid). y (M, Σ N_s) in bf16, or with
@@ -869,8 +792,6 @@ def linear4bit_ws_kernel(x_desc, y_ptr, part_ptr,
     xbufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, 8, 4, 64], x_desc.layout)
     abufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES if HAS_LORA else 1, RANK, 4, 64],
                                       a_desc0.layout)
-    # x of a step in the lookup's K order, for the warpgroup MMAs (WGMMA, pair table)
-    xp = gl.allocate_shared_memory(gl.bfloat16, [32 if WGMMA else 8, 64], XP_LAYOUT)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for s in gl.static_range(STAGES):
@@ -878,7 +799,7 @@ def linear4bit_ws_kernel(x_desc, y_ptr, part_ptr,
         mbarrier.init(empty.index(s), count=1)
     fence_async_shared()
     acc, t, b, acc_u, t_u, b_u = gl.warp_specialize([
-        (_consumer, (table, xp, bufs, xbufs, abufs, ready, empty, seg,
+        (_consumer, (table, bufs, xbufs, abufs, ready, empty, seg,
                      code_ptr0, absmax_ptr0, absmax2_ptr0, code2_ptr0, offset_ptr0, n0,
                      b_ptr0, stride_bn0,
                      code_ptr1, absmax_ptr1, absmax2_ptr1, code2_ptr1, offset_ptr1, n1,
@@ -886,7 +807,7 @@ def linear4bit_ws_kernel(x_desc, y_ptr, part_ptr,
                      code_ptr2, absmax_ptr2, absmax2_ptr2, code2_ptr2, offset_ptr2, n2,
                      b_ptr2, stride_bn2,
                      row0, K, step_lo, nsteps, BS, BS2, NESTED, STAGES, HAS_LORA, GLU,
-                     PAIR_TABLE, WGMMA and PAIR_TABLE)),
+                     PAIR_TABLE)),
         (_producer, (x_desc, w_desc0, a_desc0, w_desc1, a_desc1, w_desc2, a_desc2, bufs,
                      xbufs, abufs, ready, empty, seg, row0, step_lo, nsteps, STAGES, HAS_LORA,
                      GLU, PDL)),

@@ -66,9 +66,6 @@ EARLY_NEXT_CTAS_PER_SM = 1.0
 # 0: never; 2: always
 PAIR_TABLE = 1
 PAIR_TABLE_MIN_STEPS = 16
-# with the pair table, each chunk's MMAs as one asynchronous warpgroup MMA (A from registers,
-# x from shared memory) instead of mma.sync from registers
-WGMMA = 1
 # the fewest CTAs a launch aims for, per SM (`split_rule`): with the register tables, and with
 # the pair table (whose lookups then keep two CTAs a SM busy; bench/README.md)
 CTAS_PER_SM = 0.9
@@ -260,7 +257,7 @@ def _launch(x: torch.Tensor, parts: list, glu: bool, defer_sum: bool,
         k, m, y.stride(0), partials.stride(1), partials.stride(0) if split > 1 else 0, per,
         BS=w.blocksize, BS2=w.blocksize2, NESTED=w.nested, SPLIT=split > 1, STAGES=STAGES,
         HAS_LORA=parts[0].lora_a is not None, HAS_BIAS=parts[0].bias is not None, GLU=glu,
-        PRODUCER_REGS=PRODUCER_REGS, PAIR_TABLE=pair_table, WGMMA=bool(WGMMA),
+        PRODUCER_REGS=PRODUCER_REGS, PAIR_TABLE=pair_table,
         **(pdl_args := launch_args(linear4bit_ws_kernel, x.device)),
         EARLY_NEXT=pdl_args["PDL"] and sum(tiles) * split <= EARLY_NEXT_CTAS_PER_SM * sms,
         num_warps=4, maxnreg=MAXNREG,
