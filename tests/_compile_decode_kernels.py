@@ -112,8 +112,7 @@ def compile_ws_linear(nested: bool, bs: int, lora: bool, split: bool, glu: bool,
                             [k, 64, 1], [16, 4, 64], 16)
     descs = {"x_desc": WS._descriptor(torch.zeros(8, k, dtype=torch.bfloat16),
                                       [8, k // 64, 64], [k, 64, 1], [8, 4, 64], 16)}
-    consts = {"BS": bs, "BS2": 256, "NESTED": nested, "SPLIT": split,
-              "STAGES": WS.PAIR_STAGES if pair_table else WS.STAGES,
+    consts = {"BS": bs, "BS2": 256, "NESTED": nested, "SPLIT": split, "STAGES": WS.STAGES,
               "HAS_LORA": lora, "HAS_BIAS": bias, "GLU": glu, "PDL": pdl, "EARLY_NEXT": pdl,
               "PRODUCER_REGS": WS.PRODUCER_REGS, "PAIR_TABLE": pair_table}
     types = {"y_ptr": "*bf16", "part_ptr": "*fp32"}

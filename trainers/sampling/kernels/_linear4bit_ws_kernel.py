@@ -220,38 +220,26 @@ def _chunk_x(xq):
 
 
 @gluon.jit
-def _chunk_lookups(words, base):
-    """A step's four chunk A operands (64, 64) from its words (64, 32) in WORDS_C."""
+def _chunk_step(words, xv, base, scale, acc0, acc1, acc2, acc3):
+    """A step's words (64, 32) in WORDS_C times x (8, 4, 64) in XLOAD_C: chunk Q's MMA sum
+    (from zero), times its scale (column Q of `scale`, (64, 4) in SCALE_C), into acc_Q."""
     w0, w1, w2, w3 = _quarters(gl.reshape(words, [64, 4, 8]))
-    return (_chunk_a(_chunk_words(w0), base), _chunk_a(_chunk_words(w1), base),
-            _chunk_a(_chunk_words(w2), base), _chunk_a(_chunk_words(w3), base))
-
-
-@gluon.jit
-def _chunk_words(w):
-    """A chunk's words (64, 8) [ρ, 4·h + j] as (64, 2, 4) in WORDS_Q."""
-    return gl.convert_layout(gl.reshape(w, [64, 2, 4]), WORDS_Q, assert_trivial=True)
-
-
-@gluon.jit
-def _chunk_mmas(a0, a1, a2, a3, xv, scale, acc0, acc1, acc2, acc3):
-    """A step's chunk A operands (`_chunk_lookups`) times x (8, 4, 64) in XLOAD_C: chunk Q's
-    MMA sum (from zero), times its scale (column Q of `scale`, (64, 4) in SCALE_C), into
-    acc_Q."""
     x0, x1, x2, x3 = _quarters(xv)
     s0, s1, s2, s3 = _quarters(scale[:, :, None])
     zero = gl.zeros([64, 8], gl.float32, MMA)
-    acc0 = _chunk_mma(a0, x0, s0, zero, acc0)
-    acc1 = _chunk_mma(a1, x1, s1, zero, acc1)
-    acc2 = _chunk_mma(a2, x2, s2, zero, acc2)
-    acc3 = _chunk_mma(a3, x3, s3, zero, acc3)
+    acc0 = _chunk_mma(w0, x0, s0, base, zero, acc0)
+    acc1 = _chunk_mma(w1, x1, s1, base, zero, acc1)
+    acc2 = _chunk_mma(w2, x2, s2, base, zero, acc2)
+    acc3 = _chunk_mma(w3, x3, s3, base, zero, acc3)
     return acc0, acc1, acc2, acc3
 
 
 @gluon.jit
-def _chunk_mma(a, x, s, zero, acc):
-    """acc + s · (a @ x) in fp32: a the chunk's A operand, x (8, 64), s (64, 1) its scales by
-    MMA row."""
+def _chunk_mma(w, x, s, base, zero, acc):
+    """acc + s · (chunk's A @ x) in fp32: w (64, 8) its words [ρ, 4·h + j], x (8, 64), s (64, 1)
+    its scales by MMA row."""
+    a = _chunk_a(gl.convert_layout(gl.reshape(w, [64, 2, 4]), WORDS_Q, assert_trivial=True),
+                 base)
     s = gl.convert_layout(gl.reshape(s, [64]), gl.SliceLayout(1, MMA), assert_trivial=True)
     return gl.fma(mma_v2(a, _chunk_x(x), zero), s[:, None], acc)
 
@@ -600,31 +588,19 @@ def _chunk_k_loop(table, bufs, xbufs, abufs, ready, empty, code_ptr, absmax_ptr,
     if FILL:
         _fill_pair_table(table, code_ptr)
         cta_barrier()
-    # software-pipelined: iteration i looks step i + 1's words up while step i's MMAs run (the
-    # lookups of step i came from iteration i - 1), so a step's dependent chain (words, then
-    # lookups, then MMAs) overlaps the next one's; a stage goes back after its MMAs, so the
-    # ring holds two stages for the consumer and needs a third to copy ahead
-    s = i0 % STAGES
-    mbarrier.wait(ready.index(s), (i0 // STAGES) & 1)
-    a0, a1, a2, a3 = _chunk_lookups(bufs.index(s).load(WORDS_C), base)
     for i in range(nsteps):
         step = step_lo + i
         scale_next = _scale(qa_next, a2_next, code2_ptr, offset, BS, NESTED, True)
         s = (i0 + i) % STAGES
+        mbarrier.wait(ready.index(s), ((i0 + i) // STAGES) & 1)
+        words = bufs.index(s).load(WORDS_C)
         xv = xbufs.index(s).load(XLOAD_C)
         if HAS_LORA:
             t4 = _lora_t_step(abufs.index(s), xbufs.index(s), t4)
         qa_after, a2_after = _scale_operands(absmax_ptr, absmax2_ptr, row0, N, K,
                                              gl.minimum(step + 2, last), BS, BS2, NESTED, True)
-        b0, b1, b2, b3 = a0, a1, a2, a3
-        if i + 1 < nsteps:
-            sn = (i0 + i + 1) % STAGES
-            mbarrier.wait(ready.index(sn), ((i0 + i + 1) // STAGES) & 1)
-            b0, b1, b2, b3 = _chunk_lookups(bufs.index(sn).load(WORDS_C), base)
-        acc0, acc1, acc2, acc3 = _chunk_mmas(a0, a1, a2, a3, xv, scale, acc0, acc1, acc2,
-                                             acc3)
+        acc0, acc1, acc2, acc3 = _chunk_step(words, xv, base, scale, acc0, acc1, acc2, acc3)
         mbarrier.arrive(empty.index(s), count=1)  # as `_step`: after the MMAs
-        a0, a1, a2, a3 = b0, b1, b2, b3
         scale = scale_next
         qa_next, a2_next = qa_after, a2_after
     return _loop_sums(acc0, acc1, acc2, acc3, t4)

@@ -52,9 +52,6 @@ LOOKUPS: collections.Counter = collections.Counter()
 MAX_ROWS = 8
 RANK = 16
 STAGES = 2  # shared-memory stages a CTA streams ahead (more measured slower)
-# with the pair table, whose loop holds two stages at a time (its next step's lookups run
-# beside a step's MMAs), one more
-PAIR_STAGES = 3
 MAXNREG = 128  # registers a thread at launch: two CTAs a SM; the consumer warps take the
 #                producer warp group's spare registers
 PRODUCER_REGS = 24
@@ -258,8 +255,7 @@ def _launch(x: torch.Tensor, parts: list, glu: bool, defer_sum: bool,
     linear4bit_ws_kernel[(sum(tiles), split)](
         x_desc, y, partials, *segs[0], *segs[1], *segs[2], *first_tile, *first_col,
         k, m, y.stride(0), partials.stride(1), partials.stride(0) if split > 1 else 0, per,
-        BS=w.blocksize, BS2=w.blocksize2, NESTED=w.nested, SPLIT=split > 1,
-        STAGES=PAIR_STAGES if pair_table else STAGES,
+        BS=w.blocksize, BS2=w.blocksize2, NESTED=w.nested, SPLIT=split > 1, STAGES=STAGES,
         HAS_LORA=parts[0].lora_a is not None, HAS_BIAS=parts[0].bias is not None, GLU=glu,
         PRODUCER_REGS=PRODUCER_REGS, PAIR_TABLE=pair_table,
         **(pdl_args := launch_args(linear4bit_ws_kernel, x.device)),
