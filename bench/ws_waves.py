@@ -1,0 +1,67 @@
+"""Bench: does a warp-specialized decode linear launch take the time of its longest CTA or of
+its SMs' share of the work? One K split, the pair table, a rank-16 LoRA term, cold copies
+(bench.decode_linear's): gate-like single projections and gate/up + silu · mul launches at N
+giving 132 / 192 / 224 / 264 CTAs of 64 rows (one a SM to two a SM on an H100's 132 SMs) and K
+of 14 or 16 steps (256 columns each; a gate/up CTA streams both projections: 28 or 32).
+
+GPU, from the project root (the bench/README install line first):
+
+    python3 -m bench.ws_waves
+
+Prints µs a launch (median inside a replayed CUDA graph) and ns a tile-step (µs over CTAs x
+steps); writes bench/results/ws_waves_<GPU><tag>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import torch
+
+from bench import common as bc
+from bench import decode_linear as D
+from trainers.sampling.kernels import linear4bit as L
+from trainers.sampling.kernels import linear4bit_ws as WS
+
+SHAPES = [(14336, 4096), (16896, 4096), (8448, 4096), (16896, 3584), (14336, 3584),
+          (12288, 4096)]
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tag", default="")
+    args = ap.parse_args(argv)
+    dev = torch.device("cuda")
+    WS.PAIR_TABLE = 2  # every shape through the same lookup
+    rows = []
+    for glu in (False, True):
+        for n, k in SHAPES:
+            mod = D.make_module(n, k, 16, dev)
+            copies = D.packed_copies(mod, dev)
+            s = mod.scaling["default"]
+            x = torch.randn(8, k, device=dev, dtype=torch.bfloat16)
+
+            def call(c, x=x, s=s, glu=glu):
+                p = L.LinearPart(c[0], None, c[1], c[2], s)
+                return WS._launch(x, [p, p] if glu else [p], glu, False, split=1)
+
+            t, why = D.graph_ms([lambda c=c: call(c) for c in copies], dev)
+            r = {"glu": glu, "N": n, "K": k, "ctas": n // 64,
+                 "steps": k // 256 * (2 if glu else 1), "us": t["ms"] * 1e3 if t else why}
+            if t:
+                r["ns_per_tile_step"] = r["us"] * 1e3 / (r["ctas"] * r["steps"])
+            print(json.dumps(r), flush=True)
+            rows.append(r)
+            del mod, copies
+            bc.free_memory()
+    name = os.path.join(os.environ.get("OUT", "bench/results"),
+                        f"ws_waves_{bc.gpu_short_name(dev)}{args.tag}.json")
+    with open(name, "w") as f:
+        json.dump({"env": bc.env_info(dev), "rows": rows}, f, indent=1)
+    print("wrote", name)
+
+
+if __name__ == "__main__":
+    main()
