@@ -86,17 +86,6 @@ def test_pair_table_rule():
         assert not rule(224, 4096, 132)
 
 
-def test_t_parts_rule():
-    """t of a segment and split from up to 4 parts, at most its steps, and no more than the
-    launch's tiles can publish (segments · parts <= tiles)."""
-    rule = linear4bit_ws.t_parts_rule
-    assert rule(16, 224, 1) == 4  # 8B gate/up: 16 steps, 224 tiles
-    assert rule(4, 96, 3) == 4  # 8B q/k/v at split 4
-    assert rule(2, 96, 3) == 2  # two steps a split: a part each
-    assert rule(5, 9, 3) == 3  # (200, 72, 136): 4 + 2 + 3 tiles
-    assert rule(5, 2, 3) == 1  # never below one part
-
-
 # ---------------------------------------------------------------------------------------- GPU
 
 def _launches():
@@ -351,55 +340,3 @@ def test_pdl_launch_is_the_plain_launch_gpu():
                 assert torch.equal(y, r)
         torch.cuda.synchronize()
     assert pdl.LAUNCHES["linear4bit_ws_kernel"] == before + len(calls)
-
-
-@pytest.mark.gpu
-@gpu
-def test_lora_t_parts_protocol_gpu():
-    """t's parts and counts (the kernel's `_lora_plan`): launches of every kind with LoRA (one
-    split; K split 4 ways over more CTAs than the SMs hold at once, q/k/v grouped; a gate/up),
-    ten rounds back to back without a sync and then replayed from a CUDA graph, each give the
-    bits of the first launch, and every launch leaves the arrival counters at zero (the last
-    CTA's reset; a count left over would let a later launch read parts before they are
-    written)."""
-    from trainers.sampling.kernels import arrivals
-
-    k = 4096
-    groups = {}
-    for name, ns in (("qkv", (4096, 1024, 1024)), ("one", (2048,)), ("glu", (14336, 14336))):
-        groups[name] = []
-        for i, n in enumerate(ns):
-            packed, qs = _quantize(n, k, quant_type="nf4", double=True, device="cuda", seed=i)
-            _, a, b, _ = _inputs(1, n, k, 16, device="cuda", seed=30 + i)
-            groups[name].append(linear4bit.LinearPart(Packed4bit.from_quant_state(packed, qs),
-                                                      None, a, b, 0.5 + i))
-    x = _inputs(8, 64, k, 16, device="cuda", seed=40)[0]
-    calls = [lambda: linear4bit.linear4bit_lora_group(x, groups["qkv"]),
-             lambda: linear4bit.linear4bit_lora_group(x, groups["one"]),
-             lambda: [linear4bit.linear4bit_lora_silu_mul(x, *groups["glu"])]]
-    before = _launches()
-    first = [[y.clone() for y in c()] for c in calls]
-    assert _launches() == before + len(calls), linear4bit_ws.reason(x, groups["qkv"], False,
-                                                                    None)
-    counters = arrivals.COUNTERS[x.device]
-    torch.cuda.synchronize()
-    assert not counters.any(), counters.nonzero()
-    rounds = [[[y.clone() for y in c()] for c in calls] for _ in range(10)]
-    torch.cuda.synchronize()
-    assert not counters.any(), counters.nonzero()
-    for got in rounds:
-        for ys, refs in zip(got, first):
-            for y, r in zip(ys, refs):
-                assert torch.equal(y, r)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
-        outs = [c() for c in calls]
-    for _ in range(3):
-        graph.replay()
-        torch.cuda.synchronize()
-        assert not counters.any(), counters.nonzero()
-        for ys, refs in zip(outs, first):
-            for y, r in zip(ys, refs):
-                assert torch.equal(y, r)

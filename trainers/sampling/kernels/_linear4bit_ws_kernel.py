@@ -36,19 +36,10 @@ The scale operands are loaded two steps ahead and the scale gathered one step ah
 registers; the step's MMAs run in four independent chains, summed at the end. A stage goes
 back to the producer after the MMAs that read it (`_step`).
 
-The LoRA factor t = A @ xᵀ (fp32, never rounded) is the same for every tile of a K split, so
-a few CTAs compute it and every CTA reads it (`_lora_plan`): the split's steps are cut into
-T_PARTS_n <= T_PARTS parts of r consecutive steps; the designated CTA of (segment, part) runs
-its K loop rotated to start at its part, streams A with the x of those r steps, sums A @ xᵀ
-over them (warp w the columns 8·w .. 8·w + 7 of each half of each chunk: a batched MMA, the
-batch over warps; then over the warps) and publishes that part (`_publish_t`: stores, the
-consumer warps' barrier, one release add to the split's ready count). Every CTA's producer
-warp, once its copies are issued, waits for the count (`_gather_t`: the designated CTAs come
-first in the grid's order, so they were dispatched first and publish without waiting on
-anyone), sums the parts in a fixed order into shared memory and counts itself done; the last
-CTA of the launch sets the counters back to zero (`arrivals`' buffer: zero between calls). The
-epilogue adds s · B[tile] @ t in fp32 (each K split its own t_split: the term is linear in t)
-and the bias. Every sum is fp32 with one
+The LoRA factor t = A @ xᵀ (fp32, never rounded) is split over the warps: warp w sums the
+columns 8·w .. 8·w + 7 of each half of each chunk (a batched MMA, the batch over warps), and the
+warps' parts are summed once after the loop; the epilogue adds s · B[tile] @ t in fp32 (each K
+split its own t_split: the term is linear in t) and the bias. Every sum is fp32 with one
 rounding of y, so the output meets `linear4bit`'s bound (with the pair table, plus the
 weights' (2 + u) / (1 - u) · u · Σ|x||round(W)|). Split K writes fp32 partials
 (SPLIT_K, M, Σ N_s) without the bias, which their sum adds.
@@ -74,7 +65,6 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 from triton.language.extra import libdevice
 
 from . import linear4bit as L
-from . import linear4bit_ws as WS
 
 # the TMA load into shared memory: `async_load` in newer Tritons, `async_copy_global_to_shared`
 # before (where the new name is absent)
@@ -85,7 +75,6 @@ cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 ROWS = gl.constexpr(64)  # weight rows (output features) a CTA computes
 STEP_WORDS = gl.constexpr(32)  # int32 words of a row a step: 256 columns of K
 RANK = gl.constexpr(16)  # the LoRA rank the kernel takes
-T_PARTS = gl.constexpr(4)  # most parts t of a segment and K split is summed from (`_lora_plan`)
 TABLE = gl.constexpr(L._table_asm("cvt.rn.bf16x2.f32"))
 TABLE_CONSTRAINTS = gl.constexpr(",".join(["=r"] * 8 + ["r"] * 17))
 PAIRS = gl.constexpr(L._PAIRS_ASM)
@@ -125,14 +114,6 @@ X_SPLIT = gl.constexpr(gl.DistributedLinearLayout(
     reg_bases=[[0, 0, 1], [0, 0, 2], [0, 0, 4], [0, 0, 32]],
     lane_bases=[[0, 1, 0], [0, 2, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]],
     warp_bases=[[0, 0, 8], [0, 0, 16]], block_bases=[], shape=[8, 4, 64]))
-# one element a consumer thread (4 warps), and a lane of the producer warp
-EACH_THREAD = gl.constexpr(gl.BlockedLayout([1], [32], [4], [0]))
-EACH_LANE = gl.constexpr(gl.BlockedLayout([1], [32], [1], [0]))
-# a segment's T_PARTS parts of t (part, rank, row m) as the producer warp sums them: each lane
-# all parts of its (rank, 4 rows), so the sum over parts stays in its registers, in part order
-T_GATHER = gl.constexpr(gl.BlockedLayout([T_PARTS.value, 1, 4], [1, RANK.value, 2], [1, 1, 1],
-                                         [2, 1, 0]))
-T_SHARED = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
 # the epilogue's s · B[tile] @ t in fp32: (64 rows n, 16 ranks, 8 rows m), a thread all 16
 # ranks of its (n, m) pairs, so the sum over ranks stays in its registers
 LORA3 = gl.constexpr(gl.BlockedLayout([1, RANK.value, 1], [8, 1, 4], [4, 1, 1], [2, 1, 0]))
@@ -478,12 +459,11 @@ def _halves_mma(a0, a1, x0, x1, acc, acc1, acc2, acc3):
 
 
 @gluon.jit
-def _step(bufs, xbufs, abufs, ready, empty, i, scale, acc, acc1, acc2, acc3, t4, lora_now,
+def _step(bufs, xbufs, abufs, ready, empty, i, scale, acc, acc1, acc2, acc3, t4,
           c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15,
           STAGES: gl.constexpr, HAS_LORA: gl.constexpr):
     """Step i of the CTA: stage i % STAGES's words, looked up at `scale` (64, 4), times x into
-    the accumulators (and where lora_now A times x into t4); the stage is handed back once
-    read.
+    the accumulators (and A times x into t4); the stage is handed back once read.
 
     The stage goes back after the step's MMAs, which consumed every register loaded from it:
     the producer's next TMA write (async proxy) must not overtake a load still queued in the
@@ -496,8 +476,7 @@ def _step(bufs, xbufs, abufs, ready, empty, i, scale, acc, acc1, acc2, acc3, t4,
     words = bufs.index(s).load(WORDS2)
     x0, x1 = _x_tiles(xbufs.index(s))
     if HAS_LORA:
-        if lora_now:
-            t4 = _lora_t_step(abufs.index(s), xbufs.index(s), t4)
+        t4 = _lora_t_step(abufs.index(s), xbufs.index(s), t4)
     acc, acc1, acc2, acc3 = _lookup_mma(words, tb0, tb1, tb2, tb3, tb4, tb5, tb6, tb7, x0, x1,
                                         acc, acc1, acc2, acc3)
     mbarrier.arrive(empty.index(s), count=1)
@@ -516,102 +495,73 @@ def _loop_start(offset_ptr, NESTED: gl.constexpr):
 
 
 @gluon.jit
-def _scale_start(absmax_ptr, absmax2_ptr, code2_ptr, offset, row0, N, K, step0, step1,
+def _scale_start(absmax_ptr, absmax2_ptr, code2_ptr, offset, row0, N, K, step_lo, nsteps,
                  BS: gl.constexpr, BS2: gl.constexpr, NESTED: gl.constexpr,
                  PAIR: gl.constexpr):
-    """A K loop's scale pipeline before its first step (step0; step1 the second): (the first
-    step's scale, the second step's scale operands). Each step's scale comes from registers
-    filled a step before: the loops load the scale operands two steps ahead and gather them
-    into the scale (code2[qa]) one step ahead, so neither load's latency, nor the register
-    moves that carry them to the next step, sits between a step's start and its lookups."""
-    qa, a2 = _scale_operands(absmax_ptr, absmax2_ptr, row0, N, K, step0, BS, BS2, NESTED, PAIR)
+    """A K loop's scale pipeline before its first step: (its last step, the first step's
+    scale, the second step's scale operands). Each step's scale comes from registers filled a
+    step before: the loops load the scale operands two steps ahead and gather them into the
+    scale (code2[qa]) one step ahead, so neither load's latency, nor the register moves that
+    carry them to the next step, sits between a step's start and its lookups."""
+    last = step_lo + nsteps - 1
+    qa, a2 = _scale_operands(absmax_ptr, absmax2_ptr, row0, N, K, step_lo, BS, BS2, NESTED,
+                             PAIR)
     scale = _scale(qa, a2, code2_ptr, offset, BS, NESTED, PAIR)
-    qa_next, a2_next = _scale_operands(absmax_ptr, absmax2_ptr, row0, N, K, step1, BS, BS2,
-                                       NESTED, PAIR)
-    return scale, qa_next, a2_next
+    qa_next, a2_next = _scale_operands(absmax_ptr, absmax2_ptr, row0, N, K,
+                                       gl.minimum(step_lo + 1, last), BS, BS2, NESTED, PAIR)
+    return last, scale, qa_next, a2_next
 
 
 @gluon.jit
-def _loop_step(step_lo, nsteps, rot, i):
-    """The K step of a loop's i-th iteration (i past the end: the last one's): the split's
-    steps step_lo .. step_lo + nsteps - 1 from step_lo + rot on, wrapping around (0 <= rot <
-    nsteps)."""
-    s = rot + gl.minimum(i, nsteps - 1)
-    return step_lo + s - nsteps * (s >= nsteps).to(gl.int32)
-
-
-@gluon.jit
-def _lora_tail(t4, i, n_lora, pub, part_ptr, ready_ptr, HAS_LORA: gl.constexpr):
-    """After a loop's step i: where the CTA publishes a part of t (pub) and this was the last
-    of its n_lora steps (or the first, where its part is empty), `_publish_t`."""
-    if HAS_LORA:
-        if pub & (i == gl.maximum(n_lora, 1) - 1):
-            _publish_t(t4, part_ptr, ready_ptr)
-
-
-@gluon.jit
-def _publish_t(t4, part_ptr, ready_ptr):
-    """Store the CTA's part of t (t4 summed over the warps: (RANK, 8) fp32, rank-major) at
-    part_ptr and count it in *ready_ptr: every consumer thread's stores, the consumer warps'
-    barrier (which orders them before what one thread does next), then that thread's add with
-    release semantics at GPU scope, so a reader whose acquire sees the count sees the part."""
-    t = gl.sum(t4, axis=0)
-    r = gl.arange(0, RANK, layout=gl.SliceLayout(1, gl.SliceLayout(0, MMA3)))
-    m = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(0, MMA3)))
-    gl.store(part_ptr + r[:, None] * 8 + m[None, :], t)
-    cta_barrier()
-    one = gl.arange(0, 128, layout=EACH_THREAD)
-    gl.atomic_add(ready_ptr + 0 * one, 1 + 0 * one, mask=one == 0, sem="release",
-                  scope="gpu")
+def _loop_sums(acc0, acc1, acc2, acc3, t4):
+    """A K loop's result: its four accumulators summed, and t (t4 summed over the warps) in
+    the epilogue's rank-sum layout."""
+    return (acc0 + acc1) + (acc2 + acc3), gl.convert_layout(gl.sum(t4, axis=0),
+                                                            gl.SliceLayout(0, LORA3))
 
 
 @gluon.jit
 def _k_loop(table, bufs, xbufs, abufs, ready, empty, code_ptr, absmax_ptr, absmax2_ptr,
-            code2_ptr, offset_ptr, row0, N, K, step_lo, nsteps, rot, n_lora, pub, part_ptr,
-            ready_ptr, i0, BS: gl.constexpr, BS2: gl.constexpr, NESTED: gl.constexpr,
-            STAGES: gl.constexpr, HAS_LORA: gl.constexpr, PAIR_TABLE: gl.constexpr,
-            FILL: gl.constexpr):
-    """One projection's K loop over the ring's stages i0 .. i0 + nsteps - 1 (the split's steps
-    from step_lo + rot on: `_loop_step`): its sum acc (64, 8), through the pair table of
-    code_ptr's code (filled first where FILL) or the register tables of code_ptr; with LoRA,
-    A @ xᵀ of its first n_lora steps, published as a part of t where pub (`_lora_tail`)."""
+            code2_ptr, offset_ptr, row0, N, K, step_lo, nsteps, i0, BS: gl.constexpr,
+            BS2: gl.constexpr, NESTED: gl.constexpr, STAGES: gl.constexpr,
+            HAS_LORA: gl.constexpr, PAIR_TABLE: gl.constexpr, FILL: gl.constexpr):
+    """One projection's K loop over the ring's stages i0 .. i0 + nsteps - 1: (acc, t), through
+    the pair table of code_ptr's code (filled first where FILL) or the register tables of
+    code_ptr."""
     if PAIR_TABLE:
         return _chunk_k_loop(table, bufs, xbufs, abufs, ready, empty, code_ptr, absmax_ptr,
                              absmax2_ptr, code2_ptr, offset_ptr, row0, N, K, step_lo, nsteps,
-                             rot, n_lora, pub, part_ptr, ready_ptr, i0, BS, BS2, NESTED,
-                             STAGES, HAS_LORA, FILL)
+                             i0, BS, BS2, NESTED, STAGES, HAS_LORA, FILL)
     else:
         return _table_k_loop(bufs, xbufs, abufs, ready, empty, code_ptr, absmax_ptr,
                              absmax2_ptr, code2_ptr, offset_ptr, row0, N, K, step_lo, nsteps,
-                             rot, n_lora, pub, part_ptr, ready_ptr, i0, BS, BS2, NESTED,
-                             STAGES, HAS_LORA)
+                             i0, BS, BS2, NESTED, STAGES, HAS_LORA)
 
 
 @gluon.jit
 def _table_k_loop(bufs, xbufs, abufs, ready, empty, code_ptr, absmax_ptr, absmax2_ptr,
-                  code2_ptr, offset_ptr, row0, N, K, step_lo, nsteps, rot, n_lora, pub,
-                  part_ptr, ready_ptr, i0, BS: gl.constexpr, BS2: gl.constexpr,
-                  NESTED: gl.constexpr, STAGES: gl.constexpr, HAS_LORA: gl.constexpr):
+                  code2_ptr, offset_ptr, row0, N, K, step_lo, nsteps, i0, BS: gl.constexpr,
+                  BS2: gl.constexpr, NESTED: gl.constexpr, STAGES: gl.constexpr,
+                  HAS_LORA: gl.constexpr):
     """`_k_loop` through the register tables (`_step`)."""
     t4, acc, acc1, acc2, acc3, offset = _loop_start(offset_ptr, NESTED)
     c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15 = _codes(code_ptr)
-    scale, qa_next, a2_next = _scale_start(absmax_ptr, absmax2_ptr, code2_ptr, offset, row0, N,
-                                           K, _loop_step(step_lo, nsteps, rot, 0),
-                                           _loop_step(step_lo, nsteps, rot, 1), BS, BS2,
-                                           NESTED, False)
+    last, scale, qa_next, a2_next = _scale_start(absmax_ptr, absmax2_ptr, code2_ptr, offset,
+                                                 row0, N, K, step_lo, nsteps, BS, BS2, NESTED,
+                                                 False)
     for i in range(nsteps):
+        step = step_lo + i
         qa_after, a2_after = _scale_operands(absmax_ptr, absmax2_ptr, row0, N, K,
-                                             _loop_step(step_lo, nsteps, rot, i + 2), BS, BS2,
-                                             NESTED, False)
+                                             gl.minimum(step + 2, last), BS, BS2, NESTED,
+                                             False)
         scale_next = _scale(qa_next, a2_next, code2_ptr, offset, BS, NESTED, False)
         acc, acc1, acc2, acc3, t4 = _step(
             bufs, xbufs, abufs, ready, empty, i0 + i, scale, acc, acc1, acc2, acc3, t4,
-            i < n_lora, c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15,
-            STAGES, HAS_LORA)
-        _lora_tail(t4, i, n_lora, pub, part_ptr, ready_ptr, HAS_LORA)
+            c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15, STAGES,
+            HAS_LORA)
         scale = scale_next
         qa_next, a2_next = qa_after, a2_after
-    return (acc + acc1) + (acc2 + acc3)
+    return _loop_sums(acc, acc1, acc2, acc3, t4)
 
 
 @gluon.jit
@@ -622,42 +572,38 @@ def _stage_row(r):
 
 @gluon.jit
 def _chunk_k_loop(table, bufs, xbufs, abufs, ready, empty, code_ptr, absmax_ptr, absmax2_ptr,
-                  code2_ptr, offset_ptr, row0, N, K, step_lo, nsteps, rot, n_lora, pub,
-                  part_ptr, ready_ptr, i0, BS: gl.constexpr, BS2: gl.constexpr,
-                  NESTED: gl.constexpr, STAGES: gl.constexpr, HAS_LORA: gl.constexpr,
-                  FILL: gl.constexpr):
-    """`_k_loop` through the pair table (`_chunk_step`): acc by MMA row; the stage
+                  code2_ptr, offset_ptr, row0, N, K, step_lo, nsteps, i0, BS: gl.constexpr,
+                  BS2: gl.constexpr, NESTED: gl.constexpr, STAGES: gl.constexpr,
+                  HAS_LORA: gl.constexpr, FILL: gl.constexpr):
+    """`_k_loop` through the pair table (`_chunk_step`): (acc, t), acc by MMA row; the stage
     goes back as `_step` says. With FILL the consumer warps fill the table first, after the
     first step's scale loads are issued, so that those loads' latency (the scale is two
     dependent loads: its code index, then code2 at it) and the fill's overlap; the barrier is
     the consumer warps' own (the producer's first copies are not held behind the fill)."""
     t4, acc0, acc1, acc2, acc3, offset = _loop_start(offset_ptr, NESTED)
     base = _pair_table_base(gl.zeros([64, 2, 4], gl.int32, WORDS_Q))
-    scale, qa_next, a2_next = _scale_start(absmax_ptr, absmax2_ptr, code2_ptr, offset, row0, N,
-                                           K, _loop_step(step_lo, nsteps, rot, 0),
-                                           _loop_step(step_lo, nsteps, rot, 1), BS, BS2,
-                                           NESTED, True)
+    last, scale, qa_next, a2_next = _scale_start(absmax_ptr, absmax2_ptr, code2_ptr, offset,
+                                                 row0, N, K, step_lo, nsteps, BS, BS2, NESTED,
+                                                 True)
     if FILL:
         _fill_pair_table(table, code_ptr)
         cta_barrier()
     for i in range(nsteps):
+        step = step_lo + i
         scale_next = _scale(qa_next, a2_next, code2_ptr, offset, BS, NESTED, True)
         s = (i0 + i) % STAGES
         mbarrier.wait(ready.index(s), ((i0 + i) // STAGES) & 1)
         words = bufs.index(s).load(WORDS_C)
         xv = xbufs.index(s).load(XLOAD_C)
         if HAS_LORA:
-            if i < n_lora:
-                t4 = _lora_t_step(abufs.index(s), xbufs.index(s), t4)
+            t4 = _lora_t_step(abufs.index(s), xbufs.index(s), t4)
         qa_after, a2_after = _scale_operands(absmax_ptr, absmax2_ptr, row0, N, K,
-                                             _loop_step(step_lo, nsteps, rot, i + 2), BS, BS2,
-                                             NESTED, True)
+                                             gl.minimum(step + 2, last), BS, BS2, NESTED, True)
         acc0, acc1, acc2, acc3 = _chunk_step(words, xv, base, scale, acc0, acc1, acc2, acc3)
         mbarrier.arrive(empty.index(s), count=1)  # as `_step`: after the MMAs
-        _lora_tail(t4, i, n_lora, pub, part_ptr, ready_ptr, HAS_LORA)
         scale = scale_next
         qa_next, a2_next = qa_after, a2_after
-    return (acc0 + acc1) + (acc2 + acc3)
+    return _loop_sums(acc0, acc1, acc2, acc3, t4)
 
 
 @gluon.jit
@@ -672,34 +618,6 @@ def _pick(seg, v0, v1, v2):
 
 
 @gluon.jit
-def _lora_plan(pid, pid_k, nsteps, t_parts, nseg, GLU: gl.constexpr, HAS_LORA: gl.constexpr):
-    """The CTA's share of t (module docstring): (pub, n_lora, rot, slot, a_seg). A K split's
-    nsteps steps are cut into t_parts parts of r = ⌈nsteps / t_parts⌉ steps (the last ones
-    shorter or empty); tile pid < nseg · t_parts (GLU: pid < t_parts, its gate's part
-    and its up projection's) publishes part pid % t_parts of segment a_seg = pid // t_parts
-    (pub): its loops start at the part's first step (rot) and sum A @ xᵀ over their first
-    n_lora steps; slot is the part's index in t's buffer (split, segment, part) (GLU: the
-    gate's; the up projection's follows T_PARTS later). Other tiles: no part, rot 0. The
-    publishing tiles are the first of each split's row of the grid, so a CTA that waits for
-    a part was dispatched after the CTA that publishes it (CTAs start in the order of their
-    linear index)."""
-    part = pid % t_parts
-    if GLU:
-        a_seg = 0
-        pub = pid < t_parts
-    else:
-        a_seg = pid // t_parts
-        pub = a_seg < nseg
-    if not HAS_LORA:
-        pub = pid < 0
-    r = (nsteps + t_parts - 1) // t_parts
-    start = part * r
-    n_lora = gl.minimum(gl.maximum(nsteps - start, 0), r) * pub.to(gl.int32)
-    rot = start * (pub & (start < nsteps)).to(gl.int32)
-    return pub, n_lora, rot, (pid_k * 3 + a_seg) * T_PARTS + part, a_seg
-
-
-@gluon.jit
 def _consumer(table, bufs, xbufs, abufs, ready, empty, seg,
               code_ptr0, absmax_ptr0, absmax2_ptr0, code2_ptr0, offset_ptr0, n0, b_ptr0,
               stride_bn0,
@@ -707,41 +625,38 @@ def _consumer(table, bufs, xbufs, abufs, ready, empty, seg,
               stride_bn1,
               code_ptr2, absmax_ptr2, absmax2_ptr2, code2_ptr2, offset_ptr2, n2, b_ptr2,
               stride_bn2,
-              row0, K, step_lo, nsteps, pub, n_lora, rot, part_ptr, ready_ptr,
-              BS: gl.constexpr, BS2: gl.constexpr, NESTED: gl.constexpr, STAGES: gl.constexpr,
-              HAS_LORA: gl.constexpr, GLU: gl.constexpr, PAIR_TABLE: gl.constexpr):
-    """(acc, B's tile) of the CTA's segment, and with GLU (acc_u, B_u) of the up projection
-    (segment 1), whose loop streams the next stages after the gate's (segment 0); the lookup
-    by PAIR_TABLE (`_k_loop`; the first K loop fills the pair table, the launch's projections
-    share one code), the loops' order and share of t by `_lora_plan` (pub, n_lora, rot;
-    part_ptr the slot of t's part, ready_ptr the split's count). B's tiles are loaded before
-    their K loops, so the epilogue does not wait for them (the up projection's after the
-    gate's loop: one tile's registers live through each loop)."""
+              row0, K, step_lo, nsteps, BS: gl.constexpr, BS2: gl.constexpr,
+              NESTED: gl.constexpr, STAGES: gl.constexpr, HAS_LORA: gl.constexpr,
+              GLU: gl.constexpr, PAIR_TABLE: gl.constexpr):
+    """(acc, t, B's tile) of the CTA's segment; with GLU the gate's (segment 0), then the up
+    projection's (segment 1) from the next stages; the lookup by PAIR_TABLE (`_k_loop`; the
+    first K loop fills the pair table, the launch's projections share one code). B's tiles
+    are loaded before their K loops, so the epilogue does not wait for them (the up
+    projection's after the gate's loop: one tile's registers live through each loop)."""
     if GLU:
         b = _lora_b(b_ptr0, row0, n0, stride_bn0, HAS_LORA)
-        acc = _k_loop(table, bufs, xbufs, abufs, ready, empty, code_ptr0, absmax_ptr0,
-                      absmax2_ptr0, code2_ptr0, offset_ptr0, row0, n0, K, step_lo, nsteps,
-                      rot, n_lora, pub, part_ptr, ready_ptr, 0, BS, BS2, NESTED, STAGES,
-                      HAS_LORA, PAIR_TABLE, True)
+        acc, t = _k_loop(table, bufs, xbufs, abufs, ready, empty, code_ptr0, absmax_ptr0,
+                         absmax2_ptr0, code2_ptr0, offset_ptr0, row0, n0, K, step_lo, nsteps,
+                         0, BS, BS2, NESTED, STAGES, HAS_LORA, PAIR_TABLE, True)
         b_u = _lora_b(b_ptr1, row0, n0, stride_bn1, HAS_LORA)
-        acc_u = _k_loop(table, bufs, xbufs, abufs, ready, empty, code_ptr1, absmax_ptr1,
-                        absmax2_ptr1, code2_ptr1, offset_ptr1, row0, n0, K, step_lo, nsteps,
-                        rot, n_lora, pub, part_ptr + T_PARTS * RANK * 8, ready_ptr, nsteps,
-                        BS, BS2, NESTED, STAGES, HAS_LORA, PAIR_TABLE, False)
+        acc_u, t_u = _k_loop(table, bufs, xbufs, abufs, ready, empty, code_ptr1, absmax_ptr1,
+                             absmax2_ptr1, code2_ptr1, offset_ptr1, row0, n0, K, step_lo,
+                             nsteps, nsteps, BS, BS2, NESTED, STAGES, HAS_LORA, PAIR_TABLE,
+                             False)
     else:
         b = _lora_b(_pick(seg, b_ptr0, b_ptr1, b_ptr2), row0, _pick(seg, n0, n1, n2),
                     _pick(seg, stride_bn0, stride_bn1, stride_bn2), HAS_LORA)
         b_u = b
-        acc = _k_loop(table, bufs, xbufs, abufs, ready, empty,
-                      _pick(seg, code_ptr0, code_ptr1, code_ptr2),
-                      _pick(seg, absmax_ptr0, absmax_ptr1, absmax_ptr2),
-                      _pick(seg, absmax2_ptr0, absmax2_ptr1, absmax2_ptr2),
-                      _pick(seg, code2_ptr0, code2_ptr1, code2_ptr2),
-                      _pick(seg, offset_ptr0, offset_ptr1, offset_ptr2), row0,
-                      _pick(seg, n0, n1, n2), K, step_lo, nsteps, rot, n_lora, pub, part_ptr,
-                      ready_ptr, 0, BS, BS2, NESTED, STAGES, HAS_LORA, PAIR_TABLE, True)
-        acc_u = acc
-    return acc, b, acc_u, b_u
+        acc, t = _k_loop(table, bufs, xbufs, abufs, ready, empty,
+                         _pick(seg, code_ptr0, code_ptr1, code_ptr2),
+                         _pick(seg, absmax_ptr0, absmax_ptr1, absmax_ptr2),
+                         _pick(seg, absmax2_ptr0, absmax2_ptr1, absmax2_ptr2),
+                         _pick(seg, code2_ptr0, code2_ptr1, code2_ptr2),
+                         _pick(seg, offset_ptr0, offset_ptr1, offset_ptr2), row0,
+                         _pick(seg, n0, n1, n2), K, step_lo, nsteps, 0, BS, BS2, NESTED,
+                         STAGES, HAS_LORA, PAIR_TABLE, True)
+        acc_u, t_u = acc, t
+    return acc, t, b, acc_u, t_u, b_u
 
 
 @gluon.jit
@@ -754,123 +669,53 @@ def _grid_wait(PDL: gl.constexpr):
 
 
 @gluon.jit
-def _load_weights(seg, a_seg, w_desc0, a_desc0, w_desc1, a_desc1, w_desc2, a_desc2, row0, step,
-                  lora_now, bar, wbuf, abuf, NBYTES: gl.constexpr, A_BYTES: gl.constexpr,
-                  HAS_LORA: gl.constexpr):
-    """A stage's expected bytes (NBYTES, plus A_BYTES where lora_now) and the TMA copies of
-    segment seg's packed weight of `step` (and where lora_now segment a_seg's A)."""
-    if HAS_LORA:
-        mbarrier.expect(bar, NBYTES + A_BYTES, pred=lora_now)
-        mbarrier.expect(bar, NBYTES, pred=lora_now == 0)
-        if a_seg == 0:
-            tma_load(a_desc0, [0, step * 4, 0], bar, abuf, pred=lora_now)
-        elif a_seg == 1:
-            tma_load(a_desc1, [0, step * 4, 0], bar, abuf, pred=lora_now)
-        else:
-            tma_load(a_desc2, [0, step * 4, 0], bar, abuf, pred=lora_now)
-    else:
-        mbarrier.expect(bar, NBYTES)
+def _load_weights(seg, w_desc0, a_desc0, w_desc1, a_desc1, w_desc2, a_desc2, row0, step, bar,
+                  wbuf, abuf, HAS_LORA: gl.constexpr):
+    """The TMA copies of segment seg's packed weight (and A) of `step` into a stage."""
     if seg == 0:
         tma_load(w_desc0, [row0, step * STEP_WORDS], bar, wbuf)
+        if HAS_LORA:
+            tma_load(a_desc0, [0, step * 4, 0], bar, abuf)
     elif seg == 1:
         tma_load(w_desc1, [row0, step * STEP_WORDS], bar, wbuf)
+        if HAS_LORA:
+            tma_load(a_desc1, [0, step * 4, 0], bar, abuf)
     else:
         tma_load(w_desc2, [row0, step * STEP_WORDS], bar, wbuf)
+        if HAS_LORA:
+            tma_load(a_desc2, [0, step * 4, 0], bar, abuf)
 
 
 @gluon.jit
 def _producer(x_desc, w_desc0, a_desc0, w_desc1, a_desc1, w_desc2, a_desc2, bufs, xbufs, abufs,
-              ready, empty, seg, row0, step_lo, nsteps, n_lora, rot, a_seg,
-              STAGES: gl.constexpr, HAS_LORA: gl.constexpr, GLU: gl.constexpr,
-              PDL: gl.constexpr):
-    """The stages' copies: the segment's steps in `_loop_step`'s order (with GLU the gate's,
-    then the up projection's), A with the first n_lora of each loop (`_lora_plan`). The first
-    STAGES stages' weights are copied before `_grid_wait`: only x comes from the kernel before
-    this one."""
-    NBYTES: gl.constexpr = w_desc0.block_type.nbytes + x_desc.block_type.nbytes
-    A_BYTES: gl.constexpr = a_desc0.block_type.nbytes
+              ready, empty, seg, row0, step_lo, nsteps, STAGES: gl.constexpr,
+              HAS_LORA: gl.constexpr, GLU: gl.constexpr, PDL: gl.constexpr):
+    """The stages' copies: the segment's steps (with GLU the gate's, then the up
+    projection's). The first STAGES stages' weights are copied before `_grid_wait`: only x
+    comes from the kernel before this one."""
+    nbytes: gl.constexpr = (w_desc0.block_type.nbytes + x_desc.block_type.nbytes
+                            + (a_desc0.block_type.nbytes if HAS_LORA else 0))
     total = nsteps * (2 if GLU else 1)
     for i in gl.static_range(STAGES):
         if i < total:
-            j = i % nsteps
-            up = (i >= nsteps).to(gl.int32)
-            _load_weights(seg + up, a_seg + up, w_desc0, a_desc0, w_desc1, a_desc1, w_desc2,
-                          a_desc2, row0, _loop_step(step_lo, nsteps, rot, j), j < n_lora,
-                          ready.index(i), bufs.index(i), abufs.index(i), NBYTES, A_BYTES,
-                          HAS_LORA)
+            mbarrier.expect(ready.index(i), nbytes)
+            _load_weights(seg + (i >= nsteps).to(gl.int32), w_desc0, a_desc0, w_desc1,
+                          a_desc1, w_desc2, a_desc2, row0, step_lo + i % nsteps,
+                          ready.index(i), bufs.index(i), abufs.index(i), HAS_LORA)
     _grid_wait(PDL)
     for i in gl.static_range(STAGES):
         if i < total:
-            tma_load(x_desc, [0, _loop_step(step_lo, nsteps, rot, i % nsteps) * 4, 0],
-                     ready.index(i), xbufs.index(i))
+            tma_load(x_desc, [0, (step_lo + i % nsteps) * 4, 0], ready.index(i),
+                     xbufs.index(i))
     for i in range(STAGES, total):
         s = i % STAGES
         mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
-        j = i % nsteps
-        up = (i >= nsteps).to(gl.int32)
-        step = _loop_step(step_lo, nsteps, rot, j)
-        _load_weights(seg + up, a_seg + up, w_desc0, a_desc0, w_desc1, a_desc1, w_desc2,
-                      a_desc2, row0, step, j < n_lora, ready.index(s), bufs.index(s),
-                      abufs.index(s), NBYTES, A_BYTES, HAS_LORA)
+        mbarrier.expect(ready.index(s), nbytes)
+        step = step_lo + i % nsteps
+        _load_weights(seg + (i >= nsteps).to(gl.int32), w_desc0, a_desc0, w_desc1, a_desc1,
+                      w_desc2, a_desc2, row0, step, ready.index(s), bufs.index(s),
+                      abufs.index(s), HAS_LORA)
         tma_load(x_desc, [0, step * 4, 0], ready.index(s), xbufs.index(s))
-
-
-@gluon.jit
-def _t_gatherer(tpart_ptr, sync_ptr, tsm, t_bar, pid_k, seg, want, t_parts, PDL: gl.constexpr,
-                HAS_LORA: gl.constexpr, GLU: gl.constexpr):
-    """A warp of the producer's warp group with nothing else to do: with LoRA, t for the
-    epilogue (`_gather_t`) while the loops run, after the previous kernel (whose launch may
-    still be reading the counts: `_grid_wait`)."""
-    if HAS_LORA:
-        _grid_wait(PDL)
-        _gather_t(tpart_ptr, sync_ptr, tsm, t_bar, pid_k, seg, want, t_parts, GLU)
-
-
-@gluon.jit
-def _fence_acq_rel():
-    """fence.acq_rel.gpu: after a relaxed read that saw a release's value, the reads that
-    follow see what the release published (the fence-based acquire of PTX's memory model)."""
-    gl.inline_asm_elementwise("fence.acq_rel.gpu; // $0", "=r", [], dtype=gl.int32,
-                              is_pure=False, pack=1)
-
-
-@gluon.jit
-def _sum_parts(tpart_ptr, slot, t_parts):
-    """Σ of the t_parts parts of t from `slot` on (T_GATHER: each lane its (rank, rows) of
-    every part, summed in part order), (RANK, 8) fp32."""
-    p = gl.arange(0, T_PARTS, layout=gl.SliceLayout(1, gl.SliceLayout(2, T_GATHER)))
-    r = gl.arange(0, RANK, layout=gl.SliceLayout(0, gl.SliceLayout(2, T_GATHER)))
-    m = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, T_GATHER)))
-    offs = (slot + p[:, None, None]) * (RANK * 8) + r[None, :, None] * 8 + m[None, None, :]
-    ok = (p < t_parts)[:, None, None] & (r < RANK)[None, :, None] & (m < 8)[None, None, :]
-    return gl.sum(gl.load(tpart_ptr + offs, mask=ok, other=0.0), axis=0)
-
-
-@gluon.jit
-def _gather_t(tpart_ptr, sync_ptr, tsm, t_bar, pid_k, seg, want, t_parts, GLU: gl.constexpr):
-    """The producer warp's last job: wait until the split's ready count (sync_ptr[1 + pid_k])
-    reaches `want` parts (each count a part's release), acquire, sum the segment's parts (GLU:
-    the gate's into tsm[0], the up projection's into tsm[1]) into shared memory and hand them
-    to the consumer warps (t_bar); then count the CTA done (sync_ptr[0]): the launch's last
-    CTA sets the counts back to zero (every other CTA has read its count by then)."""
-    lane = gl.arange(0, 32, layout=EACH_LANE)
-    count = sync_ptr + 1 + pid_k + 0 * lane
-    n = gl.load(count, volatile=True)
-    while gl.min(n, axis=0) < want:
-        n = gl.load(count, volatile=True)
-    _fence_acq_rel()
-    if GLU:
-        tsm.index(0).store(_sum_parts(tpart_ptr, (pid_k * 3) * T_PARTS, t_parts))
-        tsm.index(1).store(_sum_parts(tpart_ptr, (pid_k * 3 + 1) * T_PARTS, t_parts))
-    else:
-        tsm.index(0).store(_sum_parts(tpart_ptr, (pid_k * 3 + seg) * T_PARTS, t_parts))
-    cta_barrier()  # every lane's stores before the arrive
-    mbarrier.arrive(t_bar, count=1)
-    old = gl.atomic_add(sync_ptr + 0 * lane, 1 + 0 * lane, mask=lane == 0, sem="acq_rel",
-                        scope="gpu")
-    done = gl.max(gl.where(lane == 0, old, 0), axis=0)
-    if done == gl.num_programs(0) * gl.num_programs(1) - 1:
-        gl.store(sync_ptr + lane, 0 * lane, mask=lane <= gl.num_programs(1))
 
 
 @gluon.jit
@@ -908,7 +753,7 @@ def _silu_mul(g, u):
 
 
 @gluon.jit
-def linear4bit_ws_kernel(x_desc, y_ptr, part_ptr, tpart_ptr, sync_ptr, t_parts,
+def linear4bit_ws_kernel(x_desc, y_ptr, part_ptr,
                          w_desc0, a_desc0, b_ptr0, code_ptr0, absmax_ptr0, absmax2_ptr0,
                          code2_ptr0, offset_ptr0, scaling0, stride_bn0, n0, bias_ptr0,
                          w_desc1, a_desc1, b_ptr1, code_ptr1, absmax_ptr1, absmax2_ptr1,
@@ -930,10 +775,7 @@ def linear4bit_ws_kernel(x_desc, y_ptr, part_ptr, tpart_ptr, sync_ptr, t_parts,
     projection's, and y = silu(gate) · up. HAS_BIAS: bias_ptr_s is projection s's bias, added
     in fp32 before the one rounding (GLU: to each of gate and up), and left out of SPLIT
     partials (their sum adds it). PDL: launched with programmatic dependent launch (`pdl`);
-    the producer waits for the previous kernel before it copies x. LoRA: t's parts go
-    through tpart_ptr (fp32 (SPLIT, 3, T_PARTS, RANK, 8)), t_parts a segment and split, their
-    counts through sync_ptr (`arrivals`' int32 counters, zero between calls: the launch's done
-    count, then each split's ready count; `_lora_plan`).
+    the producer waits for the previous kernel before it copies x.
     `linear4bit_ws.launch` gives the descriptors and the steps a split."""
     pid = gl.program_id(0)
     seg = (pid >= tile1).to(gl.int32) + (pid >= tile2).to(gl.int32)
@@ -941,13 +783,6 @@ def linear4bit_ws_kernel(x_desc, y_ptr, part_ptr, tpart_ptr, sync_ptr, t_parts,
     pid_k = gl.program_id(1)
     step_lo = pid_k * steps_per_split
     nsteps = gl.minimum(steps_per_split, K // 256 - step_lo)
-    if GLU:
-        nseg = 2
-    else:  # an absent segment's first tile is past the grid
-        tiles = gl.num_programs(0)
-        nseg = 1 + (tile1 < tiles).to(gl.int32) + (tile2 < tiles).to(gl.int32)
-    pub, n_lora, rot, slot, a_seg = _lora_plan(pid, pid_k, nsteps, t_parts, nseg, GLU,
-                                               HAS_LORA)
     # the pair table first, so that it sits at the start of shared memory (its lookups address
     # it from there: `_pair_table_base`); the consumer fills it (`_chunk_k_loop`). Without the
     # table, a one-row stand-in that nothing reads.
@@ -959,15 +794,11 @@ def linear4bit_ws_kernel(x_desc, y_ptr, part_ptr, tpart_ptr, sync_ptr, t_parts,
                                       a_desc0.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    # t of the segment (GLU: gate's, then up's), from the producer warp (`_gather_t`)
-    tsm = gl.allocate_shared_memory(gl.float32, [2 if HAS_LORA else 1, RANK, 8], T_SHARED)
-    t_bar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
     for s in gl.static_range(STAGES):
         mbarrier.init(ready.index(s), count=1)
         mbarrier.init(empty.index(s), count=1)
-    mbarrier.init(t_bar.index(0), count=1)
     fence_async_shared()
-    acc, b, acc_u, b_u = gl.warp_specialize([
+    acc, t, b, acc_u, t_u, b_u = gl.warp_specialize([
         (_consumer, (table, bufs, xbufs, abufs, ready, empty, seg,
                      code_ptr0, absmax_ptr0, absmax2_ptr0, code2_ptr0, offset_ptr0, n0,
                      b_ptr0, stride_bn0,
@@ -975,15 +806,12 @@ def linear4bit_ws_kernel(x_desc, y_ptr, part_ptr, tpart_ptr, sync_ptr, t_parts,
                      b_ptr1, stride_bn1,
                      code_ptr2, absmax_ptr2, absmax2_ptr2, code2_ptr2, offset_ptr2, n2,
                      b_ptr2, stride_bn2,
-                     row0, K, step_lo, nsteps, pub, n_lora, rot,
-                     tpart_ptr + slot * (RANK * 8), sync_ptr + 1 + pid_k, BS, BS2, NESTED,
-                     STAGES, HAS_LORA, GLU, PAIR_TABLE)),
+                     row0, K, step_lo, nsteps, BS, BS2, NESTED, STAGES, HAS_LORA, GLU,
+                     PAIR_TABLE)),
         (_producer, (x_desc, w_desc0, a_desc0, w_desc1, a_desc1, w_desc2, a_desc2, bufs,
-                     xbufs, abufs, ready, empty, seg, row0, step_lo, nsteps, n_lora, rot,
-                     a_seg, STAGES, HAS_LORA, GLU, PDL)),
-        (_t_gatherer, (tpart_ptr, sync_ptr, tsm, t_bar.index(0), pid_k, seg, nseg * t_parts,
-                       t_parts, PDL, HAS_LORA, GLU)),
-    ], [1, 1], [PRODUCER_REGS, PRODUCER_REGS])
+                     xbufs, abufs, ready, empty, seg, row0, step_lo, nsteps, STAGES, HAS_LORA,
+                     GLU, PDL)),
+    ], [1], [PRODUCER_REGS])
     if PAIR_TABLE:  # the table's last use as the compiler sees it (its lookups are inline
         table._keep_alive()  # PTX): its bytes stay the table's through the K loops
     if EARLY_NEXT:  # the next kernel may start now (its programs wait in their grid_wait)
@@ -996,11 +824,9 @@ def linear4bit_ws_kernel(x_desc, y_ptr, part_ptr, tpart_ptr, sync_ptr, t_parts,
         n = _pick(seg, n0, n1, n2)
         col = (seg == 1).to(gl.int32) * col1 + (seg == 2).to(gl.int32) * col2
     if HAS_LORA:
-        mbarrier.wait(t_bar.index(0), 0)
-        t = tsm.index(0).load(gl.SliceLayout(0, LORA3))
         if GLU:
             acc += _lora_term(t, b, scaling0)
-            acc_u += _lora_term(tsm.index(1).load(gl.SliceLayout(0, LORA3)), b_u, scaling1)
+            acc_u += _lora_term(t_u, b_u, scaling1)
         else:
             acc += _lora_term(t, b, _pick(seg, scaling0, scaling1, scaling2))
     r = gl.arange(0, 64, layout=gl.SliceLayout(1, MMA))

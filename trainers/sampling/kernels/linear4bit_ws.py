@@ -40,7 +40,6 @@ import torch
 import triton
 
 from ._interp import interpreting
-from .arrivals import arrival_counters
 from .split_sum import SplitSum
 
 ENV = "GRPO_LCE_WS_LINEAR"
@@ -52,8 +51,6 @@ LAUNCHES: collections.Counter = collections.Counter()
 LOOKUPS: collections.Counter = collections.Counter()
 MAX_ROWS = 8
 RANK = 16
-MAX_SPLIT = 8  # `split_rule`'s most K splits
-T_PARTS = 4  # the kernel's most parts of t a segment and split (`_lora_plan`)
 STAGES = 2  # shared-memory stages a CTA streams ahead (more measured slower)
 MAXNREG = 128  # registers a thread at launch: two CTAs a SM; the consumer warps take the
 #                producer warp group's spare registers
@@ -123,8 +120,6 @@ def reason(x: torch.Tensor, parts: list, glu: bool, config: dict | None) -> str 
         why = _part_reason(part, k)
         if why is not None:
             return why
-    if parts[0].lora_a is not None and arrival_counters(x.device, MAX_SPLIT + 1) is None:
-        return "no arrival counters yet (a CUDA graph capture before any uncaptured call)"
     if glu:
         g, u = parts[0].weight, parts[1].weight
         if ((g.blocksize, g.blocksize2, g.nested, g.quant_type)
@@ -166,17 +161,9 @@ def split_rule(n: int, k: int, num_sms: int, ctas_per_sm: float | None = None) -
         ctas_per_sm = (PAIR_CTAS_PER_SM if pair_table_rule(tiles, k, num_sms)
                        else CTAS_PER_SM)
     split = 1
-    while tiles * split < ctas_per_sm * num_sms and split < MAX_SPLIT:
+    while tiles * split < ctas_per_sm * num_sms and split < 8:
         split *= 2
     return max(1, min(split, (k // 256) // 2))
-
-
-def t_parts_rule(steps: int, tiles: int, segments: int) -> int:
-    """The parts t is summed from, a segment and K split (the kernel's `_lora_plan`): up to
-    T_PARTS (each a publishing CTA's first ⌈steps / parts⌉ steps), at most the split's steps,
-    and few enough that the launch's first tiles publish them all (segments · parts <= tiles;
-    a gate/up launch's tiles publish both projections' parts)."""
-    return max(1, min(T_PARTS, steps, tiles // segments))
 
 
 def pair_table_rule(tiles: int, k: int, num_sms: int) -> bool:
@@ -265,20 +252,11 @@ def _launch(x: torch.Tensor, parts: list, glu: bool, defer_sum: bool,
     partials = (torch.empty(split, m, width, device=x.device, dtype=torch.float32)
                 if split > 1 else y)
     pair_table = pair_table_rule(sum(tiles), k, sms)
-    has_lora = parts[0].lora_a is not None
-    if has_lora:  # t's parts (fp32 (split, 3, T_PARTS, RANK, 8)) and their counts
-        t_parts = t_parts_rule(per, sum(tiles), 1 if glu else len(parts))
-        tpart = torch.empty(split * 3 * T_PARTS * RANK * 8, device=x.device,
-                            dtype=torch.float32)
-        sync = arrival_counters(x.device, split + 1)
-    else:
-        t_parts, tpart, sync = 1, partials, partials  # never read
     linear4bit_ws_kernel[(sum(tiles), split)](
-        x_desc, y, partials, tpart, sync, t_parts, *segs[0], *segs[1], *segs[2], *first_tile,
-        *first_col,
+        x_desc, y, partials, *segs[0], *segs[1], *segs[2], *first_tile, *first_col,
         k, m, y.stride(0), partials.stride(1), partials.stride(0) if split > 1 else 0, per,
         BS=w.blocksize, BS2=w.blocksize2, NESTED=w.nested, SPLIT=split > 1, STAGES=STAGES,
-        HAS_LORA=has_lora, HAS_BIAS=parts[0].bias is not None, GLU=glu,
+        HAS_LORA=parts[0].lora_a is not None, HAS_BIAS=parts[0].bias is not None, GLU=glu,
         PRODUCER_REGS=PRODUCER_REGS, PAIR_TABLE=pair_table,
         **(pdl_args := launch_args(linear4bit_ws_kernel, x.device)),
         EARLY_NEXT=pdl_args["PDL"] and sum(tiles) * split <= EARLY_NEXT_CTAS_PER_SM * sms,
