@@ -34,7 +34,8 @@ SHAPES = [(14336, 4096), (16896, 4096), (8448, 4096), (16896, 3584), (14336, 358
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", default=",".join(f"{n}x{k}" for n, k in SHAPES), help="NxK,...")
-    ap.add_argument("--glu", default="0,1", help="0: single projections, 1: gate/up + silu · mul launches")
+    ap.add_argument("--glu", default="0,1",
+                    help="0: single projections, 1: gate/up + silu · mul launches")
     ap.add_argument("--stages", default=str(WS.STAGES))
     ap.add_argument("--lora", default="1")
     ap.add_argument("--tag", default="")
