@@ -114,9 +114,8 @@ def compile_ws_linear(nested: bool, bs: int, lora: bool, split: bool, glu: bool,
                                       [8, k // 64, 64], [k, 64, 1], [8, 4, 64], 16)}
     consts = {"BS": bs, "BS2": 256, "NESTED": nested, "SPLIT": split, "STAGES": WS.STAGES,
               "HAS_LORA": lora, "HAS_BIAS": bias, "GLU": glu, "PDL": pdl, "EARLY_NEXT": pdl,
-              "PRODUCER_REGS": WS.PRODUCER_REGS, "PAIR_TABLE": pair_table,
-              "T_INPUT": False}
-    types = {"y_ptr": "*bf16", "part_ptr": "*fp32", "t_ptr": "*fp32"}
+              "PRODUCER_REGS": WS.PRODUCER_REGS, "PAIR_TABLE": pair_table}
+    types = {"y_ptr": "*bf16", "part_ptr": "*fp32"}
     for seg in "012":
         descs.update({f"w_desc{seg}": w_desc, f"a_desc{seg}": a_desc})
         types.update({f"b_ptr{seg}": "*bf16", f"code_ptr{seg}": "*fp32",

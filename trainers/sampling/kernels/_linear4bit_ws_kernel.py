@@ -625,24 +625,23 @@ def _consumer(table, bufs, xbufs, abufs, ready, empty, seg,
               stride_bn1,
               code_ptr2, absmax_ptr2, absmax2_ptr2, code2_ptr2, offset_ptr2, n2, b_ptr2,
               stride_bn2,
-              row0, K, step_lo, nsteps, t_ptr, pid_k, BS: gl.constexpr, BS2: gl.constexpr,
+              row0, K, step_lo, nsteps, BS: gl.constexpr, BS2: gl.constexpr,
               NESTED: gl.constexpr, STAGES: gl.constexpr, HAS_LORA: gl.constexpr,
-              GLU: gl.constexpr, PAIR_TABLE: gl.constexpr, T_INPUT: gl.constexpr):
+              GLU: gl.constexpr, PAIR_TABLE: gl.constexpr):
     """(acc, t, B's tile) of the CTA's segment; with GLU the gate's (segment 0), then the up
     projection's (segment 1) from the next stages; the lookup by PAIR_TABLE (`_k_loop`; the
     first K loop fills the pair table, the launch's projections share one code). B's tiles
     are loaded before their K loops, so the epilogue does not wait for them (the up
     projection's after the gate's loop: one tile's registers live through each loop)."""
-    LOOP_LORA: gl.constexpr = HAS_LORA and not T_INPUT
     if GLU:
         b = _lora_b(b_ptr0, row0, n0, stride_bn0, HAS_LORA)
         acc, t = _k_loop(table, bufs, xbufs, abufs, ready, empty, code_ptr0, absmax_ptr0,
                          absmax2_ptr0, code2_ptr0, offset_ptr0, row0, n0, K, step_lo, nsteps,
-                         0, BS, BS2, NESTED, STAGES, LOOP_LORA, PAIR_TABLE, True)
+                         0, BS, BS2, NESTED, STAGES, HAS_LORA, PAIR_TABLE, True)
         b_u = _lora_b(b_ptr1, row0, n0, stride_bn1, HAS_LORA)
         acc_u, t_u = _k_loop(table, bufs, xbufs, abufs, ready, empty, code_ptr1, absmax_ptr1,
                              absmax2_ptr1, code2_ptr1, offset_ptr1, row0, n0, K, step_lo,
-                             nsteps, nsteps, BS, BS2, NESTED, STAGES, LOOP_LORA, PAIR_TABLE,
+                             nsteps, nsteps, BS, BS2, NESTED, STAGES, HAS_LORA, PAIR_TABLE,
                              False)
     else:
         b = _lora_b(_pick(seg, b_ptr0, b_ptr1, b_ptr2), row0, _pick(seg, n0, n1, n2),
@@ -655,14 +654,8 @@ def _consumer(table, bufs, xbufs, abufs, ready, empty, seg,
                          _pick(seg, code2_ptr0, code2_ptr1, code2_ptr2),
                          _pick(seg, offset_ptr0, offset_ptr1, offset_ptr2), row0,
                          _pick(seg, n0, n1, n2), K, step_lo, nsteps, 0, BS, BS2, NESTED,
-                         STAGES, LOOP_LORA, PAIR_TABLE, True)
+                         STAGES, HAS_LORA, PAIR_TABLE, True)
         acc_u, t_u = acc, t
-    if T_INPUT:  # t given: (SPLIT, 3, RANK, 8) fp32
-        r = gl.arange(0, RANK, layout=gl.SliceLayout(1, gl.SliceLayout(0, LORA3)))
-        m = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(0, LORA3)))
-        tseg = seg if not GLU else 0
-        t = gl.load(t_ptr + ((pid_k * 3 + tseg) * RANK + r[:, None]) * 8 + m[None, :])
-        t_u = gl.load(t_ptr + ((pid_k * 3 + 1) * RANK + r[:, None]) * 8 + m[None, :])
     return acc, t, b, acc_u, t_u, b_u
 
 
@@ -760,7 +753,7 @@ def _silu_mul(g, u):
 
 
 @gluon.jit
-def linear4bit_ws_kernel(x_desc, y_ptr, part_ptr, t_ptr,
+def linear4bit_ws_kernel(x_desc, y_ptr, part_ptr,
                          w_desc0, a_desc0, b_ptr0, code_ptr0, absmax_ptr0, absmax2_ptr0,
                          code2_ptr0, offset_ptr0, scaling0, stride_bn0, n0, bias_ptr0,
                          w_desc1, a_desc1, b_ptr1, code_ptr1, absmax_ptr1, absmax2_ptr1,
@@ -773,7 +766,7 @@ def linear4bit_ws_kernel(x_desc, y_ptr, part_ptr, t_ptr,
                          HAS_LORA: gl.constexpr, HAS_BIAS: gl.constexpr, GLU: gl.constexpr,
                          PDL: gl.constexpr,
                          EARLY_NEXT: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-                         PAIR_TABLE: gl.constexpr, T_INPUT: gl.constexpr):
+                         PAIR_TABLE: gl.constexpr):
     """Grid (Σ_s N_s / 64 tiles, K splits): the arguments ending in s are projection s's
     (segment s, its tiles from tile_s, its output columns from col_s; segments past the
     launch's repeat the last, and tile_s is then past the grid). y (M, Σ N_s) in bf16, or with
@@ -813,11 +806,11 @@ def linear4bit_ws_kernel(x_desc, y_ptr, part_ptr, t_ptr,
                      b_ptr1, stride_bn1,
                      code_ptr2, absmax_ptr2, absmax2_ptr2, code2_ptr2, offset_ptr2, n2,
                      b_ptr2, stride_bn2,
-                     row0, K, step_lo, nsteps, t_ptr, pid_k, BS, BS2, NESTED, STAGES, HAS_LORA,
-                     GLU, PAIR_TABLE, T_INPUT)),
+                     row0, K, step_lo, nsteps, BS, BS2, NESTED, STAGES, HAS_LORA, GLU,
+                     PAIR_TABLE)),
         (_producer, (x_desc, w_desc0, a_desc0, w_desc1, a_desc1, w_desc2, a_desc2, bufs,
-                     xbufs, abufs, ready, empty, seg, row0, step_lo, nsteps, STAGES,
-                     HAS_LORA and not T_INPUT, GLU, PDL)),
+                     xbufs, abufs, ready, empty, seg, row0, step_lo, nsteps, STAGES, HAS_LORA,
+                     GLU, PDL)),
     ], [1], [PRODUCER_REGS])
     if PAIR_TABLE:  # the table's last use as the compiler sees it (its lookups are inline
         table._keep_alive()  # PTX): its bytes stay the table's through the K loops

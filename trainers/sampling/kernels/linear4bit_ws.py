@@ -66,8 +66,6 @@ EARLY_NEXT_CTAS_PER_SM = 1.0
 # 0: never; 2: always
 PAIR_TABLE = 1
 PAIR_TABLE_MIN_STEPS = 16
-T_INPUT = 0  # lab probe: t = A @ xᵀ computed before the launch (cached by operands), not in it
-_T_CACHE: dict = {}
 # the fewest CTAs a launch aims for, per SM (`split_rule`): with the register tables, and with
 # the pair table (whose lookups then keep two CTAs a SM busy; bench/README.md)
 CTAS_PER_SM = 0.9
@@ -227,19 +225,6 @@ def _part_args(part, x: torch.Tensor) -> list:
             part.bias if part.bias is not None else x]
 
 
-def _probe_t(x, parts, split, per):
-    """(split, 3, RANK, 8) fp32 t of each part and split, computed once per operands."""
-    key = (x.data_ptr(), tuple(p.lora_a.data_ptr() for p in parts), split)
-    if key not in _T_CACHE:
-        t = torch.zeros(split, 3, RANK, 8, device=x.device, dtype=torch.float32)
-        for s in range(split):
-            lo, hi = s * per * 256, min((s + 1) * per * 256, x.shape[1])
-            for i, p in enumerate(parts):
-                t[s, i, :, :x.shape[0]] = p.lora_a[:, lo:hi].float() @ x[:, lo:hi].float().T
-        _T_CACHE[key] = t
-    return _T_CACHE[key]
-
-
 def _launch(x: torch.Tensor, parts: list, glu: bool, defer_sum: bool,
             split: int | None = None) -> list:
     """`launch` without its fallback; `split` (default `split_rule`'s) for the lab's sweeps."""
@@ -267,14 +252,12 @@ def _launch(x: torch.Tensor, parts: list, glu: bool, defer_sum: bool,
     partials = (torch.empty(split, m, width, device=x.device, dtype=torch.float32)
                 if split > 1 else y)
     pair_table = pair_table_rule(sum(tiles), k, sms)
-    t_input = bool(T_INPUT) and parts[0].lora_a is not None
-    t_in = _probe_t(x, parts, split, per) if t_input else partials
     linear4bit_ws_kernel[(sum(tiles), split)](
-        x_desc, y, partials, t_in, *segs[0], *segs[1], *segs[2], *first_tile, *first_col,
+        x_desc, y, partials, *segs[0], *segs[1], *segs[2], *first_tile, *first_col,
         k, m, y.stride(0), partials.stride(1), partials.stride(0) if split > 1 else 0, per,
         BS=w.blocksize, BS2=w.blocksize2, NESTED=w.nested, SPLIT=split > 1, STAGES=STAGES,
         HAS_LORA=parts[0].lora_a is not None, HAS_BIAS=parts[0].bias is not None, GLU=glu,
-        PRODUCER_REGS=PRODUCER_REGS, PAIR_TABLE=pair_table, T_INPUT=t_input,
+        PRODUCER_REGS=PRODUCER_REGS, PAIR_TABLE=pair_table,
         **(pdl_args := launch_args(linear4bit_ws_kernel, x.device)),
         EARLY_NEXT=pdl_args["PDL"] and sum(tiles) * split <= EARLY_NEXT_CTAS_PER_SM * sms,
         num_warps=4, maxnreg=MAXNREG,
