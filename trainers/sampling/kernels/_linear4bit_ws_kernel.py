@@ -725,7 +725,7 @@ def _lora_b(b_ptr, row0, N, stride_bn, HAS_LORA: gl.constexpr):
     r = gl.arange(0, 64, layout=gl.SliceLayout(1, gl.SliceLayout(2, LORA3)))
     j = gl.arange(0, RANK, layout=gl.SliceLayout(0, gl.SliceLayout(2, LORA3)))
     if HAS_LORA:
-        n = row0 + 32 * ((r >> 3) & 1) + 8 * (r >> 4) + (r & 7)
+        n = row0 + _stage_row(r)
         return gl.load(b_ptr + n[:, None] * stride_bn + j[None, :],
                        mask=(n < N)[:, None] & (j < RANK)[None, :], other=0.0)
     else:
@@ -831,7 +831,7 @@ def linear4bit_ws_kernel(x_desc, y_ptr, part_ptr,
             acc += _lora_term(t, b, _pick(seg, scaling0, scaling1, scaling2))
     r = gl.arange(0, 64, layout=gl.SliceLayout(1, MMA))
     m = gl.arange(0, 8, layout=gl.SliceLayout(0, MMA))
-    nr = row0 + 32 * ((r >> 3) & 1) + 8 * (r >> 4) + (r & 7)  # the stage row of MMA row r
+    nr = row0 + _stage_row(r)
     mask = (nr < n)[:, None] & (m < M)[None, :]
     if HAS_BIAS and not SPLIT:  # a split's partials go without it: their sum adds it
         if GLU:
