@@ -31,6 +31,10 @@ every row runs to --new. Variants (--variants):
                   plan's rope_sums and norm_sums off: an A/B of `kernels.split_sum`; optional)
     loop_no_norm_sums `loop` with o_proj and down_proj summing their own partials (norm_sums
                   off, where the plan has it on; optional)
+    loop_no_lora_t `loop` with every q/k/v and gate/up launch forming LoRA's t in its K loop
+                  (the kernel plan's lora_t off: an A/B of t from add_rmsnorm; optional)
+    loop_lora_t_qkv `loop` with the q/k/v launches taking t from add_rmsnorm too
+                  (`kernel_plan.LORA_T_GROUPS`; optional)
     loop_one_step_splits `loop` with the decode linear's split rule letting a program run one K
                   step (`linear4bit.MIN_STEPS` 1; the 1B q/k/v and o launches split 8, not 4)
     loop_rope_warps1, loop_rope_warps2 `loop` with `rope_cache_write` on 1 or 2 warps a program
@@ -105,7 +109,8 @@ VARIANTS = ("hf_eager", "fast_sampler", "loop", "loop_sdpa_attention", "loop_no_
             "loop_one_step_splits", "loop_rope_warps1", "loop_rope_warps2", "loop_norm_warps16",
             "loop_attention_warps2", "loop_attention_warps8", "loop_register_tile",
             "loop_ws_no_group", "loop_ws_no_pdl", "loop_ws_2_per_sm", "loop_ws_early_next",
-            "loop_ws_no_early", "loop_ws_byte_planes", "loop_ws_pair_table")
+            "loop_ws_no_early", "loop_ws_byte_planes", "loop_ws_pair_table", "loop_no_lora_t",
+            "loop_lora_t_qkv")
 # the lab variants' kernel plans: `loop`'s without one piece
 PLAN_WITHOUT = {"loop_no_silu_mul": {"silu_mul": frozenset()},
                 "loop_torch_sample": {"sample": False},
@@ -113,7 +118,8 @@ PLAN_WITHOUT = {"loop_no_silu_mul": {"silu_mul": frozenset()},
                 "loop_sdpa_attention": {"attention": False},
                 "loop_sums_in_linear": {"rope_sums": False, "norm_sums": False},
                 "loop_no_norm_sums": {"norm_sums": False},
-                "loop_torch_record": {"record": False}}
+                "loop_torch_record": {"record": False},
+                "loop_no_lora_t": {"lora_t": frozenset()}}
 DEFAULT_VARIANTS = ("hf_eager", "fast_sampler", "loop")
 
 
@@ -244,6 +250,10 @@ def _lab_patch(name: str):
                                  2 if name == "loop_ws_early_next" else 0)
     if name == "loop_pdl_no_early":
         return mock.patch.object(pdl, "EARLY_NEXT_WAVES", 0)
+    if name == "loop_lora_t_qkv":  # t from the norm for q/k/v too
+        from trainers.sampling import kernel_plan
+
+        return mock.patch.object(kernel_plan, "LORA_T_GROUPS", ("q_proj", "gate_proj"))
     fields = PLAN_WITHOUT.get(name)
     if fields is None:
         return contextlib.nullcontext()

@@ -58,6 +58,9 @@ def compile_kernel(fn, types: dict, consts: dict, div16=(), **options):
             assert kinds == [".b32"] * 3 + [".b8"] * 2 + [".v4.b32"] * 4, kinds
         elif fn is L._linear4bit_lora_kernel:
             assert kinds == [".b32"] * 4 + [".b8"] * 2 + [".v4.b32"], kinds
+        elif fn is R._add_rmsnorm_kernel and consts.get("N_A"):
+            # LoRA's factor tile (lora_t), which no kernel of a decode step writes, alone
+            assert early and all("ld.global" in ln for ln in early), early
         else:
             assert not early, f"{fn.__name__} reads before grid_wait: {early}"
     print(f"{fn.__name__} {consts}: shared {kernel.metadata.shared} B")
@@ -93,7 +96,8 @@ def _assert_table_first(llir: str, table_bytes: int) -> None:
 
 
 def compile_ws_linear(nested: bool, bs: int, lora: bool, split: bool, glu: bool,
-                      pdl: bool = True, bias: bool = False, pair_table: bool = True):
+                      pdl: bool = True, bias: bool = False, pair_table: bool = True,
+                      t_parts: int = 0):
     """`linear4bit_ws`'s Gluon kernel for sm_90 (its layout conversions assert, at this
     compile, that they move no data), as `linear4bit_ws.launch` launches it; with the pair
     table, that the table is the start of shared memory, where its lookups address it."""
@@ -114,8 +118,9 @@ def compile_ws_linear(nested: bool, bs: int, lora: bool, split: bool, glu: bool,
                                       [8, k // 64, 64], [k, 64, 1], [8, 4, 64], 16)}
     consts = {"BS": bs, "BS2": 256, "NESTED": nested, "SPLIT": split, "STAGES": WS.STAGES,
               "HAS_LORA": lora, "HAS_BIAS": bias, "GLU": glu, "PDL": pdl, "EARLY_NEXT": pdl,
-              "PRODUCER_REGS": WS.PRODUCER_REGS, "PAIR_TABLE": pair_table}
-    types = {"y_ptr": "*bf16", "part_ptr": "*fp32"}
+              "PRODUCER_REGS": WS.PRODUCER_REGS, "PAIR_TABLE": pair_table,
+              "T_PARTS": t_parts}
+    types = {"y_ptr": "*bf16", "part_ptr": "*fp32", "t_ptr": "*fp32"}
     for seg in "012":
         descs.update({f"w_desc{seg}": w_desc, f"a_desc{seg}": a_desc})
         types.update({f"b_ptr{seg}": "*bf16", f"code_ptr{seg}": "*fp32",
@@ -135,7 +140,9 @@ def compile_ws_linear(nested: bool, bs: int, lora: bool, split: bool, glu: bool,
                                                          "enable_fp_fusion": False,
                                                          "launch_pdl": pdl})
     ptx = kernel.asm["ptx"]
-    assert ptx.count("mma.sync") == (16 + (4 if lora else 0)) * (2 if glu else 1), "MMAs a step"
+    loop_lora = lora and not t_parts  # t given: no A copies, no t MMAs in the K loop
+    assert ptx.count("mma.sync") == (16 + (4 if loop_lora else 0)) * (2 if glu else 1), \
+        "MMAs a step"
     assert "cp.async.bulk.tensor" in ptx, "TMA copies"
     assert ("griddepcontrol.wait" in ptx) == pdl, "the PDL wait"
     if pair_table:
@@ -176,14 +183,20 @@ def main():
                    {"HAS_BIAS": True, "BLOCK_M": 16, "BLOCK_N": 64, "INTERP": False})
     # the norm on a tensor, without and with the residual, and on a SplitSum's partials
     # (and the first layer's, looking its rows up in the embedding table)
-    for has_res, splits, gather in ((False, 0, False), (True, 0, False), (True, 4, False),
-                                    (False, 0, True)):
+    # (with LoRA's t of one to three factors over 8 parts of the row: lora_t)
+    for has_res, splits, gather, n_a in ((False, 0, False, 0), (True, 0, False, 0),
+                                         (True, 4, False, 0), (False, 0, True, 0),
+                                         (True, 2, False, 3), (True, 2, False, 2),
+                                         (False, 0, True, 3), (True, 0, False, 1)):
         compile_kernel(R._add_rmsnorm_kernel,
                        {"x_ptr": "*fp32" if splits else "*bf16", "r_ptr": "*bf16",
                         "w_ptr": "*bf16", "y_ptr": "*bf16", "rout_ptr": "*bf16",
-                        "xb_ptr": "*bf16", "ids_ptr": "*i64", "eps": "fp32"},
+                        "xb_ptr": "*bf16", "ids_ptr": "*i64", "a0_ptr": "*bf16",
+                        "a1_ptr": "*bf16", "a2_ptr": "*bf16", "t_ptr": "*fp32", "eps": "fp32"},
                        {"HAS_RESIDUAL": has_res, "X_SPLITS": splits, "HAS_XBIAS": splits > 0,
-                        "GATHER": gather, "BLOCK_H": 4096, "INTERP": False}, num_warps=32)
+                        "GATHER": gather, "BLOCK_H": 4096, "N_A": n_a, "RANK": 16,
+
+                        "BLOCK_P": 512 if n_a else 4096, "INTERP": False}, num_warps=32)
     for rows in (False, True):  # the step's record, a full batch and a bucket
         compile_kernel(RC._record_kernel,
                        {"y_ptr": "*i64", "lp_ptr": "*fp32", "done_ptr": "*i1", "eos_ptr": "*i64",
@@ -222,6 +235,10 @@ def main():
     compile_ws_linear(True, 64, True, True, False, pdl=False)  # outside a decode step
     for split, glu in ((False, False), (True, False), (False, True)):  # with a bias
         compile_ws_linear(True, 64, True, split, glu, bias=True)
+    # LoRA's t given by the norm before (lora_t's parts): q/k/v, a split launch, gate/up
+    for split, glu, pair_table in ((False, False, False), (True, False, True),
+                                   (False, True, True)):
+        compile_ws_linear(True, 64, True, split, glu, pair_table=pair_table, t_parts=8)
     compile_kernel(S._chunk_lse_kernel, {"z_ptr": "*fp32", "m_ptr": "*fp32", "s_ptr": "*fp32"},
                    {"BLOCK": S.BLOCK}, num_warps=8)
     for sample in (False, True):
@@ -244,13 +261,18 @@ def main():
     _compile_linear(True, True, True, False, 64, True, "bf16", 2, glu=True, reg_tile=True,
                     pdl=True, early_next=True)
     _compile_linear(True, True, True, False, 64, True, "bf16", pdl=True)
-    for splits, gather in ((4, False), (0, True)):  # as the decode step runs the norms
+    # as the decode step runs the norms (with LoRA's t of q/k/v, and of gate/up)
+    for splits, gather, n_a in ((4, False, 0), (0, True, 0), (2, False, 3), (2, False, 2),
+                                (0, True, 3)):
         compile_kernel(R._add_rmsnorm_kernel,
                        {"x_ptr": "*fp32" if splits else "*bf16", "r_ptr": "*bf16",
                         "w_ptr": "*bf16", "y_ptr": "*bf16", "rout_ptr": "*bf16",
-                        "xb_ptr": "*bf16", "ids_ptr": "*i64", "eps": "fp32"},
+                        "xb_ptr": "*bf16", "ids_ptr": "*i64", "a0_ptr": "*bf16",
+                        "a1_ptr": "*bf16", "a2_ptr": "*bf16", "t_ptr": "*fp32", "eps": "fp32"},
                        {"HAS_RESIDUAL": not gather, "X_SPLITS": splits, "HAS_XBIAS": False,
-                        "GATHER": gather, "BLOCK_H": 4096, "PDL": True, "INTERP": False},
+                        "GATHER": gather, "BLOCK_H": 4096, "N_A": n_a, "RANK": 16,
+
+                        "BLOCK_P": 512 if n_a else 4096, "PDL": True, "INTERP": False},
                        num_warps=32)
     compile_kernel(P._rope_cache_kernel,
                    {"q_ptr": "*fp32", "k_ptr": "*fp32", "v_ptr": "*fp32", "cos_ptr": "*bf16",

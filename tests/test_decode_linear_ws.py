@@ -28,8 +28,9 @@ from test_decode_linear import (
     _quantize,
 )
 
-from trainers.sampling.kernels import linear4bit, linear4bit_ws, pdl
+from trainers.sampling.kernels import linear4bit, linear4bit_ws, lora_t, pdl
 from trainers.sampling.kernels.linear4bit import Packed4bit, decode_linear, linear4bit_lora
+from trainers.sampling.kernels.rmsnorm import add_rmsnorm
 from trainers.sampling.kernels.split_sum import SplitSum
 
 gpu = pytest.mark.skipif(not (torch.cuda.is_available()
@@ -313,6 +314,76 @@ def test_grouped_qkv_gpu(k, ns, lora):
         for d, y_ours in zip(deferred, ys):
             got = d.materialize() if isinstance(d, SplitSum) else d
             assert torch.equal(got, y_ours)
+
+
+def _normed(m, k, factors, seed):
+    """add_rmsnorm's (y, LoraT) for random rows: the input a q/k/v or gate/up launch reads in
+    a decode step, and LoRA's t of it for `factors`."""
+    g = torch.Generator().manual_seed(seed)
+    x, r = (torch.randn(m, k, generator=g).to("cuda", torch.bfloat16) for _ in range(2))
+    w = (1 + 0.3 * torch.randn(k, generator=g)).to("cuda", torch.bfloat16)
+    y, _, t = add_rmsnorm(x, r, w, 1e-5, lora_a=factors)
+    return y, t
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("k,ns", [(2048, (2048, 512, 512)), (4096, (4096, 1024, 1024)),
+                                  (1280, (200, 72, 136)), (14336, (4096,))])
+def test_lora_t_from_the_norm_gpu(k, ns):
+    """t = x @ Aᵀ given by add_rmsnorm (`lora_t`): each output within the fp64 bound at M = 1,
+    3, 8 (t's P parts add P terms to K_eff), the launch counted as one that took t; with
+    defer_sum the same bits once summed; the 1B / 8B q/k/v, odd N and a split launch (down's
+    K, whose splits past the first add no LoRA term)."""
+    parts, refs = [], []
+    for i, n in enumerate(ns):
+        packed, qs = _quantize(n, k, quant_type="nf4", double=True, device="cuda", seed=i)
+        _, a, b, _ = _inputs(1, n, k, 16, device="cuda", seed=10 + i)
+        parts.append(linear4bit.LinearPart(Packed4bit.from_quant_state(packed, qs), None, a, b,
+                                           0.5 + i))
+        refs.append(bnbF.dequantize_4bit(packed, qs))
+    splits = linear4bit_ws.split_rule(64 * sum(-(-n // 64) for n in ns), k,
+                                      torch.cuda.get_device_properties(0).multi_processor_count)
+    for m in (1, 3, 8):
+        x, t = _normed(m, k, tuple(p.lora_a for p in parts), seed=20 + m)
+        given = linear4bit_ws.LAUNCHES["lora t given"]
+        ys = linear4bit.linear4bit_lora_group(x, parts, lora_t=t)
+        assert linear4bit_ws.LAUNCHES["lora t given"] == given + 1, dict(linear4bit_ws.LAUNCHES)
+        for p, y_ours, w_bf16 in zip(parts, ys, refs):
+            y, big_s = _fp64(x, w_bf16, None, p.lora_a, p.lora_b, p.scaling)
+            _check(y_ours, y, big_s, k_eff=k + 16 + 4 + splits + t.parts.shape[0], rel_u=1,
+                   s_u=S_U_PAIR, what=f"N={p.weight.shape[0]} K={k} M={m} lora_t")
+        deferred = linear4bit.linear4bit_lora_group(x, parts, defer_sum=True, lora_t=t)
+        for d, y_ours in zip(deferred, ys):
+            got = d.materialize() if isinstance(d, SplitSum) else d
+            assert torch.equal(got, y_ours)
+    with pytest.raises(ValueError, match="lora_t was formed from another x"):
+        linear4bit.linear4bit_lora_group(x.clone(), parts, lora_t=t)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("n,k", [(8192, 2048), (14336, 4096)])
+def test_lora_t_silu_mul_gpu(n, k):
+    """The gate/up + silu · mul launch with t from add_rmsnorm: torch's F.silu(gate) * up on
+    the two projections as this kernel computes them alone with their own t (each projection's
+    t from the same norm: the same parts, so the same bits), at M = 1, 3, 8; counted."""
+    gp, gqs = _quantize(n, k, quant_type="nf4", double=True, device="cuda", seed=0)
+    up, uqs = _quantize(n, k, quant_type="nf4", double=True, device="cuda", seed=1)
+    for m in (1, 3, 8):
+        _, a, b, _ = _inputs(m, n, k, 16, device="cuda", seed=2)
+        _, a2, b2, _ = _inputs(m, n, k, 16, device="cuda", seed=3)
+        g = linear4bit.LinearPart(Packed4bit.from_quant_state(gp, gqs), None, a, b, 2.0)
+        u = linear4bit.LinearPart(Packed4bit.from_quant_state(up, uqs), None, a2, b2, 0.5)
+        x, t = _normed(m, k, (a, a2), seed=30 + m)
+        given = linear4bit_ws.LAUNCHES["lora t given"]
+        h = linear4bit.linear4bit_lora_silu_mul(x, g, u, lora_t=t)
+        assert linear4bit_ws.LAUNCHES["lora t given"] == given + 1
+        t_g = lora_t.LoraT(t.parts[:, :16], (a,), t.x_ptr)
+        t_u = lora_t.LoraT(t.parts[:, 16:], (a2,), t.x_ptr)
+        yg = linear4bit.linear4bit_lora_group(x, [g], lora_t=t_g)[0]
+        yu = linear4bit.linear4bit_lora_group(x, [u], lora_t=t_u)[0]
+        assert torch.equal(h, torch.nn.functional.silu(yg) * yu), f"M={m}"
 
 
 @pytest.mark.gpu

@@ -8,12 +8,18 @@ Tolerance (module docstring): r' bit for bit; y within (2⁻⁷ + 2·2⁻⁸)(1 
 module's output (a bf16 flip of the normalized value, then one rounding each), and within
 (2·2⁻⁸ + 2⁻¹⁶ + (H + 8)·2⁻²⁴) |w · n*| of fp64 (n* = r' / √(mean r'² + ε) exact; ours rounds n
 once and w · n once; the fp32 sum of H squares is off by at most H·2⁻²⁴ relative, the rsqrt
-and the product by a few fp32 ulps).
+and the product by a few fp32 ulps). With `lora_a` (LoRA's t of y, `kernels.lora_t`): r' bit
+for bit and y within the same bounds (the mean square summed in another order), and Σ_p T_p
+within (H/P + P)·2⁻²⁴ · Σ_k |A_rk y_k| of the fp64 t of that y (each bf16 product exact in
+fp32; a part sums H/P of them, then P parts are summed: each fp32 add errs by at most 2⁻²⁴ of
+the running sum of magnitudes).
 """
 
 import pytest
 import torch
 
+from trainers.sampling.kernels import lora_t as lora_t_mod
+from trainers.sampling.kernels.split_sum import SplitSum
 from trainers.sampling.kernels.rmsnorm import (
     LLAMA_STYLE_NORMS,
     add_rmsnorm,
@@ -135,6 +141,71 @@ def test_ids_look_the_rows_up(h, device="cpu"):
     assert not y_out[1:].any() and not r_out[1:].any()
 
 
+def _factors(j, h, *, device="cpu", seed=3):
+    g = torch.Generator().manual_seed(seed)
+    return tuple((torch.randn(16, h, generator=g) / 8).to(device, torch.bfloat16)
+                 for _ in range(j))
+
+
+def _check_lora_t(t, y, a):
+    """t (a LoraT) against the fp64 t of y (module docstring's bound), and its bookkeeping."""
+    y2 = y.reshape(-1, y.shape[-1]).double()
+    ref = torch.cat([aj.double() @ y2.T for aj in a])  # (J·R, M)
+    mag = torch.cat([aj.double().abs() @ y2.abs().T for aj in a])
+    parts = t.parts.shape[0]
+    got = t.parts.double().sum(0)
+    bound = (y.shape[-1] / parts + parts) * 2.0**-24 * mag
+    err = (got - ref).abs()
+    worst = int((err - bound).argmax())
+    assert (err <= bound).all(), f"worst ({worst}): {err.flatten()[worst]} > {bound.flatten()[worst]}"
+    assert t.parts.dtype == torch.float32 and t.parts.shape[1:] == ref.shape
+    assert t.x_ptr == y.data_ptr() and t.a == a
+
+
+@pytest.mark.parametrize("h,m,j", [(1000, 5, 2), (2048, 8, 3), (640, 1, 1)])
+def test_lora_t_parts(h, m, j, device="cpu"):
+    """`lora_a`: y and r' within the module's bounds of transformers' norm (SplitSum input, a
+    residual; and the embedding lookup), and t's parts sum to the fp64 x @ Aᵀ of that y;
+    ragged H (a last part past H), one to three factors."""
+    norm = _norm(LlamaRMSNorm, h, eps=1e-5, weight_dtype=torch.bfloat16, device=device)
+    x, r = _rows(m, h, device=device)
+    a = _factors(j, h, device=device)
+    parts = torch.randn(2, m, h, generator=torch.Generator().manual_seed(4)).to(device)
+    for delta in (x, SplitSum(parts, None, torch.bfloat16, h)):
+        y, r_new, t = add_rmsnorm(delta, r, norm.weight, 1e-5, lora_a=a)
+        plain = delta if isinstance(delta, torch.Tensor) else delta.materialize()
+        _check(y, r_new, norm, plain, r)
+        _check_lora_t(t, y, a)
+    ids = torch.arange(m, device=device)[:, None] * 3 % m  # rows of x, some twice
+    y, r_new, t = add_rmsnorm(x, None, norm.weight, 1e-5, ids=ids, lora_a=a)
+    assert y.shape == r_new.shape == (m, 1, h)
+    _check(y[:, 0], r_new[:, 0], norm, x[ids[:, 0]], torch.zeros_like(x[:m]))
+    _check_lora_t(t, y, a)
+
+
+def test_lora_t_bad_inputs():
+    """lora_a's factors checked by name; r' into residual_out refused (the row's programs read
+    the residual whole); a t refused by a launch on another x or other factors."""
+    x, r = _rows(2, 64)
+    w = torch.ones(64, dtype=torch.bfloat16)
+    a = _factors(2, 64)
+    with pytest.raises(ValueError, match=r"lora_a\[1\] is \(16, 32\)"):
+        add_rmsnorm(x, r, w, 1e-6, lora_a=(a[0], a[1][:, :32]))
+    with pytest.raises(ValueError, match="lora_a holds 4 factors"):
+        add_rmsnorm(x, r, w, 1e-6, lora_a=a * 2)
+    with pytest.raises(ValueError, match="lora_a with residual_out"):
+        add_rmsnorm(x, r, w, 1e-6, lora_a=a, residual_out=r)
+    y, _, t = add_rmsnorm(x, r, w, 1e-6, lora_a=a)
+    t.check(y, list(a))
+    with pytest.raises(ValueError, match="lora_t was formed from another x"):
+        t.check(y.clone(), list(a))
+    with pytest.raises(ValueError, match="lora_t was formed from another x"):
+        t.check(y, [a[1], a[0]])
+    with pytest.raises(ValueError, match="lora_t was formed from another x"):
+        t.check(y, [a[0], None])
+    assert lora_t_mod.lora_t_torch(y, a).shape == (1, 32, 2)
+
+
 def test_bad_inputs_and_other_norms():
     x, r = _rows(2, 64)
     with pytest.raises(ValueError, match=r"weight has shape \(32,\)"):
@@ -165,3 +236,9 @@ def test_matches_transformers_norm_gpu(cls, h, m):
 @pytest.mark.parametrize("h", [2048, 4096])
 def test_ids_look_the_rows_up_gpu(h):
     test_ids_look_the_rows_up(h, device="cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("h,m,j", [(4096, 8, 3), (2048, 3, 2), (5000, 1, 1)])
+def test_lora_t_parts_gpu(h, m, j):
+    test_lora_t_parts(h, m, j, device="cuda")

@@ -1061,12 +1061,16 @@ def test_gpu_greedy_and_replay_after_optimizer_step(quant, kernels, family, tmp_
     gc = GenerationConfig(max_new_tokens=N, do_sample=False, pad_token_id=0, eos_token_id=[1])
     loop = DecodeLoop(check_every=k, kernels=kernels)
     qkv_launches = _ws_qkv_launches()
+    t_given = linear4bit_ws.LAUNCHES["lora t given"]
     out = loop.generate(model, ids, mask, gc)
     assert loop.disabled_reason is None and out is not None and loop.stats.captures == 1
     assert loop.kernels == kernels  # the kernels passed the first-call check
+    (plan,) = loop._plans.values()
     if family == "qwen2" and quant == "nf4":  # q/k/v with their biases on the ws kernel
         assert _ws_qkv_launches() > qkv_launches, dict(linear4bit_ws.LAUNCHES)
-    (plan,) = loop._plans.values()
+        # rank-16 bf16 factors: every gate/up launch takes t from its norm (LORA_T_GROUPS)
+        assert len(plan.lora_t) == 4, plan.line
+        assert linear4bit_ws.LAUNCHES["lora t given"] > t_given, dict(linear4bit_ws.LAUNCHES)
     print(f"\n{family} {quant} kernels={kernels}: {plan.line}")
     if kernels == "auto":
         packed = 28 if quant in ("nf4", "fp4") else 0  # 4 layers x 7 projections

@@ -34,6 +34,10 @@
                  skip the arrival counter and the re-read, where the rope kernel runs
     norm_sums    the same for o_proj and down_proj into `add_rmsnorm`, wherever the fused norm
                  runs
+    lora_t       a gate/up group (LORA_T_GROUPS) with LoRA whose launch takes t = x @ Aᵀ from
+                 the `add_rmsnorm` before it (`kernels.lora_t`), where the norms run there and
+                 `linear4bit_ws.given_t_reason` accepts the device, the batch and the factors
+                 (the warp-specialized kernel, which otherwise forms t in every tile)
 
 Only decode steps use the projections' and the RoPE kernels (M = batch rows, the projection
 kernel's small-M regime); the prefill's B·S rows go through the modules (bitsandbytes dequantizes
@@ -53,7 +57,7 @@ import dataclasses
 import torch
 from transformers import activations
 
-from .kernels import linear4bit
+from .kernels import linear4bit, linear4bit_ws
 from .kernels._interp import interpreting
 from .kernels.head_logits import head_reason
 from .kernels.rmsnorm import rmsnorm_params
@@ -62,6 +66,9 @@ from .kernels.rope import norm_params
 KERNELS = ("auto", "torch")
 KERNEL_DEVICES = ("cuda",)  # where "auto" uses the kernels (CPU tests add "cpu": the interpreter)
 ATTN_PROJ = ("q_proj", "k_proj", "v_proj", "o_proj")
+# the groups (by their first projection) whose LoRA t the norm before them forms: gate/up,
+# whose launch saves more than the norm spends on t; q/k/v's launch saves less (bench/README.md)
+LORA_T_GROUPS = ("gate_proj",)
 MLP_PROJ = ("gate_proj", "up_proj", "down_proj")
 # decode batches up to this many rows take the fused projection: faster than bitsandbytes +
 # PEFT at 8 and 64 rows at the 1B and 8B layer shapes (at one row only at 1B), not measured
@@ -84,6 +91,8 @@ class KernelPlan:
     attention: bool = False  # decode steps: attention by decode_attention
     rope_sums: bool = False  # split q/k/v partials summed by rope_cache_write
     norm_sums: bool = False  # split o/down partials summed by add_rmsnorm
+    # groups (as in `groups`) whose LoRA t = x @ Aᵀ the add_rmsnorm before them forms
+    lora_t: frozenset = frozenset()
     line: str = "kernels off (kernels='torch')"
 
     @property
@@ -167,8 +176,9 @@ def make_plan(base, kernels: str, device_type: str, batch: int = 1) -> KernelPla
         return KernelPlan(line=f"kernels off (the model is on {device_type!r}; they run on "
                                f"{' / '.join(KERNEL_DEVICES)})")
     fused, split_mlp, first_reason, total, packed = set(), set(), None, 0, 0
-    groups, group_reason, silu_mul = set(), None, set()
+    groups, group_reason, silu_mul, lora_t = set(), None, set(), set()
     dtype = base.model.embed_tokens.weight.dtype  # the projections' input dtype
+    device = base.model.embed_tokens.weight.device
     rows_reason = (None if batch <= FUSED_LINEAR_MAX_ROWS else
                    f"batch {batch} > {FUSED_LINEAR_MAX_ROWS} rows, the most the fused kernel is "
                    "measured faster than bitsandbytes' dequantize + GEMM at")
@@ -196,6 +206,10 @@ def make_plan(base, kernels: str, device_type: str, batch: int = 1) -> KernelPla
             reason = linear4bit.group_modules_reason(group, dtype)
             if reason is None:
                 groups.add(tuple(id(m) for m in group))
+                t_reason = linear4bit_ws.given_t_reason(
+                    device, batch, linear4bit.lora_factors(group))
+                if t_reason is None and names[0] in LORA_T_GROUPS:
+                    lora_t.add(tuple(id(m) for m in group))
                 if names[0] == "gate_proj" and _is_silu(layer.mlp.act_fn) and \
                         linear4bit.silu_mul_modules_reason(*group, dtype) is None:
                     silu_mul.add(id(layer.mlp))
@@ -215,6 +229,10 @@ def make_plan(base, kernels: str, device_type: str, batch: int = 1) -> KernelPla
         type(embed) is torch.nn.Embedding and embed.max_norm is None
     line += ("; residual add + RMSNorm by add_rmsnorm" if norm_reason is None
              else f"; RMSNorm by the modules ({norm_reason})")
+    if norm_reason is not None:
+        lora_t = set()  # t comes from add_rmsnorm only
+    elif lora_t:
+        line += f" (with LoRA's x @ Aᵀ of {len(lora_t)} groups)"
     line += " (the first with the embedding lookup)" if embed_ok else ""
     rope_reason = _rope_reason(base)
     has_norms = hasattr(base.model.layers[0].self_attn, "q_norm") if base.model.layers else False
@@ -238,4 +256,5 @@ def make_plan(base, kernels: str, device_type: str, batch: int = 1) -> KernelPla
                       frozenset(silu_mul), norms=norm_reason is None, embed=embed_ok,
                       rope=rope_reason is None, sample=True, record=True, head=head is None,
                       attention=attention is None,
-                      rope_sums=rope_sums, norm_sums=norm_sums, line=line)
+                      rope_sums=rope_sums, norm_sums=norm_sums, lora_t=frozenset(lora_t),
+                      line=line)

@@ -45,7 +45,9 @@ itself (the prefill keeps the torch ops). With the plan's `embed`, a decode step
 lookup runs inside the first layer's input `add_rmsnorm` (`ids=`). With the plan's
 `rope_sums` (`norm_sums`), a q/k/v (o_proj, down_proj) launch that splits K hands
 `rope_cache_write` (`add_rmsnorm`) its partials (`kernels.split_sum.SplitSum`), which that
-kernel sums as the projection would have. All compute the
+kernel sums as the projection would have. With the plan's `lora_t`, the add_rmsnorm before a
+q/k/v or gate/up launch also forms LoRA's t = x @ Aᵀ of that launch's factors
+(`kernels.lora_t`), which the launch sums instead of forming it in every tile. All compute the
 modules' own functions within bf16 rounding (the kernels' docstrings state the bounds; RoPE
 without q/k norms is bit for bit).
 """
@@ -60,7 +62,7 @@ import torch.nn.functional as F
 from .decode_attention import decode_attention
 from .kernel_plan import TORCH, KernelPlan
 from .kernels.head_logits import head_logits
-from .kernels.linear4bit import decode_linear, decode_linears, decode_silu_mul
+from .kernels.linear4bit import decode_linear, decode_linears, decode_silu_mul, lora_factors
 from .kernels.rmsnorm import add_rmsnorm
 from .kernels.rope import norm_params, rope_cache_write
 from .kernels.split_sum import SplitSum
@@ -119,6 +121,11 @@ def sliding_windows(base) -> list[int | None]:
     return out
 
 
+def qkv_modules(attn) -> tuple:
+    """An attention module's q, k and v projections, in the grouped launch's order."""
+    return attn.q_proj, attn.k_proj, attn.v_proj
+
+
 def _rotate_half(x):
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -165,53 +172,64 @@ class ModelStep:
             return decode_linear(x, module, defer_sum=defer_sum)
         return module(x)
 
-    def _projs(self, modules, x, fused, defer_sum=False):
+    def _projs(self, modules, x, fused, defer_sum=False, lora_t=None):
         """[module(x) for module in modules], projections of one input: one launch where the
-        plan groups them."""
+        plan groups them (with LoRA's t of x from the norm before, `lora_t`)."""
         if fused and tuple(id(m) for m in modules) in self.plan.groups:
-            return decode_linears(x, modules, defer_sum=defer_sum)
+            return decode_linears(x, modules, defer_sum=defer_sum, lora_t=lora_t)
         return [self._proj(m, x, fused, defer_sum) for m in modules]
 
-    def _mlp(self, mlp, x, fused):
+    def _mlp(self, mlp, x, fused, lora_t=None):
         if fused and id(mlp) in self.plan.split_mlp:  # LlamaMLP's forward, piece by piece
             if id(mlp) in self.plan.silu_mul:
-                h = decode_silu_mul(x, mlp.gate_proj, mlp.up_proj)
+                h = decode_silu_mul(x, mlp.gate_proj, mlp.up_proj, lora_t=lora_t)
             else:
-                gate, up = self._projs((mlp.gate_proj, mlp.up_proj), x, fused)
+                gate, up = self._projs((mlp.gate_proj, mlp.up_proj), x, fused, lora_t=lora_t)
                 h = mlp.act_fn(gate) * up
             return self._proj(mlp.down_proj, h, fused, self.plan.norm_sums)
         return mlp(x)
 
-    def _add_norm(self, delta, h, norm):
-        """(norm(h + delta), h + delta); delta None: (norm(h), h)."""
+    def _norm_lora(self, modules, fused):
+        """The LoRA factors of a group whose t the norm before it forms (the plan's `lora_t`:
+        the group's launch sums it instead of forming it), else None."""
+        if fused and tuple(id(m) for m in modules) in self.plan.lora_t:
+            return lora_factors(modules)
+        return None
+
+    def _add_norm(self, delta, h, norm, lora_a=None):
+        """(norm(h + delta), h + delta, t); delta None: (norm(h), h, t). t: `lora_t.LoraT` of
+        the norm's output and the factors `lora_a` (add_rmsnorm's), None without them."""
         if not self.plan.norms:
             if isinstance(delta, SplitSum):  # a plan with norm_sums but not norms
                 delta = delta.materialize()
             h = h if delta is None else h + delta
-            return norm(h), h
-        return add_rmsnorm(h if delta is None else delta, None if delta is None else h,
-                           norm.weight, norm.variance_epsilon)
+            return norm(h), h, None
+        out = add_rmsnorm(h if delta is None else delta, None if delta is None else h,
+                          norm.weight, norm.variance_epsilon, lora_a=lora_a)
+        return out if lora_a is not None else (*out, None)
 
-    def _qkv(self, attn, x, cos, sin, fused):
+    def _qkv(self, attn, x, cos, sin, fused, lora_t=None):
         B, S, _ = x.shape
         D = attn.head_dim
         q, k, v = (y.view(B, S, -1, D) for y in
-                   self._projs((attn.q_proj, attn.k_proj, attn.v_proj), x, fused))
+                   self._projs((attn.q_proj, attn.k_proj, attn.v_proj), x, fused,
+                               lora_t=lora_t))
         if hasattr(attn, "q_norm"):  # qwen3: RMSNorm over the head dim, before RoPE
             q, k = attn.q_norm(q), attn.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H, S, D)
         return _rope(q, cos, sin), _rope(k, cos, sin), v
 
-    def _qkv_write(self, attn, x, cos, sin, cache_k, cache_v, slots):
+    def _qkv_write(self, attn, x, cos, sin, cache_k, cache_v, slots, lora_t=None):
         """One decode token per row: the projections, then `rope_cache_write` writes rotated k
         and v to slot slots_b of cache_k / cache_v (B, H_kv, M, D) and returns rotated q
         (B, H, 1, D). cos, sin: the (M, D) tables, row b's position is slots_b. The
-        projections' (B, 1, H·D) outputs are read through (B, H, D) views."""
+        projections' (B, 1, H·D) outputs are read through (B, H, D) views. lora_t: as
+        `_projs`'."""
         B, _, _ = x.shape
         D = attn.head_dim
         q, k, v = (y.view(B, -1, D) for y in
                    self._projs((attn.q_proj, attn.k_proj, attn.v_proj), x, True,
-                               self.plan.rope_sums))
+                               self.plan.rope_sums, lora_t))
         norms = norm_params(attn)  # Qwen3's q_norm / k_norm, or None
         q = rope_cache_write(q, k, v, cos, sin, cache_k, cache_v, slots,
                              q_norm=norms and norms[0], k_norm=norms and norms[1], tables=True)
@@ -234,32 +252,36 @@ class ModelStep:
         step's keys and values in layer i's cache; `keys(i)` returns the (K, V) the queries
         attend to; `attend(q, K, V, window, scale)` the attention output (B, H, S, D). `fused`:
         the plan's projections run through decode_linear. `qkv_write(i, attn, x, cos, sin)`, if
-        given, replaces the projections, RoPE and `write` (it returns q). `first`: (x, h) of the
-        first layer's input norm, formed by the caller. Returns (h, delta): the residual stream
-        is h + delta."""
+        given, replaces the projections, RoPE and `write` (it returns q; its last argument is
+        LoRA's t from the norm, or None). `first`: (x, h, t) of the first layer's input norm,
+        formed by the caller. Returns (h, delta): the residual stream is h + delta."""
         delta = None  # the last block's output, not yet added to h
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
             if i == 0 and first is not None:
-                x, h = first
+                x, h, t = first
             else:
-                x, h = self._add_norm(delta, h, layer.input_layernorm)
+                x, h, t = self._add_norm(delta, h, layer.input_layernorm,
+                                         self._norm_lora(qkv_modules(attn), fused))
             if qkv_write is not None:
-                q = qkv_write(i, attn, x, cos, sin)
+                q = qkv_write(i, attn, x, cos, sin, t)
             else:
-                q, k, v = self._qkv(attn, x, cos, sin, fused)
+                q, k, v = self._qkv(attn, x, cos, sin, fused, t)
                 write(i, k, v)
             K, V = keys(i)
             o = attend(q, K, V, self.windows[i], attn.scaling)
             B, H, S, D = o.shape
             a = self._proj(attn.o_proj, o.transpose(1, 2).reshape(B, S, H * D), fused,
                            self.plan.norm_sums)
-            x, h = self._add_norm(a, h, layer.post_attention_layernorm)
-            delta = self._mlp(layer.mlp, x, fused)
+            mlp = layer.mlp
+            gate_up = (mlp.gate_proj, mlp.up_proj) if id(mlp) in self.plan.split_mlp else ()
+            x, h, t = self._add_norm(a, h, layer.post_attention_layernorm,
+                                     self._norm_lora(gate_up, fused))
+            delta = self._mlp(mlp, x, fused, t)
         return h, delta
 
     def _logits(self, h, delta, fused=False):
-        n, _ = self._add_norm(delta, h, self.inner.norm)
+        n, _, _ = self._add_norm(delta, h, self.inner.norm)
         if fused and self.plan.head:
             return head_logits(n, self.head)
         return self.head(n).float()
@@ -338,14 +360,16 @@ class ModelStep:
                     ~seen[:, None, None, :], float("-inf"))
             return _attention(q, K, V, mask, scale)
 
-        def qkv_write(i, attn, x, cos, sin):
-            return self._qkv_write(attn, x, cos, sin, cache.k[i], cache.v[i], slots)
+        def qkv_write(i, attn, x, cos, sin, lora_t):
+            return self._qkv_write(attn, x, cos, sin, cache.k[i], cache.v[i], slots, lora_t)
 
         first = None
-        if self.plan.embed:  # the lookup inside layer 0's input norm: (x, h) (B, 1, hidden)
+        if self.plan.embed:  # the lookup inside layer 0's input norm: (x, h, t) (B, 1, hidden)
             norm = self.layers[0].input_layernorm
+            lora_a = self._norm_lora(qkv_modules(self.layers[0].self_attn), True)
             first = add_rmsnorm(self.inner.embed_tokens.weight, None, norm.weight,
-                                norm.variance_epsilon, ids=tokens[:, None])
+                                norm.variance_epsilon, ids=tokens[:, None], lora_a=lora_a)
+            first = first if lora_a is not None else (*first, None)
             h = first[1]
         else:
             h = self.inner.embed_tokens(tokens[:, None])  # (B, 1, hidden)

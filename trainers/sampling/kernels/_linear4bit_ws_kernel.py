@@ -39,7 +39,10 @@ back to the producer after the MMAs that read it (`_step`).
 The LoRA factor t = A @ xᵀ (fp32, never rounded) is split over the warps: warp w sums the
 columns 8·w .. 8·w + 7 of each half of each chunk (a batched MMA, the batch over warps), and the
 warps' parts are summed once after the loop; the epilogue adds s · B[tile] @ t in fp32 (each K
-split its own t_split: the term is linear in t) and the bias. Every sum is fp32 with one
+split its own t_split: the term is linear in t) and the bias. Or t comes with the launch
+(T_PARTS > 0: `lora_t`, formed by the kernel that wrote x): the producer then copies no A, the
+loop runs no t MMAs, and the epilogue sums t's parts (split 0 adds the term, the others none).
+Every sum is fp32 with one
 rounding of y, so the output meets `linear4bit`'s bound (with the pair table, plus the
 weights' (2 + u) / (1 - u) · u · Σ|x||round(W)|). Split K writes fp32 partials
 (SPLIT_K, M, Σ N_s) without the bias, which their sum adds.
@@ -117,6 +120,8 @@ X_SPLIT = gl.constexpr(gl.DistributedLinearLayout(
 # the epilogue's s · B[tile] @ t in fp32: (64 rows n, 16 ranks, 8 rows m), a thread all 16
 # ranks of its (n, m) pairs, so the sum over ranks stays in its registers
 LORA3 = gl.constexpr(gl.BlockedLayout([1, RANK.value, 1], [8, 1, 4], [4, 1, 1], [2, 1, 0]))
+# a given t (16 ranks, 8 rows) one element a thread of the four consumer warps (`_given_t`)
+T_GIVEN = gl.constexpr(gl.BlockedLayout([1, 1], [4, 8], [4, 1], [1, 0]))
 
 
 # The pair table's lookup (module docstring). Thread (warp w, lane l) holds word 8·Q + 4·h + j
@@ -625,23 +630,26 @@ def _consumer(table, bufs, xbufs, abufs, ready, empty, seg,
               stride_bn1,
               code_ptr2, absmax_ptr2, absmax2_ptr2, code2_ptr2, offset_ptr2, n2, b_ptr2,
               stride_bn2,
-              row0, K, step_lo, nsteps, BS: gl.constexpr, BS2: gl.constexpr,
-              NESTED: gl.constexpr, STAGES: gl.constexpr, HAS_LORA: gl.constexpr,
-              GLU: gl.constexpr, PAIR_TABLE: gl.constexpr):
+              row0, K, M, step_lo, nsteps, t_ptr, stride_tp, stride_tr, pid_k,
+              BS: gl.constexpr, BS2: gl.constexpr, NESTED: gl.constexpr,
+              STAGES: gl.constexpr, HAS_LORA: gl.constexpr, GLU: gl.constexpr,
+              PAIR_TABLE: gl.constexpr, T_PARTS: gl.constexpr):
     """(acc, t, B's tile) of the CTA's segment; with GLU the gate's (segment 0), then the up
     projection's (segment 1) from the next stages; the lookup by PAIR_TABLE (`_k_loop`; the
     first K loop fills the pair table, the launch's projections share one code). B's tiles
     are loaded before their K loops, so the epilogue does not wait for them (the up
-    projection's after the gate's loop: one tile's registers live through each loop)."""
+    projection's after the gate's loop: one tile's registers live through each loop).
+    T_PARTS > 0: t is given (`_given_t`), and the K loops run no LoRA work."""
+    LOOP_LORA: gl.constexpr = HAS_LORA and T_PARTS == 0
     if GLU:
         b = _lora_b(b_ptr0, row0, n0, stride_bn0, HAS_LORA)
         acc, t = _k_loop(table, bufs, xbufs, abufs, ready, empty, code_ptr0, absmax_ptr0,
                          absmax2_ptr0, code2_ptr0, offset_ptr0, row0, n0, K, step_lo, nsteps,
-                         0, BS, BS2, NESTED, STAGES, HAS_LORA, PAIR_TABLE, True)
+                         0, BS, BS2, NESTED, STAGES, LOOP_LORA, PAIR_TABLE, True)
         b_u = _lora_b(b_ptr1, row0, n0, stride_bn1, HAS_LORA)
         acc_u, t_u = _k_loop(table, bufs, xbufs, abufs, ready, empty, code_ptr1, absmax_ptr1,
                              absmax2_ptr1, code2_ptr1, offset_ptr1, row0, n0, K, step_lo,
-                             nsteps, nsteps, BS, BS2, NESTED, STAGES, HAS_LORA, PAIR_TABLE,
+                             nsteps, nsteps, BS, BS2, NESTED, STAGES, LOOP_LORA, PAIR_TABLE,
                              False)
     else:
         b = _lora_b(_pick(seg, b_ptr0, b_ptr1, b_ptr2), row0, _pick(seg, n0, n1, n2),
@@ -654,9 +662,30 @@ def _consumer(table, bufs, xbufs, abufs, ready, empty, seg,
                          _pick(seg, code2_ptr0, code2_ptr1, code2_ptr2),
                          _pick(seg, offset_ptr0, offset_ptr1, offset_ptr2), row0,
                          _pick(seg, n0, n1, n2), K, step_lo, nsteps, 0, BS, BS2, NESTED,
-                         STAGES, HAS_LORA, PAIR_TABLE, True)
+                         STAGES, LOOP_LORA, PAIR_TABLE, True)
         acc_u, t_u = acc, t
+    if HAS_LORA and T_PARTS > 0:
+        t = _given_t(t_ptr, stride_tp, stride_tr, 0 if GLU else seg, M, pid_k, T_PARTS)
+        t_u = t
+        if GLU:
+            t_u = _given_t(t_ptr, stride_tp, stride_tr, 1, M, pid_k, T_PARTS)
     return acc, t, b, acc_u, t_u, b_u
+
+
+@gluon.jit
+def _given_t(t_ptr, stride_tp, stride_tr, j, M, pid_k, T_PARTS: gl.constexpr):
+    """t (16, 8) fp32 of projection j in the rank-sum layout from the parts T (`lora_t`):
+    Σ_p T[p, 16·j + r, m] from zero in part order, rows m < M (the rest 0), each element
+    summed by one thread (T_GIVEN) and then spread to the layout. Only split 0 adds the LoRA
+    term (t is over all of K): the others' t is 0."""
+    r = gl.arange(0, RANK, layout=gl.SliceLayout(1, T_GIVEN))
+    m = gl.arange(0, 8, layout=gl.SliceLayout(0, T_GIVEN))
+    ptrs = t_ptr + (j * RANK + r[:, None]) * stride_tr + m[None, :]
+    mask = (r < RANK)[:, None] & (m < M)[None, :] & (pid_k == 0)
+    t = gl.zeros([RANK, 8], gl.float32, T_GIVEN)
+    for p in gl.static_range(T_PARTS):  # every load issued before the first add needs it
+        t += gl.load(ptrs + p * stride_tp, mask=mask, other=0.0)
+    return gl.convert_layout(t, gl.SliceLayout(0, LORA3))
 
 
 @gluon.jit
@@ -753,7 +782,7 @@ def _silu_mul(g, u):
 
 
 @gluon.jit
-def linear4bit_ws_kernel(x_desc, y_ptr, part_ptr,
+def linear4bit_ws_kernel(x_desc, y_ptr, part_ptr, t_ptr, stride_tp, stride_tr,
                          w_desc0, a_desc0, b_ptr0, code_ptr0, absmax_ptr0, absmax2_ptr0,
                          code2_ptr0, offset_ptr0, scaling0, stride_bn0, n0, bias_ptr0,
                          w_desc1, a_desc1, b_ptr1, code_ptr1, absmax_ptr1, absmax2_ptr1,
@@ -766,7 +795,7 @@ def linear4bit_ws_kernel(x_desc, y_ptr, part_ptr,
                          HAS_LORA: gl.constexpr, HAS_BIAS: gl.constexpr, GLU: gl.constexpr,
                          PDL: gl.constexpr,
                          EARLY_NEXT: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-                         PAIR_TABLE: gl.constexpr):
+                         PAIR_TABLE: gl.constexpr, T_PARTS: gl.constexpr):
     """Grid (Σ_s N_s / 64 tiles, K splits): the arguments ending in s are projection s's
     (segment s, its tiles from tile_s, its output columns from col_s; segments past the
     launch's repeat the last, and tile_s is then past the grid). y (M, Σ N_s) in bf16, or with
@@ -775,7 +804,8 @@ def linear4bit_ws_kernel(x_desc, y_ptr, part_ptr,
     projection's, and y = silu(gate) · up. HAS_BIAS: bias_ptr_s is projection s's bias, added
     in fp32 before the one rounding (GLU: to each of gate and up), and left out of SPLIT
     partials (their sum adds it). PDL: launched with programmatic dependent launch (`pdl`);
-    the producer waits for the previous kernel before it copies x.
+    the producer waits for the previous kernel before it copies x. T_PARTS > 0: LoRA's t as
+    `lora_t`'s T_PARTS parts at t_ptr (part stride stride_tp, a rank's stride_tr, rows unit).
     `linear4bit_ws.launch` gives the descriptors and the steps a split."""
     pid = gl.program_id(0)
     seg = (pid >= tile1).to(gl.int32) + (pid >= tile2).to(gl.int32)
@@ -790,7 +820,8 @@ def linear4bit_ws_kernel(x_desc, y_ptr, part_ptr,
                                       PAIR_TABLE_LAYOUT)
     bufs = gl.allocate_shared_memory(gl.int32, [STAGES, ROWS, STEP_WORDS], w_desc0.layout)
     xbufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, 8, 4, 64], x_desc.layout)
-    abufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES if HAS_LORA else 1, RANK, 4, 64],
+    LOOP_LORA: gl.constexpr = HAS_LORA and T_PARTS == 0  # A streamed beside the weight
+    abufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES if LOOP_LORA else 1, RANK, 4, 64],
                                       a_desc0.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -806,10 +837,10 @@ def linear4bit_ws_kernel(x_desc, y_ptr, part_ptr,
                      b_ptr1, stride_bn1,
                      code_ptr2, absmax_ptr2, absmax2_ptr2, code2_ptr2, offset_ptr2, n2,
                      b_ptr2, stride_bn2,
-                     row0, K, step_lo, nsteps, BS, BS2, NESTED, STAGES, HAS_LORA, GLU,
-                     PAIR_TABLE)),
+                     row0, K, M, step_lo, nsteps, t_ptr, stride_tp, stride_tr, pid_k, BS, BS2,
+                     NESTED, STAGES, HAS_LORA, GLU, PAIR_TABLE, T_PARTS)),
         (_producer, (x_desc, w_desc0, a_desc0, w_desc1, a_desc1, w_desc2, a_desc2, bufs,
-                     xbufs, abufs, ready, empty, seg, row0, step_lo, nsteps, STAGES, HAS_LORA,
+                     xbufs, abufs, ready, empty, seg, row0, step_lo, nsteps, STAGES, LOOP_LORA,
                      GLU, PDL)),
     ], [1], [PRODUCER_REGS])
     if PAIR_TABLE:  # the table's last use as the compiler sees it (its lookups are inline

@@ -70,6 +70,7 @@ from triton.language.extra import libdevice
 from ..kernels._interp import dot, interpreting, to_dtype
 from . import linear4bit_ws, pdl
 from .arrivals import arrival_counters
+from .lora_t import LoraT
 from .pdl import grid_wait, launch_args, let_next_launch
 from .split_sum import SplitSum
 
@@ -880,37 +881,45 @@ def _checked(x: torch.Tensor, parts: list[LinearPart]) -> tuple[torch.Tensor, li
 
 
 def linear4bit_lora_group(x: torch.Tensor, parts: list[LinearPart], *,
-                          config: dict | None = None, defer_sum: bool = False) -> list:
+                          config: dict | None = None, defer_sum: bool = False,
+                          lora_t: LoraT | None = None) -> list:
     """[y_s (M, N_s)] for each part, in one launch (`group_reason` says which parts can share
     it): y_s = x @ round(W_s)ᵀ + bias_s + scaling_s · (x @ A_sᵀ) @ B_sᵀ, each exactly as
     `linear4bit_lora` computes it alone. The outputs are column slices of one (M, Σ N_s)
     buffer. `defer_sum`: where the launch splits K, each y_s is returned as a
     `split_sum.SplitSum` (its partials, not yet summed; the same bits once summed) for a kernel
-    that takes one (`add_rmsnorm`, `rope_cache_write`)."""
+    that takes one (`add_rmsnorm`, `rope_cache_write`). `lora_t`: LoRA's t of this x and the
+    parts' factors as `add_rmsnorm` formed it (`lora_t.LoraT`), which the warp-specialized
+    kernel sums instead of forming it again (the register tile forms its own: the same t up to
+    the order of fp32 sums)."""
     x, parts = _checked(x, parts)
-    return _launch(x, parts, config, glu=False, defer_sum=defer_sum)
+    return _launch(x, parts, config, glu=False, defer_sum=defer_sum, lora_t=lora_t)
 
 
 def linear4bit_lora_silu_mul(x: torch.Tensor, gate: LinearPart, up: LinearPart, *,
-                             config: dict | None = None) -> torch.Tensor:
+                             config: dict | None = None,
+                             lora_t: LoraT | None = None) -> torch.Tensor:
     """silu(y_gate) · y_up (M, N) in one launch, y_gate and y_up each as
     `linear4bit_lora_group(x, [gate, up])` gives them (rounded to x's dtype), then torch's
     `F.silu(y_gate) * y_up` on them (`_silu_mul`; bit for bit on the GPU, whose expf is
-    libdevice's as torch's is). Neither projection's output is written to memory."""
+    libdevice's as torch's is). Neither projection's output is written to memory. `lora_t`:
+    as `linear4bit_lora_group`'s."""
     if gate.weight.shape[0] != up.weight.shape[0]:
         raise ValueError(f"gate has {gate.weight.shape[0]} output features and up "
                          f"{up.weight.shape[0]}: silu(gate) · up needs the same number")
     x, parts = _checked(x, [gate, up])
-    return _launch(x, parts, config, glu=True)[0]
+    return _launch(x, parts, config, glu=True, lora_t=lora_t)[0]
 
 
 def _launch(x: torch.Tensor, parts: list[LinearPart], config: dict | None,
-            glu: bool, defer_sum: bool = False) -> list:
+            glu: bool, defer_sum: bool = False, lora_t: LoraT | None = None) -> list:
     """The kernel over checked parts: [y_s] (`linear4bit_lora_group`), or with `glu` (two
     parts of one N) [silu(y_0) · y_1]. `defer_sum`: where the launch splits K (and not
     `glu`), [SplitSum_s]: the programs store their partials and the consumer sums them."""
+    if lora_t is not None:  # a t of other operands would add a wrong term: refused
+        lora_t.check(x, [p.lora_a for p in parts])
     if linear4bit_ws.reason(x, parts, glu, config) is None:  # Hopper, a few rows
-        ys = linear4bit_ws.launch(x, parts, glu, defer_sum)
+        ys = linear4bit_ws.launch(x, parts, glu, defer_sum, lora_t)
         if ys is not None:
             return ys
     m, k = x.shape
@@ -1091,6 +1100,13 @@ def _is_linear4bit(base: torch.nn.Module) -> bool:
     return isinstance(base, bnb.nn.Linear4bit)
 
 
+def lora_factors(modules) -> tuple | None:
+    """The live LoRA factors A (r, K) of `modules`, in order (for `add_rmsnorm`'s lora_a), or
+    None where one of them has no active adapter."""
+    a = tuple(_resolve_lora(m).lora_a for m in modules)
+    return None if any(aj is None for aj in a) else a
+
+
 def unsupported_reason(module: torch.nn.Module) -> str | None:
     """None if `decode_linear(x, module)` computes this module's forward, else why not."""
     try:
@@ -1159,15 +1175,17 @@ def group_modules_reason(modules, x_dtype: torch.dtype) -> str | None:
     return None
 
 
-def decode_linears(x: torch.Tensor, modules, *, defer_sum: bool = False) -> list:
+def decode_linears(x: torch.Tensor, modules, *, defer_sum: bool = False,
+                   lora_t: LoraT | None = None) -> list:
     """[module(x) for module in modules] in one launch of the fused kernel, for 4-bit
     projections of the same input (q/k/v, gate/up) that `group_modules_reason` accepts; each
     output within the kernel's bound of module(x) (the group's tiles may split K otherwise
     than `decode_linear(x, module)` alone). Raises UnsupportedLinear (a ValueError) with the
-    reason otherwise. `defer_sum`: as `decode_linear`'s."""
+    reason otherwise. `defer_sum`: as `decode_linear`'s. `lora_t`: as
+    `linear4bit_lora_group`'s (from `add_rmsnorm(..., lora_a=lora_factors(modules))`)."""
     parts, cd = _group_parts(modules, x.dtype, x.device)
     ys = linear4bit_lora_group(x.reshape(-1, x.shape[-1]).to(cd), parts,
-                               defer_sum=defer_sum and cd == x.dtype)
+                               defer_sum=defer_sum and cd == x.dtype, lora_t=lora_t)
     return [_output(y, x) for y in ys]
 
 
@@ -1201,13 +1219,14 @@ def silu_mul_modules_reason(gate, up, x_dtype: torch.dtype) -> str | None:
     return None
 
 
-def decode_silu_mul(x: torch.Tensor, gate: torch.nn.Module, up: torch.nn.Module) -> torch.Tensor:
+def decode_silu_mul(x: torch.Tensor, gate: torch.nn.Module, up: torch.nn.Module, *,
+                    lora_t: LoraT | None = None) -> torch.Tensor:
     """F.silu(gate(x)) * up(x) in one launch (`linear4bit_lora_silu_mul`) for the 4-bit
     projections `silu_mul_modules_reason` accepts; each projection within the kernel's bound of
     its module, and the silu · mul torch's on them. Raises UnsupportedLinear (a ValueError)
-    with the reason otherwise."""
+    with the reason otherwise. `lora_t`: as `decode_linears`'."""
     g, u = _silu_mul_parts(gate, up, x.dtype, x.device)
-    h = linear4bit_lora_silu_mul(x.reshape(-1, x.shape[-1]), g, u)
+    h = linear4bit_lora_silu_mul(x.reshape(-1, x.shape[-1]), g, u, lora_t=lora_t)
     return h.reshape(*x.shape[:-1], h.shape[1])
 
 

@@ -40,6 +40,7 @@ import torch
 import triton
 
 from ._interp import interpreting
+from .lora_t import LoraT
 from .split_sum import SplitSum
 
 ENV = "GRPO_LCE_WS_LINEAR"
@@ -134,6 +135,26 @@ def reason(x: torch.Tensor, parts: list, glu: bool, config: dict | None) -> str 
     return _gluon_reason()
 
 
+def given_t_reason(device: torch.device, rows: int, factors: tuple | None) -> str | None:
+    """Why a launch of this kernel on `device` for `rows` rows would not take LoRA's t for
+    these factors from the kernel before it (`lora_t`), or None: the kernel's device, rows
+    and rank, as `reason` asks them (the rest of `reason` is the launch's own)."""
+    if factors is None:
+        return "a projection without LoRA"
+    if os.environ.get(ENV, "1") == "0":
+        return f"{ENV}=0"
+    if device.type != "cuda" or interpreting():
+        return "not a CUDA device"
+    cap = _capability(device.index if device.index is not None else torch.cuda.current_device())
+    if cap != (9, 0):
+        return f"compute capability {cap[0]}.{cap[1]} (the kernel is sm_90's)"
+    if rows > MAX_ROWS:
+        return f"{rows} rows (the kernel takes at most {MAX_ROWS})"
+    if any(a.shape[0] != RANK or a.dtype != torch.bfloat16 for a in factors):
+        return f"LoRA factors other than rank {RANK} in bf16"
+    return _gluon_reason()
+
+
 def _part_reason(part, k: int) -> str | None:
     w = part.weight
     if k % 256 or w.blocksize % 64 or w.packed.data_ptr() % 16:
@@ -192,12 +213,15 @@ def _no_lora(device: torch.device) -> torch.Tensor:
     return torch.zeros(RANK, 256, device=device, dtype=torch.bfloat16)
 
 
-def launch(x: torch.Tensor, parts: list, glu: bool, defer_sum: bool) -> list | None:
+def launch(x: torch.Tensor, parts: list, glu: bool, defer_sum: bool,
+           lora_t: LoraT | None = None) -> list | None:
     """[y_s] for each of the parts (`reason` None; column slices of one (M, Σ N_s) output), or
     [SplitSum_s] where `defer_sum` and K is split; with `glu` (parts gate, up) [silu(gate) ·
-    up]. None if the launch failed (logged once; the path is then off)."""
+    up]. `lora_t`: LoRA's t of x and the parts' factors (`lora_t.LoraT`), summed by the
+    epilogue instead of formed in the K loop (`linear4bit._launch` checked it is x's and the
+    parts'). None if the launch failed (logged once; the path is then off)."""
     try:
-        return _launch(x, parts, glu, defer_sum)
+        return _launch(x, parts, glu, defer_sum, lora_t=lora_t)
     except Exception as e:  # noqa: BLE001 (a fast path that fails falls back, with one line)
         msg = f"warp-specialized decode linear failed ({type(e).__name__}: {e})"
         _failed.append(msg)
@@ -226,7 +250,7 @@ def _part_args(part, x: torch.Tensor) -> list:
 
 
 def _launch(x: torch.Tensor, parts: list, glu: bool, defer_sum: bool,
-            split: int | None = None) -> list:
+            split: int | None = None, lora_t: LoraT | None = None) -> list:
     """`launch` without its fallback; `split` (default `split_rule`'s) for the lab's sweeps."""
     from ._linear4bit_ws_kernel import linear4bit_ws_kernel
     from .linear4bit import _num_sms, _split_k_reduce_kernel, split_steps
@@ -252,12 +276,17 @@ def _launch(x: torch.Tensor, parts: list, glu: bool, defer_sum: bool,
     partials = (torch.empty(split, m, width, device=x.device, dtype=torch.float32)
                 if split > 1 else y)
     pair_table = pair_table_rule(sum(tiles), k, sms)
+    has_lora = parts[0].lora_a is not None
+    t = lora_t.parts if lora_t is not None and has_lora else None  # (P, J·16, M) fp32
     linear4bit_ws_kernel[(sum(tiles), split)](
-        x_desc, y, partials, *segs[0], *segs[1], *segs[2], *first_tile, *first_col,
+        x_desc, y, partials, t if t is not None else partials,
+        t.stride(0) if t is not None else 0, t.stride(1) if t is not None else 0,
+        *segs[0], *segs[1], *segs[2], *first_tile, *first_col,
         k, m, y.stride(0), partials.stride(1), partials.stride(0) if split > 1 else 0, per,
         BS=w.blocksize, BS2=w.blocksize2, NESTED=w.nested, SPLIT=split > 1, STAGES=STAGES,
-        HAS_LORA=parts[0].lora_a is not None, HAS_BIAS=parts[0].bias is not None, GLU=glu,
+        HAS_LORA=has_lora, HAS_BIAS=parts[0].bias is not None, GLU=glu,
         PRODUCER_REGS=PRODUCER_REGS, PAIR_TABLE=pair_table,
+        T_PARTS=t.shape[0] if t is not None else 0,
         **(pdl_args := launch_args(linear4bit_ws_kernel, x.device)),
         EARLY_NEXT=pdl_args["PDL"] and sum(tiles) * split <= EARLY_NEXT_CTAS_PER_SM * sms,
         num_warps=4, maxnreg=MAXNREG,
@@ -266,6 +295,8 @@ def _launch(x: torch.Tensor, parts: list, glu: bool, defer_sum: bool,
     LAUNCHES["silu_mul" if glu else ("split" if split > 1 else "whole")
              + (f" x{len(parts)}" if len(parts) > 1 else "")] += 1
     LOOKUPS["pair table" if pair_table else "register tables"] += 1
+    if t is not None:
+        LAUNCHES["lora t given"] += 1
     cols = [sum(ns[:i]) for i in range(len(ns))]
     if split == 1:
         return [y] if glu else [y[:, c:c + n] for c, n in zip(cols, ns)]
