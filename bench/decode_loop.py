@@ -35,6 +35,8 @@ every row runs to --new. Variants (--variants):
                   (the kernel plan's lora_t off: an A/B of t from add_rmsnorm; optional)
     loop_lora_t_qkv `loop` with the q/k/v launches taking t from add_rmsnorm too
                   (`kernel_plan.LORA_T_GROUPS`; optional)
+    loop_no_rope_attention `loop` with RoPE + cache write and attention in two launches (the
+                  kernel plan's rope_attention off; optional)
     loop_one_step_splits `loop` with the decode linear's split rule letting a program run one K
                   step (`linear4bit.MIN_STEPS` 1; the 1B q/k/v and o launches split 8, not 4)
     loop_rope_warps1, loop_rope_warps2 `loop` with `rope_cache_write` on 1 or 2 warps a program
@@ -110,7 +112,7 @@ VARIANTS = ("hf_eager", "fast_sampler", "loop", "loop_sdpa_attention", "loop_no_
             "loop_attention_warps2", "loop_attention_warps8", "loop_register_tile",
             "loop_ws_no_group", "loop_ws_no_pdl", "loop_ws_2_per_sm", "loop_ws_early_next",
             "loop_ws_no_early", "loop_ws_byte_planes", "loop_ws_pair_table", "loop_no_lora_t",
-            "loop_lora_t_qkv")
+            "loop_lora_t_qkv", "loop_no_rope_attention")
 # the lab variants' kernel plans: `loop`'s without one piece
 PLAN_WITHOUT = {"loop_no_silu_mul": {"silu_mul": frozenset()},
                 "loop_torch_sample": {"sample": False},
@@ -119,7 +121,8 @@ PLAN_WITHOUT = {"loop_no_silu_mul": {"silu_mul": frozenset()},
                 "loop_sums_in_linear": {"rope_sums": False, "norm_sums": False},
                 "loop_no_norm_sums": {"norm_sums": False},
                 "loop_torch_record": {"record": False},
-                "loop_no_lora_t": {"lora_t": frozenset()}}
+                "loop_no_lora_t": {"lora_t": frozenset()},
+                "loop_no_rope_attention": {"rope_attention": False}}
 DEFAULT_VARIANTS = ("hf_eager", "fast_sampler", "loop")
 
 

@@ -195,8 +195,9 @@ def main():
                         "a1_ptr": "*bf16", "a2_ptr": "*bf16", "t_ptr": "*fp32", "eps": "fp32"},
                        {"HAS_RESIDUAL": has_res, "X_SPLITS": splits, "HAS_XBIAS": splits > 0,
                         "GATHER": gather, "BLOCK_H": 4096, "N_A": n_a, "RANK": 16,
-
-                        "BLOCK_P": 512 if n_a else 4096, "INTERP": False}, num_warps=32)
+                        "BLOCK_R": 64 if n_a == 3 else 16 * max(n_a, 1),
+                        "BLOCK_P": 512 if n_a else 4096, "INTERP": False},
+                       num_warps=R.t_warps(512) if n_a else 32)
     for rows in (False, True):  # the step's record, a full batch and a bucket
         compile_kernel(RC._record_kernel,
                        {"y_ptr": "*i64", "lp_ptr": "*fp32", "done_ptr": "*i1", "eos_ptr": "*i64",
@@ -271,9 +272,9 @@ def main():
                         "a1_ptr": "*bf16", "a2_ptr": "*bf16", "t_ptr": "*fp32", "eps": "fp32"},
                        {"HAS_RESIDUAL": not gather, "X_SPLITS": splits, "HAS_XBIAS": False,
                         "GATHER": gather, "BLOCK_H": 4096, "N_A": n_a, "RANK": 16,
-
+                        "BLOCK_R": 64 if n_a == 3 else 16 * max(n_a, 1),
                         "BLOCK_P": 512 if n_a else 4096, "PDL": True, "INTERP": False},
-                       num_warps=32)
+                       num_warps=R.t_warps(512) if n_a else 32)
     compile_kernel(P._rope_cache_kernel,
                    {"q_ptr": "*fp32", "k_ptr": "*fp32", "v_ptr": "*fp32", "cos_ptr": "*bf16",
                     "sin_ptr": "*bf16", "qw_ptr": "*bf16", "kw_ptr": "*bf16", "ck_ptr": "*bf16",
@@ -290,6 +291,21 @@ def main():
                    {"D": 64, "BLOCK_G": 16, "SPLIT": A.SPLIT_N, "BLOCK_N": A.BLOCK_N_FEW,
                     "HAS_WINDOW": False, "IEEE": False, "COMBINE": True, "PDL": True,
                     "INTERP": False}, num_warps=4)
+    # RoPE + cache write + attention in one launch: plain q/k/v, and SplitSums with biases
+    for splits, bias in ((0, False), (2, True)):
+        part = "*fp32" if splits else "*bf16"
+        compile_kernel(A._rope_attention_kernel,
+                       {"q_ptr": part, "k_ptr": part, "v_ptr": part, "cos_ptr": "*bf16",
+                        "sin_ptr": "*bf16", "qb_ptr": "*bf16", "kb_ptr": "*bf16",
+                        "vb_ptr": "*bf16", "ck_ptr": "*bf16", "cv_ptr": "*bf16",
+                        "last_ptr": "*i64", "m_ptr": "*fp32", "l_ptr": "*fp32",
+                        "acc_ptr": "*fp32", "o_ptr": "*bf16", "count_ptr": "*i32",
+                        "scale": "fp32"},
+                       {"D": 128, "BLOCK_G": 16, "SPLIT": A.SPLIT_N, "BLOCK_N": A.BLOCK_N_FEW,
+                        "HAS_WINDOW": False, "COMBINE": True, "X_DT": tl.bfloat16,
+                        "Q_SPLITS": splits, "K_SPLITS": splits, "V_SPLITS": splits,
+                        "HAS_QB": bias, "HAS_KB": bias, "HAS_VB": bias, "PDL": True,
+                        "INTERP": False}, num_warps=4)
     compile_kernel(S._chunk_lse_kernel, {"z_ptr": "*fp32", "m_ptr": "*fp32", "s_ptr": "*fp32"},
                    {"BLOCK": S.BLOCK, "PDL": True}, num_warps=8)
     compile_kernel(S._chunk_race_kernel,

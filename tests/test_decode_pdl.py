@@ -13,6 +13,7 @@ from trainers.sampling.kernels import head_logits, linear4bit, pdl, race, rmsnor
 
 KERNELS = [linear4bit._linear4bit_lora_kernel, rmsnorm._add_rmsnorm_kernel,
            rope._rope_cache_kernel, decode_attention._decode_attention_split_kernel,
+           decode_attention._rope_attention_kernel,
            head_logits._head_logits_kernel, race._chunk_lse_kernel, race._chunk_race_kernel,
            race._pick_kernel]
 

@@ -107,3 +107,87 @@ def test_combine_in_launch_is_the_torch_combine(monkeypatch):
     bound = 8 * 2**-24 * V.nan_to_num().abs().max().item()
     assert (fused - split).abs().max().item() <= bound
     assert torch.isfinite(fused).all()
+
+
+def _rope_inputs(device, *, split, bias, B=4, HKV=2, G=3, D=16, M=300, seed=3):
+    """The decode step's q/k/v (plain bf16, or SplitSums of 2 fp32 partials with biases), cos /
+    sin tables (M, D) bf16, a cache of valid keys below each row's slot and NaN garbage from it
+    on (so a read of the slot before its write shows), and the slots: split edges."""
+    from trainers.sampling.kernels.split_sum import SplitSum
+
+    g = torch.Generator().manual_seed(seed)
+    slots = torch.tensor([0, 63, 64, M - 1][:B])
+
+    def proj(h):
+        if not split:
+            return torch.randn(B, h, D, generator=g).to(device, torch.bfloat16)
+        b = torch.randn(h * D, generator=g).to(device, torch.bfloat16) if bias else None
+        return SplitSum(torch.randn(2, B, h * D, generator=g).to(device), b, torch.bfloat16,
+                        h * D).view(B, h, D)
+
+    q, k, v = proj(HKV * G), proj(HKV), proj(HKV)
+    pos = torch.arange(M)[:, None] / (10000 ** (torch.arange(D // 2) / (D // 2)))[None, :]
+    ang = torch.cat([pos, pos], dim=1)
+    cos, sin = (f(ang).to(device, torch.bfloat16) for f in (torch.cos, torch.sin))
+    cache_k = torch.randn(B, HKV, M, D, generator=g)
+    cache_v = torch.randn(B, HKV, M, D, generator=g)
+    for b, n in enumerate(slots.tolist()):
+        cache_k[b, :, n:] = float("nan")
+        cache_v[b, :, n:] = float("nan")
+    return (q, k, v, cos, sin, cache_k.to(device, torch.bfloat16),
+            cache_v.to(device, torch.bfloat16), slots.to(device))
+
+
+@pytest.mark.parametrize("split,bias", [(False, False), (True, False), (True, True)])
+@pytest.mark.parametrize("window", [None, 50])
+def test_rope_attention_is_rope_then_attention(split, bias, window, device="cpu"):
+    """`rope_attention` (one launch) against `rope_cache_write` then `decode_attention`: the
+    same cache bits (the new slot written, nothing else touched) and the same output bits,
+    across split edges (SPLIT_N 64 here), odd G, SplitSum inputs with biases, a window; the
+    fused launch counted as the one that summed the SplitSums."""
+    from trainers.sampling import decode_attention as module
+    from trainers.sampling.kernels.rope import rope_cache_write
+    from trainers.sampling.kernels.split_sum import CONSUMED
+
+    q, k, v, cos, sin, ck, cv, slots = _rope_inputs(device, split=split, bias=bias)
+    B, HKV, D = k.shape
+    G = q.shape[1] // HKV
+    cfg = {"SPLIT_N": 64, "BLOCK_N": 16}
+    ck2, cv2 = ck.clone(), cv.clone()
+    q_rot = rope_cache_write(q, k, v, cos, sin, ck2, cv2, slots, tables=True)
+    ref = decode_attention(q_rot.view(B, HKV, G, D), ck2, cv2, slots, scale=0.3, window=window,
+                           config=cfg)
+    consumed = CONSUMED["rope_attention"]
+    o = module.rope_attention(q, k, v, cos, sin, ck, cv, slots, scale=0.3, window=window,
+                              config=cfg)
+    assert CONSUMED["rope_attention"] == consumed + (3 if split else 0)
+    assert o.shape == ref.shape and o.dtype == ref.dtype
+    torch.testing.assert_close(ck, ck2, rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(cv, cv2, rtol=0, atol=0, equal_nan=True)
+    assert torch.equal(o, ref), (o.float() - ref.float()).abs().max()
+
+
+def test_rope_attention_falls_back_to_two_calls(monkeypatch):
+    """Where the fused launch does not apply (fp32 rotation, q/k norms) the two calls run: the
+    kernel is not launched and the result is theirs."""
+    from trainers.sampling import decode_attention as module
+    from trainers.sampling.kernels.rope import rope_cache_write
+
+    q, k, v, cos, sin, ck, cv, slots = _rope_inputs("cpu", split=False, bias=False, B=2)
+    q, k, v, ck, cv = (t.float() for t in (q, k, v, ck, cv))
+    B, HKV, D = k.shape
+    launched = []
+    monkeypatch.setattr(module, "_rope_attention_kernel", launched)  # a launch would fail
+    ck2, cv2 = ck.clone(), cv.clone()
+    o = module.rope_attention(q, k, v, cos.float(), sin.float(), ck, cv, slots, scale=0.3)
+    q_rot = rope_cache_write(q, k, v, cos.float(), sin.float(), ck2, cv2, slots, tables=True)
+    ref = decode_attention(q_rot.view(B, HKV, -1, D), ck2, cv2, slots, scale=0.3)
+    assert torch.equal(o, ref)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("split,bias", [(False, False), (True, True)])
+@pytest.mark.parametrize("window", [None, 50])
+def test_rope_attention_is_rope_then_attention_gpu(split, bias, window):
+    test_rope_attention_is_rope_then_attention(split, bias, window, device="cuda")

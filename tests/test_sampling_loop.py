@@ -46,7 +46,7 @@ from transformers.generation.logits_process import (
 
 from trainers import tiny
 from trainers.generation import trim_after_eos
-from trainers.sampling import DecodeLoop, processors
+from trainers.sampling import DecodeLoop, decode_attention, processors
 from trainers.sampling.cache import KVCache
 from trainers.sampling.kernels import linear4bit_ws
 from trainers.sampling.model_step import ModelStep
@@ -598,7 +598,7 @@ def kernels_on_cpu(monkeypatch):
 
     monkeypatch.setattr(kernel_plan, "KERNEL_DEVICES", ("cuda", "cpu"))
     names = ("decode_linear", "decode_linears", "decode_silu_mul", "add_rmsnorm",
-             "rope_cache_write", "head_logits", "decode_attention")
+             "rope_cache_write", "head_logits", "decode_attention", "rope_attention")
     calls = dict.fromkeys(names + ("projections", "record_step", "embedding_lookups"), 0)
     real_record = loop_module.record_step
 
@@ -678,7 +678,9 @@ def test_kernel_forward_equals_the_modules(tok, family, kernels_on_cpu):
     assert kernels_on_cpu["add_rmsnorm"] == 3 * 5  # prefill and decodes, 2 x 2 + final
     assert plan.embed and kernels_on_cpu["embedding_lookups"] == 2  # in the decode steps' first
     assert plan.head and kernels_on_cpu["head_logits"] == 2  # the decode steps' heads
-    assert plan.attention and kernels_on_cpu["decode_attention"] == 2 * 2  # decode steps only
+    # decode steps only; RoPE and the cache write in the attention's launch (no q/k norms)
+    assert plan.attention and plan.rope_attention and kernels_on_cpu["rope_attention"] == 2 * 2
+    assert kernels_on_cpu["decode_attention"] == 0 and kernels_on_cpu["rope_cache_write"] == 0
     err = (runs["kernels"] - runs["torch"]).abs().amax(-1)  # (B, 3)
     bound = _kernel_logit_bound(runs["torch"], base.config.num_hidden_layers)
     assert (err <= bound).all(), (err, bound)
@@ -728,8 +730,11 @@ def test_split_sums_change_no_logit(tok, family, kernels_on_cpu, monkeypatch):
         runs[name] = torch.stack(z, 1)
         used[name] = {k: v - before.get(k, 0) for k, v in split_sum.CONSUMED.items()}
     # per decode step: o and down into 2 layers' norms (the last down into the final norm);
-    # q, k and v into each layer's rope_cache_write
-    assert used["sums"] == {"add_rmsnorm": 2 * 4, "rope_cache_write": 2 * 2 * 3}, used
+    # q, k and v into each layer's rope_attention (rope_cache_write with Qwen3's q/k norms)
+    rope = "rope_attention" if plan.rope_attention else "rope_cache_write"
+    assert plan.rope_attention == (family != "qwen3"), plan.line
+    assert {k: v for k, v in used["sums"].items() if v} == \
+        {"add_rmsnorm": 2 * 4, rope: 2 * 2 * 3}, used
     assert not any(used["sums_in_linear"].values()), used
     assert torch.equal(runs["sums"], runs["sums_in_linear"])
 
@@ -882,7 +887,10 @@ def test_greedy_with_kernels_equals_hf_generate(tok, family, kernels_on_cpu, cap
     lines = [r.getMessage() for r in caplog.records if "projections through" in r.getMessage()]
     assert len(lines) == 1 and "RoPE + cache write by rope_cache_write" in lines[0], lines
     assert ("q/k norm + RoPE" in lines[0]) == (family == "qwen3")
-    assert kernels_on_cpu["rope_cache_write"] >= 2 * 7  # 2 layers, every decode step
+    # these fp32 models keep RoPE in its own launch (the fused one rotates 16-bit values:
+    # test_kernel_forward_equals_the_modules runs it); 2 layers, every decode step
+    assert "with RoPE and the cache write in its launch" not in lines[0], lines
+    assert kernels_on_cpu["rope_cache_write"] >= 2 * 7
 
 
 def test_rope_plan_leaves_partial_rotary_to_torch(tok):
@@ -1062,6 +1070,7 @@ def test_gpu_greedy_and_replay_after_optimizer_step(quant, kernels, family, tmp_
     loop = DecodeLoop(check_every=k, kernels=kernels)
     qkv_launches = _ws_qkv_launches()
     t_given = linear4bit_ws.LAUNCHES["lora t given"]
+    fused_attention = decode_attention.LAUNCHES["rope_attention"]
     out = loop.generate(model, ids, mask, gc)
     assert loop.disabled_reason is None and out is not None and loop.stats.captures == 1
     assert loop.kernels == kernels  # the kernels passed the first-call check
@@ -1080,6 +1089,10 @@ def test_gpu_greedy_and_replay_after_optimizer_step(quant, kernels, family, tmp_
         assert len(plan.silu_mul) == (4 if packed else 0), plan.line
         assert plan.head and "LM head by head_logits" in plan.line, plan.line
         assert plan.attention and "attention by decode_attention" in plan.line, plan.line
+        # RoPE and the cache write in the attention's launch, but for Qwen3's q/k norms
+        assert plan.rope_attention == (family != "qwen3"), plan.line
+        assert (decode_attention.LAUNCHES["rope_attention"] > fused_attention) == \
+            plan.rope_attention, dict(decode_attention.LAUNCHES)
     ref = hf_completions(model, ids, mask, gc)
     gaps = _greedy_gap(model, ids, mask, out.token_ids, ref)
     print(f"\n{quant} kernels={kernels}: rows diverging from eager (row, step, eager logit gap, "
@@ -1196,8 +1209,10 @@ def test_gpu_pdl_launches_change_no_token(tmp_path, monkeypatch):
         if env == "0":
             assert not launched, launched
         else:
+            # RoPE, the cache write and attention in one launch (this model has no q/k norms)
+            assert plan.rope_attention, plan.line
             assert set(launched) >= {"_linear4bit_lora_kernel", "_add_rmsnorm_kernel",
-                                     "_rope_cache_kernel", "_decode_attention_split_kernel",
+                                     "_rope_attention_kernel",
                                      "_head_logits_kernel", "_chunk_lse_kernel",
                                      "_chunk_race_kernel", "_pick_kernel",
                                      "_linear4bit_lora_kernel early next"}, launched

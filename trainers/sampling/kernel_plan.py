@@ -29,6 +29,10 @@
     rope         each decode step's RoPE of q and k (after Qwen3's q_norm / k_norm, fused) with
                  the write of k and v into the cache: `rope_cache_write`, one launch per layer,
                  when the rotary dim is the head dim and any q/k norm is LlamaRMSNorm's forward
+    rope_attention  each decode step's RoPE, cache write and attention in one launch
+                 (`decode_attention.rope_attention`), where both `rope` and `attention` run,
+                 the attention has no q/k norms (Qwen3's stay in `rope_cache_write`) and the
+                 hidden states are 16-bit
     rope_sums    a fused q/k/v launch that splits K leaves its partials to `rope_cache_write`,
                  which sums them (the same bits; `kernels.split_sum`): the projection's programs
                  skip the arrival counter and the re-read, where the rope kernel runs
@@ -90,6 +94,7 @@ class KernelPlan:
     head: bool = False  # decode steps: the LM head by head_logits
     attention: bool = False  # decode steps: attention by decode_attention
     rope_sums: bool = False  # split q/k/v partials summed by rope_cache_write
+    rope_attention: bool = False  # decode steps: RoPE + cache write + attention in one launch
     norm_sums: bool = False  # split o/down partials summed by add_rmsnorm
     # groups (as in `groups`) whose LoRA t = x @ Aᵀ the add_rmsnorm before them forms
     lora_t: frozenset = frozenset()
@@ -248,6 +253,10 @@ def make_plan(base, kernels: str, device_type: str, batch: int = 1) -> KernelPla
     attention = _attention_reason(base)
     line += ("; attention by decode_attention" if attention is None
              else f"; attention by SDPA over the cache ({attention})")
+    rope_attention = (rope_reason is None and attention is None and not has_norms
+                      and dtype in (torch.bfloat16, torch.float16))
+    if rope_attention:
+        line += " (with RoPE and the cache write in its launch)"
     head = head_reason(base.get_output_embeddings(), dtype)
     line += "; LM head by head_logits" if head is None else f"; LM head by the module ({head})"
     if not fused:
@@ -257,4 +266,5 @@ def make_plan(base, kernels: str, device_type: str, batch: int = 1) -> KernelPla
                       rope=rope_reason is None, sample=True, record=True, head=head is None,
                       attention=attention is None,
                       rope_sums=rope_sums, norm_sums=norm_sums, lora_t=frozenset(lora_t),
+                      rope_attention=rope_attention,
                       line=line)

@@ -41,7 +41,8 @@ and both forwards fuse each residual add with the RMSNorm that follows it
 to `h`, and the next norm (a layer's input norm, or the final norm) adds it. With the plan's
 `rope`, a decode step's q/k norms (Qwen3), RoPE and cache write of each layer run as one
 `rope_cache_write` on the projections' outputs, reading the cos / sin tables at each row's slot
-itself (the prefill keeps the torch ops). With the plan's `embed`, a decode step's embedding
+itself (the prefill keeps the torch ops); with the plan's `rope_attention` in the attention's
+launch (`rope_attention`). With the plan's `embed`, a decode step's embedding
 lookup runs inside the first layer's input `add_rmsnorm` (`ids=`). With the plan's
 `rope_sums` (`norm_sums`), a q/k/v (o_proj, down_proj) launch that splits K hands
 `rope_cache_write` (`add_rmsnorm`) its partials (`kernels.split_sum.SplitSum`), which that
@@ -59,7 +60,7 @@ import weakref
 import torch
 import torch.nn.functional as F
 
-from .decode_attention import decode_attention
+from .decode_attention import decode_attention, rope_attention
 from .kernel_plan import TORCH, KernelPlan
 from .kernels.head_logits import head_logits
 from .kernels.linear4bit import decode_linear, decode_linears, decode_silu_mul, lora_factors
@@ -219,21 +220,34 @@ class ModelStep:
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H, S, D)
         return _rope(q, cos, sin), _rope(k, cos, sin), v
 
-    def _qkv_write(self, attn, x, cos, sin, cache_k, cache_v, slots, lora_t=None):
-        """One decode token per row: the projections, then `rope_cache_write` writes rotated k
-        and v to slot slots_b of cache_k / cache_v (B, H_kv, M, D) and returns rotated q
-        (B, H, 1, D). cos, sin: the (M, D) tables, row b's position is slots_b. The
-        projections' (B, 1, H·D) outputs are read through (B, H, D) views. lora_t: as
-        `_projs`'."""
+    def _qkv_heads(self, attn, x, lora_t=None):
+        """One decode token per row: the projections' (B, 1, H·D) outputs (or SplitSums) read
+        through (B, H, D) views. lora_t: as `_projs`'."""
         B, _, _ = x.shape
         D = attn.head_dim
-        q, k, v = (y.view(B, -1, D) for y in
-                   self._projs((attn.q_proj, attn.k_proj, attn.v_proj), x, True,
-                               self.plan.rope_sums, lora_t))
+        return [y.view(B, -1, D) for y in self._projs(qkv_modules(attn), x, True,
+                                                       self.plan.rope_sums, lora_t)]
+
+    def _qkv_write(self, attn, x, cos, sin, cache_k, cache_v, slots, lora_t=None):
+        """The projections (`_qkv_heads`), then `rope_cache_write` writes rotated k and v to
+        slot slots_b of cache_k / cache_v (B, H_kv, M, D) and returns rotated q (B, H, 1, D).
+        cos, sin: the (M, D) tables, row b's position is slots_b."""
+        q, k, v = self._qkv_heads(attn, x, lora_t)
         norms = norm_params(attn)  # Qwen3's q_norm / k_norm, or None
         q = rope_cache_write(q, k, v, cos, sin, cache_k, cache_v, slots,
                              q_norm=norms and norms[0], k_norm=norms and norms[1], tables=True)
         return q[:, :, None]
+
+    def _qkv_attend(self, i, attn, x, cos, sin, cache_k, cache_v, slots, lora_t=None):
+        """The projections (`_qkv_heads`), then RoPE, the cache write and the attention over
+        each row's keys in one launch (`rope_attention`): o (B, H, 1, D)."""
+        q, k, v = self._qkv_heads(attn, x, lora_t)
+        B, H, D = q.shape
+        norms = norm_params(attn)
+        o = rope_attention(q, k, v, cos, sin, cache_k, cache_v, slots, scale=attn.scaling,
+                           window=self.windows[i], q_norm=norms and norms[0],
+                           k_norm=norms and norms[1])
+        return o.reshape(B, H, 1, D)
 
     def rope_table(self, M: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, sin) (M, D) in like's dtype: `rotary_emb` at positions [0, M), computed on the
@@ -247,14 +261,16 @@ class ModelStep:
         return table
 
     def _layers(self, h, cos, sin, attend, write, keys, fused=False, qkv_write=None,
-                first=None):
+                first=None, qkv_attend=None):
         """Runs every layer, with RoPE's cos / sin (B or 1, S, D): `write(i, k, v)` stores this
         step's keys and values in layer i's cache; `keys(i)` returns the (K, V) the queries
         attend to; `attend(q, K, V, window, scale)` the attention output (B, H, S, D). `fused`:
         the plan's projections run through decode_linear. `qkv_write(i, attn, x, cos, sin)`, if
         given, replaces the projections, RoPE and `write` (it returns q; its last argument is
-        LoRA's t from the norm, or None). `first`: (x, h, t) of the first layer's input norm,
-        formed by the caller. Returns (h, delta): the residual stream is h + delta."""
+        LoRA's t from the norm, or None). `qkv_attend(i, attn, x, cos, sin, t)`, if given,
+        replaces those and the attention too (it returns o). `first`: (x, h, t) of the first
+        layer's input norm, formed by the caller. Returns (h, delta): the residual stream is
+        h + delta."""
         delta = None  # the last block's output, not yet added to h
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
@@ -263,13 +279,16 @@ class ModelStep:
             else:
                 x, h, t = self._add_norm(delta, h, layer.input_layernorm,
                                          self._norm_lora(qkv_modules(attn), fused))
-            if qkv_write is not None:
-                q = qkv_write(i, attn, x, cos, sin, t)
+            if qkv_attend is not None:
+                o = qkv_attend(i, attn, x, cos, sin, t)
             else:
-                q, k, v = self._qkv(attn, x, cos, sin, fused, t)
-                write(i, k, v)
-            K, V = keys(i)
-            o = attend(q, K, V, self.windows[i], attn.scaling)
+                if qkv_write is not None:
+                    q = qkv_write(i, attn, x, cos, sin, t)
+                else:
+                    q, k, v = self._qkv(attn, x, cos, sin, fused, t)
+                    write(i, k, v)
+                K, V = keys(i)
+                o = attend(q, K, V, self.windows[i], attn.scaling)
             B, H, S, D = o.shape
             a = self._proj(attn.o_proj, o.transpose(1, 2).reshape(B, S, H * D), fused,
                            self.plan.norm_sums)
@@ -363,6 +382,9 @@ class ModelStep:
         def qkv_write(i, attn, x, cos, sin, lora_t):
             return self._qkv_write(attn, x, cos, sin, cache.k[i], cache.v[i], slots, lora_t)
 
+        def qkv_attend(i, attn, x, cos, sin, lora_t):
+            return self._qkv_attend(i, attn, x, cos, sin, cache.k[i], cache.v[i], slots, lora_t)
+
         first = None
         if self.plan.embed:  # the lookup inside layer 0's input norm: (x, h, t) (B, 1, hidden)
             norm = self.layers[0].input_layernorm
@@ -377,6 +399,7 @@ class ModelStep:
         if not self.plan.rope:  # rope_cache_write reads the tables at each row's slot itself
             cos, sin = cos[slots][:, None], sin[slots][:, None]  # (B, 1, D)
         h, delta = self._layers(h, cos, sin, attend, write, keys, fused=True,
-                                qkv_write=qkv_write if self.plan.rope else None, first=first)
+                                qkv_write=qkv_write if self.plan.rope else None, first=first,
+                                qkv_attend=qkv_attend if self.plan.rope_attention else None)
         # delta (B, 1, hidden), possibly a SplitSum (the last down_proj's): (B, hidden)
         return self._logits(h[:, 0], None if delta is None else delta.reshape(B, -1), fused=True)

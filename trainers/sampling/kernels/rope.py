@@ -58,7 +58,7 @@ from .split_sum import CONSUMED, SplitSum, kernel_args, load_sum
 # each) spread over 128 threads rather than queued in a few
 NUM_WARPS = 4
 # the kernel's X_DT for each dtype q, k and v may hold
-_TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+ROPE_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
 
 @triton.jit
@@ -88,6 +88,35 @@ def _norm_rope(x1, x2, w_ptr, c1, c2, s1, s2, offs, mask, eps, D,
     o1 = _round(_round(x1 * c1, OUT_DT, INTERP) - _round(x2 * s1, OUT_DT, INTERP), OUT_DT, INTERP)
     o2 = _round(_round(x2 * c2, OUT_DT, INTERP) + _round(x1 * s2, OUT_DT, INTERP), OUT_DT, INTERP)
     return o1, o2
+
+
+@triton.jit
+def rope_rows(x_ptr, heads, head_ok, stride_h, stride_s, bias_ptr, cos_ptr, sin_ptr, stride_c,
+              cs_row, cs_ok, D: tl.constexpr, SPLITS: tl.constexpr, HAS_BIAS: tl.constexpr,
+              X_DT: tl.constexpr, OUT_DT: tl.constexpr, INTERP: tl.constexpr):
+    """rope(x) (R, D) fp32 (OUT_DT values) of the heads `heads` (R,) of one row (no q/k norm),
+    x at x_ptr + head · stride_h (a SplitSum's partials at stride_s, `load_sum`), cos / sin
+    at row cs_row (D,) (every lane the row) of their (P, D) tables of row stride stride_c
+    (zeros where not cs_ok (D,)): the
+    module docstring's ops on whole heads, element i beside its partner j = (i + D/2) mod D
+    (rotate_half(x)_i = -x_j for i < D/2, x_j after), the partner loaded again rather than
+    moved across lanes: `_norm_rope`'s values bit for bit. Needs each product rounded apart
+    from the sum: a 16-bit OUT_DT (its roundings between them) or fp contraction off."""
+    offs = tl.arange(0, D)
+    part = (offs + D // 2) % D
+    m = head_ok[:, None] & (offs < D)[None, :]
+    xp = x_ptr + heads[:, None] * stride_h
+    bp = bias_ptr + heads[:, None] * D
+    x = load_sum(xp + offs[None, :], m, stride_s, bp + offs[None, :], SPLITS, HAS_BIAS, X_DT,
+                 INTERP)
+    xj = load_sum(xp + part[None, :], m, stride_s, bp + part[None, :], SPLITS, HAS_BIAS, X_DT,
+                  INTERP)
+    c = tl.load(cos_ptr + cs_row * stride_c + offs, mask=cs_ok, other=0.0)
+    sn = tl.load(sin_ptr + cs_row * stride_c + offs, mask=cs_ok, other=0.0)
+    sign = tl.where(offs < D // 2, -1.0, 1.0)[None, :]  # rotate_half's sign: exact
+    return _round(_round(x * c.to(tl.float32)[None, :], OUT_DT, INTERP)
+                  + sign * _round(xj * sn.to(tl.float32)[None, :], OUT_DT, INTERP),
+                  OUT_DT, INTERP)
 
 
 @triton.jit
@@ -192,7 +221,8 @@ def rope_cache_write_torch(q, k, v, cos, sin, cache_k, cache_v, slots, *, q_norm
     return q_rot
 
 
-def _check(q, k, v, cos, sin, cache_k, cache_v, slots, q_norm, k_norm, tables):
+def check_inputs(q, k, v, cos, sin, cache_k, cache_v, slots, q_norm, k_norm, tables):
+    """ValueError naming the argument of `rope_cache_write` (and `rope_attention`) that is bad."""
     B, Hq, D = q.shape
     if k.dim() != 3 or k.shape[0] != B or k.shape[2] != D or v.shape != k.shape:
         raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must both be (B, Hkv, D) "
@@ -237,7 +267,7 @@ def rope_cache_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: tor
     projection's `split_sum.SplitSum` (viewed per head): its partials are summed here, the same
     bits as the projection's own sum. Triton on CUDA and under the interpreter, the torch ops
     elsewhere. Any strides with a contiguous head dim."""
-    _check(q, k, v, cos, sin, cache_k, cache_v, slots, q_norm, k_norm, tables)
+    check_inputs(q, k, v, cos, sin, cache_k, cache_v, slots, q_norm, k_norm, tables)
     if not (q.device.type == "cuda" or interpreting()):
         q, k, v = (t.materialize() if isinstance(t, SplitSum) else t for t in (q, k, v))
         if tables:
@@ -271,7 +301,7 @@ def rope_cache_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: tor
         cache_k.stride(0), cache_k.stride(1), cache_k.stride(2),
         cache_v.stride(0), cache_v.stride(1), cache_v.stride(2),
         out.stride(0), out.stride(1), q_s, k_s, v_s,
-        X_DT=_TL_DTYPES[x_dtype], Q_SPLITS=q_n, K_SPLITS=k_n, V_SPLITS=v_n,
+        X_DT=ROPE_DTYPES[x_dtype], Q_SPLITS=q_n, K_SPLITS=k_n, V_SPLITS=v_n,
         HAS_QB=q_b is not None, HAS_KB=k_b is not None, HAS_VB=v_b is not None,
         NORM=q_norm is not None, TABLES=tables, BLOCK_G=triton.next_power_of_2(G),
         BLOCK_HALF=block_half,
