@@ -46,6 +46,14 @@ NUM_WARPS = 4  # a program's warps
 
 
 @triton.jit
+def _program(last_ptr, HKV):
+    """(b·H_kv + h, s, b, h, last_b) of program (b·H_kv + h, s)."""
+    bh = tl.program_id(0)
+    b = bh // HKV
+    return bh, tl.program_id(1), b, bh % HKV, tl.load(last_ptr + b)
+
+
+@triton.jit
 def _attend(q, k_ptr, v_ptr, last, m_ptr, l_ptr, acc_ptr, o_ptr, count_ptr, b, h, bh, s,
             stride_kb, stride_kh, stride_km, stride_vb, stride_vh, stride_vm, G, S, scale,
             window, D: tl.constexpr, BLOCK_G: tl.constexpr, SPLIT: tl.constexpr,
@@ -143,11 +151,7 @@ def _decode_attention_split_kernel(
     INTERP: tl.constexpr,
 ):
     grid_wait(PDL)  # kernels.pdl: launched early, this kernel reads nothing before it
-    bh = tl.program_id(0)
-    s = tl.program_id(1)
-    b = bh // HKV
-    h = bh % HKV
-    last = tl.load(last_ptr + b)
+    bh, s, b, h, last = _program(last_ptr, HKV)
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, D)
     q = tl.load(q_ptr + b * stride_qb + h * stride_qh + offs_g[:, None] * stride_qg
@@ -178,11 +182,7 @@ def _rope_attention_kernel(
     then `_attend`. q, k, v: the projections' outputs per head, each may be a SplitSum
     (its _SPLITS > 0) with a bias (HAS_*B)."""
     grid_wait(PDL)  # kernels.pdl: launched early, this kernel reads nothing before it
-    bh = tl.program_id(0)
-    s = tl.program_id(1)
-    b = bh // HKV
-    h = bh % HKV
-    last = tl.load(last_ptr + b)
+    bh, s, b, h, last = _program(last_ptr, HKV)
     OUT_DT: tl.constexpr = o_ptr.dtype.element_ty
     offs = tl.arange(0, D)
     cs_row = tl.load(last_ptr + b + offs * 0).to(tl.int64)  # (D,), every lane last_b
