@@ -297,7 +297,9 @@ def test_triton_tokens_do_not_depend_on_tiling():
 
 def test_top_p_past_the_candidates():
     """A flat row whose nucleus holds more tokens than the 1024 candidates: its threshold comes
-    from its full row, and equals the fp64 one."""
+    from its full row, and keeps the fp64 nucleus. Kept as the path keeps tokens: its own fp32
+    logits against its threshold (a threshold is one of the row's logits, so the fp64 logit of
+    that token, here row 1's top one, may round to either side of it)."""
     from grpo_lce import sample as S
 
     g = torch.Generator().manual_seed(6)
@@ -309,8 +311,10 @@ def test_top_p_past_the_candidates():
     # top_p halfway between two consecutive cumulative masses of row 0, far from both
     cum = torch.softmax(z[0].sort(descending=True).values, 0).cumsum(0)
     top_p = float(cum[1999] + cum[2000]) / 2
+    _assert_kept_set_robust(h, w, {"top_p": top_p})
     t = S._thresholds(h, w, None, 1.0, None, top_p, None, 512)
-    kept = z.float() >= t[:, None]
+    z32 = torch.cat([zc for _, zc in S._chunks(h, w, None, 1.0, 512)], 1)  # the path's logits
+    kept = z32 >= t[:, None]
     ref_kept = torch.isfinite(sample_logprobs_ref(h, w, top_p=top_p))
     assert int(ref_kept[0].sum()) == 2001 > S.TOP_P_CANDIDATES
     assert int(ref_kept[1].sum()) < S.TOP_P_CANDIDATES
