@@ -210,7 +210,23 @@ def test_grpo_trainer_matches_trl_on_smollm2(smol, batch, tmp_path):
     # the sums on the way, so the bound is stock's own distance to the fp64 model (x K_REORDERED)
     with in_fp64(stock.model):
         loss_r, grads_r, _ = g._run_loss(stock, inputs)
-    g._assert_losses_and_grads(inputs, (loss_o, grads_o), (loss_s, grads_s), (loss_r, grads_r))
+    # Every gradient enters the model through the head's dL/dh_t = (W_y - b_t) / τ · c_t,
+    # b_t = Σ_v p_tv W_v. Stock forms it as Σ_v (p_tv - δ_vy) W_v; ours (the fused head) as
+    # W_y - b_t, the difference of two vectors of about ||W_y||, whose fp32 roundings then weigh
+    # ||W_y|| / ||W_y - b_t|| times more against the result (a peaked token's p_ty near 1:
+    # a trained model's). So ours' error is up to that cancellation factor (worst token, fp64)
+    # times stock's own: k = K_REORDERED x the factor, where equal error distributions give
+    # K_REORDERED alone (stock's error follows its BLAS build's blocking: ours measured 1-9x it
+    # over these LoRA factors on one CI machine)
+    with torch.no_grad():
+        hidden, _ = forward_hidden_states(ours.model, input_ids=ids, attention_mask=mask)
+        w64 = lm_head_params(ours.model)[0].double()
+        h = hidden[:, -c - 1:-1][mask[:, -c:].bool()].double()  # (T, H) completion tokens
+        p = torch.softmax(h @ w64.T / 0.7, -1)
+        w_y = w64[ids[:, -c:][mask[:, -c:].bool()]]
+        cancel = float((w_y.norm(dim=-1) / (w_y - p @ w64).norm(dim=-1)).max())
+    g._assert_losses_and_grads(inputs, (loss_o, grads_o), (loss_s, grads_s), (loss_r, grads_r),
+                               grad_k=K_REORDERED * max(1.0, cancel))
     assert all("lora_" in n for n in grads_s)
 
 
