@@ -211,8 +211,9 @@ def test_grpo_trainer_matches_trl_on_smollm2(smol, batch, tmp_path):
     with in_fp64(stock.model):
         loss_r, grads_r, _ = g._run_loss(stock, inputs)
     # Every gradient enters the model through the head's dL/dh_t = (W_y - b_t) / τ · c_t,
-    # b_t = Σ_v p_tv W_v. Stock forms it as Σ_v (p_tv - δ_vy) W_v; ours (the fused head) as
-    # W_y - b_t, the difference of two vectors of about ||W_y||, whose fp32 roundings then weigh
+    # b_t = Σ_v p_tv W_v. Stock forms it as Σ_v (p_tv - δ_vy) W_v; ours as b_t - W_y (the e_y
+    # term joined after the GEMM: grpo_lce/kernels/target_terms.py), the difference of two
+    # vectors of about ||W_y||, whose fp32 roundings then weigh
     # ||W_y|| / ||W_y - b_t|| times more against the result (a peaked token's p_ty near 1:
     # a trained model's). So ours' error is up to that cancellation factor (worst token, fp64)
     # times stock's own: k = K_REORDERED x the factor, where equal error distributions give
