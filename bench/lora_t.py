@@ -81,6 +81,42 @@ def _parts(k: int, ns: tuple, dev) -> list:
     return parts
 
 
+def measure(name: str, k: int, ns: tuple, glu: bool, dev) -> dict:
+    """One launch's row: the module docstring's timings, µs a call."""
+    parts = _parts(k, ns, dev)
+    factors = tuple(p.lora_a for p in parts)
+    delta = SplitSum(torch.randn(2, ROWS, k, device=dev), None, torch.bfloat16, k)
+    r = torch.randn(ROWS, k, device=dev, dtype=torch.bfloat16)
+    w = torch.randn(k, device=dev, dtype=torch.bfloat16)
+    y, _, t = add_rmsnorm(delta, r, w, 1e-5, lora_a=factors)
+
+    def norm(with_t):
+        return add_rmsnorm(delta, r, w, 1e-5, lora_a=factors if with_t else None)
+
+    def linear(x, lora_t):
+        if glu:
+            return L.linear4bit_lora_silu_mul(x, parts[0], parts[1], lora_t=lora_t)
+        return L.linear4bit_lora_group(x, parts, lora_t=lora_t)
+
+    def pair(with_t):
+        out = norm(with_t)
+        return linear(out[0], out[2] if with_t else None)
+
+    given = WS.LAUNCHES["lora t given"]
+    row = {"launch": name, "K": k, "N": list(ns), "factors": len(parts),
+           "norm_us": graph_us(lambda: norm(False)),
+           "norm_t_us": graph_us(lambda: norm(True)),
+           "linear_us": graph_us(lambda: linear(y, None)),
+           "linear_given_t_us": graph_us(lambda: linear(y, t)),
+           "pair_us": graph_us(lambda: pair(False)),
+           "pair_t_us": graph_us(lambda: pair(True))}
+    assert WS.LAUNCHES["lora t given"] > given, dict(WS.LAUNCHES)  # the given-t path ran
+    for warps in (8, 16, 32):  # the norm's warps with factors (`rmsnorm.t_warps`)
+        with mock.patch.object(R, "t_warps", lambda block_p, n=warps: n):
+            row[f"norm_t_us_warps{warps}"] = graph_us(lambda: norm(True))
+    return row
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tag", default="")
@@ -88,39 +124,10 @@ def main(argv=None) -> None:
     dev = torch.device("cuda")
     rows = []
     for name, k, ns, glu in LAUNCHES:
-        parts = _parts(k, ns, dev)
-        factors = tuple(p.lora_a for p in parts)
-        delta = SplitSum(torch.randn(2, ROWS, k, device=dev), None, torch.bfloat16, k)
-        r = torch.randn(ROWS, k, device=dev, dtype=torch.bfloat16)
-        w = torch.randn(k, device=dev, dtype=torch.bfloat16)
-        y, _, t = add_rmsnorm(delta, r, w, 1e-5, lora_a=factors)
-
-        def linear(x, lora_t):
-            if glu:
-                return L.linear4bit_lora_silu_mul(x, parts[0], parts[1], lora_t=lora_t)
-            return L.linear4bit_lora_group(x, parts, lora_t=lora_t)
-
-        def pair(with_t):
-            out = add_rmsnorm(delta, r, w, 1e-5, lora_a=factors if with_t else None)
-            return linear(out[0], out[2] if with_t else None)
-
-        given = WS.LAUNCHES["lora t given"]
-        row = {"launch": name, "K": k, "N": list(ns), "factors": len(parts),
-               "norm_us": graph_us(lambda: add_rmsnorm(delta, r, w, 1e-5)),
-               "norm_t_us": graph_us(lambda: add_rmsnorm(delta, r, w, 1e-5, lora_a=factors)),
-               "linear_us": graph_us(lambda: linear(y, None)),
-               "linear_given_t_us": graph_us(lambda: linear(y, t)),
-               "pair_us": graph_us(lambda: pair(False)),
-               "pair_t_us": graph_us(lambda: pair(True))}
-        assert WS.LAUNCHES["lora t given"] > given, dict(WS.LAUNCHES)  # the given-t path ran
-        for warps in (8, 16, 32):  # the norm's warps with factors (`rmsnorm.t_warps`)
-            with mock.patch.object(R, "t_warps", lambda block_p, n=warps: n):
-                row[f"norm_t_us_warps{warps}"] = graph_us(
-                    lambda: add_rmsnorm(delta, r, w, 1e-5, lora_a=factors))
+        row = measure(name, k, ns, glu, dev)
         print(json.dumps({key: round(v, 2) if isinstance(v, float) else v
                           for key, v in row.items()}), flush=True)
         rows.append(row)
-        del parts
         bc.free_memory()
     path = os.path.join(os.environ.get("OUT", "bench/results"),
                         f"lora_t_{bc.gpu_short_name(dev)}{args.tag}.json")

@@ -19,13 +19,13 @@ import pytest
 import torch
 
 from trainers.sampling.kernels import lora_t as lora_t_mod
-from trainers.sampling.kernels.split_sum import SplitSum
 from trainers.sampling.kernels.rmsnorm import (
     LLAMA_STYLE_NORMS,
     add_rmsnorm,
     add_rmsnorm_torch,
     rmsnorm_params,
 )
+from trainers.sampling.kernels.split_sum import SplitSum
 
 transformers = pytest.importorskip("transformers")
 

@@ -29,8 +29,8 @@ import triton
 import triton.language as tl
 
 from ..kernels._interp import interpreting, to_dtype
-from .pdl import grid_wait, launch_args
 from .lora_t import PARTS, LoraT, check_factors, lora_t_torch
+from .pdl import grid_wait, launch_args
 from .split_sum import CONSUMED, SplitSum, kernel_args, load_sum
 
 # norms whose forward is LlamaRMSNorm's (fp32 statistics, cast, then weight ·), read by name so
