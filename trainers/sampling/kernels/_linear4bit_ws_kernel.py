@@ -677,7 +677,9 @@ def _given_t(t_ptr, stride_tp, stride_tr, j, M, pid_k, T_PARTS: gl.constexpr):
     """t (16, 8) fp32 of projection j in the rank-sum layout from the parts T (`lora_t`):
     Σ_p T[p, 16·j + r, m] from zero in part order, rows m < M (the rest 0), each element
     summed by one thread (T_GIVEN) and then spread to the layout. Only split 0 adds the LoRA
-    term (t is over all of K): the others' t is 0."""
+    term (t is over all of K): the others' t is 0. Read after the K loops, whose stages'
+    x the producer copied after its grid wait (griddepcontrol.wait makes the previous grid's
+    writes, t's among them, visible to this whole grid)."""
     r = gl.arange(0, RANK, layout=gl.SliceLayout(1, T_GIVEN))
     m = gl.arange(0, 8, layout=gl.SliceLayout(0, T_GIVEN))
     ptrs = t_ptr + (j * RANK + r[:, None]) * stride_tr + m[None, :]
