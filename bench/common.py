@@ -178,6 +178,17 @@ def write_json(path: Path, obj) -> None:
     path.write_text(json.dumps(obj, indent=1, default=str) + "\n")
 
 
+def write_rows(stem: str, tag: str, device: torch.device, rows: list) -> Path:
+    """{"env", "rows"} to <stem>_<GPU><tag>.json in $OUT (the GPU machine's folder that comes
+    back) or bench/results; prints the path."""
+    import os
+
+    path = Path(os.environ.get("OUT", RESULTS_DIR)) / f"{stem}_{gpu_short_name(device)}{tag}.json"
+    write_json(path, {"env": env_info(device), "rows": rows})
+    print("wrote", path)
+    return path
+
+
 def parse_jsonl(text: str) -> list[dict]:
     """The records of JSON lines; a line cut short (a killed writer) is passed over."""
     recs = []

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 
 import torch
 
@@ -65,12 +64,7 @@ def main() -> None:
             rows.append(row)
         del mod, copies
         bc.free_memory()
-    out = {"env": bc.env_info(device), "rows": rows}
-    name = os.path.join(os.environ.get("OUT", "bench/results"),
-                        f"l2_warm_{bc.gpu_short_name(device)}{args.tag}.json")
-    with open(name, "w") as f:
-        json.dump(out, f, indent=1)
-    print("wrote", name)
+    bc.write_rows("l2_warm", args.tag, device, rows)
 
 
 if __name__ == "__main__":

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 from unittest import mock
 
 import torch
@@ -129,11 +128,7 @@ def main(argv=None) -> None:
                           for key, v in row.items()}), flush=True)
         rows.append(row)
         bc.free_memory()
-    path = os.path.join(os.environ.get("OUT", "bench/results"),
-                        f"lora_t_{bc.gpu_short_name(dev)}{args.tag}.json")
-    with open(path, "w") as f:
-        json.dump({"env": bc.env_info(dev), "rows": rows}, f, indent=1)
-    print("wrote", path)
+    bc.write_rows("lora_t", args.tag, dev, rows)
 
 
 if __name__ == "__main__":

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 
 import torch
 
@@ -69,11 +68,7 @@ def main(argv=None) -> None:
                     rows.append(r)
             del mod, copies
             bc.free_memory()
-    name = os.path.join(os.environ.get("OUT", "bench/results"),
-                        f"ws_waves_{bc.gpu_short_name(dev)}{args.tag}.json")
-    with open(name, "w") as f:
-        json.dump({"env": bc.env_info(dev), "rows": rows}, f, indent=1)
-    print("wrote", name)
+    bc.write_rows("ws_waves", args.tag, dev, rows)
 
 
 if __name__ == "__main__":

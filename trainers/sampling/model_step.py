@@ -127,6 +127,13 @@ def qkv_modules(attn) -> tuple:
     return attn.q_proj, attn.k_proj, attn.v_proj
 
 
+def _rmsnorm_t(x, residual, norm, lora_a, **kw):
+    """`add_rmsnorm`'s (y, r', t) with `norm`'s weight and eps; t (LoRA's, `kernels.lora_t`)
+    None without factors."""
+    out = add_rmsnorm(x, residual, norm.weight, norm.variance_epsilon, lora_a=lora_a, **kw)
+    return out if lora_a is not None else (*out, None)
+
+
 def _rotate_half(x):
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -205,16 +212,14 @@ class ModelStep:
                 delta = delta.materialize()
             h = h if delta is None else h + delta
             return norm(h), h, None
-        out = add_rmsnorm(h if delta is None else delta, None if delta is None else h,
-                          norm.weight, norm.variance_epsilon, lora_a=lora_a)
-        return out if lora_a is not None else (*out, None)
+        return _rmsnorm_t(h if delta is None else delta, None if delta is None else h, norm,
+                          lora_a)
 
     def _qkv(self, attn, x, cos, sin, fused, lora_t=None):
         B, S, _ = x.shape
         D = attn.head_dim
         q, k, v = (y.view(B, S, -1, D) for y in
-                   self._projs((attn.q_proj, attn.k_proj, attn.v_proj), x, fused,
-                               lora_t=lora_t))
+                   self._projs(qkv_modules(attn), x, fused, lora_t=lora_t))
         if hasattr(attn, "q_norm"):  # qwen3: RMSNorm over the head dim, before RoPE
             q, k = attn.q_norm(q), attn.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H, S, D)
@@ -389,9 +394,8 @@ class ModelStep:
         if self.plan.embed:  # the lookup inside layer 0's input norm: (x, h, t) (B, 1, hidden)
             norm = self.layers[0].input_layernorm
             lora_a = self._norm_lora(qkv_modules(self.layers[0].self_attn), True)
-            first = add_rmsnorm(self.inner.embed_tokens.weight, None, norm.weight,
-                                norm.variance_epsilon, ids=tokens[:, None], lora_a=lora_a)
-            first = first if lora_a is not None else (*first, None)
+            first = _rmsnorm_t(self.inner.embed_tokens.weight, None, norm, lora_a,
+                               ids=tokens[:, None])
             h = first[1]
         else:
             h = self.inner.embed_tokens(tokens[:, None])  # (B, 1, hidden)

@@ -96,6 +96,17 @@ def _tma_ready(t: torch.Tensor) -> bool:
             and (t.stride(0) * t.element_size()) % 16 == 0)
 
 
+def _device_reason(device: torch.device) -> str | None:
+    """Why a launch on `device` cannot take this kernel (not CUDA, the interpreter, not
+    sm_90), or None."""
+    if device.type != "cuda" or interpreting():
+        return "not a CUDA launch"
+    cap = _capability(device.index if device.index is not None else torch.cuda.current_device())
+    if cap != (9, 0):
+        return f"compute capability {cap[0]}.{cap[1]} (the kernel is sm_90's)"
+    return None
+
+
 def reason(x: torch.Tensor, parts: list, glu: bool, config: dict | None) -> str | None:
     """Why this kernel does not compute `linear4bit._launch`'s call (None: it does)."""
     if os.environ.get(ENV, "1") == "0":
@@ -108,12 +119,9 @@ def reason(x: torch.Tensor, parts: list, glu: bool, config: dict | None) -> str 
         return f"a gate/up launch of {len(parts)} projections (it takes two)"
     if not 1 <= len(parts) <= 3:
         return f"a grouped launch of {len(parts)} projections (it takes 1 to 3)"
-    if x.device.type != "cuda" or interpreting():
-        return "not a CUDA launch"
-    cap = _capability(x.device.index if x.device.index is not None
-                      else torch.cuda.current_device())
-    if cap != (9, 0):
-        return f"compute capability {cap[0]}.{cap[1]} (the kernel is sm_90's)"
+    why = _device_reason(x.device)
+    if why is not None:
+        return why
     m, k = x.shape
     if m > MAX_ROWS or x.dtype != torch.bfloat16 or not _tma_ready(x):
         return f"x {tuple(x.shape)} {x.dtype} (at most {MAX_ROWS} rows of bf16, TMA-aligned)"
@@ -143,11 +151,9 @@ def given_t_reason(device: torch.device, rows: int, factors: tuple | None) -> st
         return "a projection without LoRA"
     if os.environ.get(ENV, "1") == "0":
         return f"{ENV}=0"
-    if device.type != "cuda" or interpreting():
-        return "not a CUDA device"
-    cap = _capability(device.index if device.index is not None else torch.cuda.current_device())
-    if cap != (9, 0):
-        return f"compute capability {cap[0]}.{cap[1]} (the kernel is sm_90's)"
+    why = _device_reason(device)
+    if why is not None:
+        return why
     if rows > MAX_ROWS:
         return f"{rows} rows (the kernel takes at most {MAX_ROWS})"
     if any(a.shape[0] != RANK or a.dtype != torch.bfloat16 for a in factors):
