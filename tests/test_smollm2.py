@@ -26,6 +26,7 @@ from grpo_lce import linear_logprobs
 from grpo_lce.reference import logits_ref, logprobs_ref
 from _tolerance import (EPS32, K_REORDERED, assert_3way, assert_grads_vs_fp64, assert_loss_vs_fp64,
                         in_fp64)
+from _trainer_pairs import fused_head_ran, fused_if_ours
 
 pytestmark = pytest.mark.slow
 
@@ -175,7 +176,7 @@ def test_grpo_trainer_matches_trl_on_smollm2(smol, batch, tmp_path):
         for tr in (stock, ours):
             ctx = use_adapter(tr.model, adapter_name=None) if adapter is None else (
                 contextlib.nullcontext())
-            with torch.no_grad(), ctx:
+            with torch.no_grad(), ctx, fused_if_ours(tr):  # ours: grpo_lce's head ran
                 out.append(tr._get_per_token_logps_and_entropies(
                     tr.model, ids, mask, c, batch_size=3, compute_entropy=True))
         (lp_s, ent_s, _), (lp_o, ent_o, _) = out
@@ -205,7 +206,8 @@ def test_grpo_trainer_matches_trl_on_smollm2(smol, batch, tmp_path):
 
     inputs = g._inputs(tok, stock, with_ref=True, batch=(ids, mask, c))
     loss_s, grads_s, _ = g._run_loss(stock, inputs)
-    loss_o, grads_o, _ = g._run_loss(ours, inputs)
+    with fused_head_ran(ours):
+        loss_o, grads_o, _ = g._run_loss(ours, inputs)
     # 30 layers of backward after the head: every gradient's rounding grows with the depth and
     # the sums on the way, so the bound is stock's own distance to the fp64 model (x K_REORDERED)
     with in_fp64(stock.model):
@@ -260,7 +262,8 @@ def test_sft_trainer_matches_trl_on_smollm2(smol, tmp_path, data, monkeypatch):
     batch = next(iter(stock.get_train_dataloader()))
     assert (batch["labels"] == -100).any() and (batch["labels"] != -100).any()
     loss_s, grads_s, m_s = s._step(stock, batch, None)
-    loss_o, grads_o, m_o = s._step(ours, batch, None)
+    with fused_head_ran(ours):
+        loss_o, grads_o, m_o = s._step(ours, batch, None)
     with in_fp64(stock.model):
         loss_r, grads_r, _ = s._step(stock, batch, None)
     # the mean nll over the label tokens, each term a few nats (~ the loss)
