@@ -213,14 +213,15 @@ def test_grpo_trainer_matches_trl_on_smollm2(smol, batch, tmp_path):
     with in_fp64(stock.model):
         loss_r, grads_r, _ = g._run_loss(stock, inputs)
     # Every gradient enters the model through the head's dL/dh_t = (W_y - b_t) / τ · c_t,
-    # b_t = Σ_v p_tv W_v. Stock forms it as Σ_v (p_tv - δ_vy) W_v; ours as b_t - W_y (the e_y
-    # term joined after the GEMM: grpo_lce/kernels/target_terms.py), the difference of two
-    # vectors of about ||W_y||, whose fp32 roundings then weigh
-    # ||W_y|| / ||W_y - b_t|| times more against the result (a peaked token's p_ty near 1:
-    # a trained model's). So ours' error is up to that cancellation factor (worst token, fp64)
-    # times stock's own: k = K_REORDERED x the factor, where equal error distributions give
-    # K_REORDERED alone (stock's error follows its BLAS build's blocking, so on some machines
-    # it is far below ours: the session notes have the measured ratios)
+    # b_t = Σ_v p_tv W_v. The fp64 reference is not fp64 there: TRL's fused head
+    # (trl.kernels.chunked_logprob, which stock's loss calls with fused_lm_head=True) folds its
+    # logit tiles and forms p in fp32 whatever the model's dtype, so stock and the reference
+    # share that head's roundings and ||stock - fp64|| holds only the body's. Ours rounds p
+    # its own way, and for a peaked token (p_ty near 1: a trained model's) an absolute error
+    # δ in p_ty moves dL/dh_t by δ ||W_y||, ||W_y|| / ||W_y - b_t|| times more against it than
+    # against the terms' scale: k = K_REORDERED x that cancellation factor (worst token,
+    # fp64), K_REORDERED alone where the factor is 1 (the session notes have the measured
+    # ratios)
     with torch.no_grad():
         hidden, _ = forward_hidden_states(ours.model, input_ids=ids, attention_mask=mask)
         w64 = lm_head_params(ours.model)[0].double()
