@@ -97,7 +97,7 @@ def _assert_table_first(llir: str, table_bytes: int) -> None:
 
 def compile_ws_linear(nested: bool, bs: int, lora: bool, split: bool, glu: bool,
                       pdl: bool = True, bias: bool = False, pair_table: bool = True,
-                      t_parts: int = 0, stream_k: bool = False):
+                      t_parts: int = 0):
     """`linear4bit_ws`'s Gluon kernel for sm_90 (its layout conversions assert, at this
     compile, that they move no data), as `linear4bit_ws.launch` launches it; with the pair
     table, that the table is the start of shared memory, where its lookups address it."""
@@ -119,9 +119,8 @@ def compile_ws_linear(nested: bool, bs: int, lora: bool, split: bool, glu: bool,
     consts = {"BS": bs, "BS2": 256, "NESTED": nested, "SPLIT": split, "STAGES": WS.STAGES,
               "HAS_LORA": lora, "HAS_BIAS": bias, "GLU": glu, "PDL": pdl, "EARLY_NEXT": pdl,
               "PRODUCER_REGS": WS.PRODUCER_REGS, "PAIR_TABLE": pair_table,
-              "T_PARTS": t_parts, "STREAM_K": stream_k}
-    types = {"y_ptr": "*bf16", "part_ptr": "*fp32", "t_ptr": "*fp32", "sk_ptr": "*fp32",
-             "flag_ptr": "*i32"}
+              "T_PARTS": t_parts}
+    types = {"y_ptr": "*bf16", "part_ptr": "*fp32", "t_ptr": "*fp32"}
     for seg in "012":
         descs.update({f"w_desc{seg}": w_desc, f"a_desc{seg}": a_desc})
         types.update({f"b_ptr{seg}": "*bf16", f"code_ptr{seg}": "*fp32",
@@ -142,11 +141,8 @@ def compile_ws_linear(nested: bool, bs: int, lora: bool, split: bool, glu: bool,
                                                          "launch_pdl": pdl})
     ptx = kernel.asm["ptx"]
     loop_lora = lora and not t_parts  # t given: no A copies, no t MMAs in the K loop
-    # a step's 16 MMAs in each K loop (stream-K: four loops, the pieces' gate and up)
-    assert ptx.count("mma.sync") == (16 + (4 if loop_lora else 0)) * (
-        4 if stream_k else 2 if glu else 1), "MMAs a step"
-    if stream_k:
-        assert "fence.acq_rel.gpu" in ptx and "release.exch" in ptx, "the flags' ordering"
+    assert ptx.count("mma.sync") == (16 + (4 if loop_lora else 0)) * (2 if glu else 1), \
+        "MMAs a step"
     assert "cp.async.bulk.tensor" in ptx, "TMA copies"
     assert ("griddepcontrol.wait" in ptx) == pdl, "the PDL wait"
     if pair_table:
@@ -244,11 +240,6 @@ def main():
     for split, glu, pair_table in ((False, False, False), (True, False, True),
                                    (False, True, True)):
         compile_ws_linear(True, 64, True, split, glu, pair_table=pair_table, t_parts=8)
-    # the gate/up launch split stream-K: t given, no LoRA, a bias, the register tables
-    for lora, bias, pair_table in ((True, False, True), (False, False, True),
-                                   (True, True, True), (True, False, False)):
-        compile_ws_linear(True, 64, lora, False, True, bias=bias, pair_table=pair_table,
-                          t_parts=8 if lora else 0, stream_k=True)
     compile_kernel(S._chunk_lse_kernel, {"z_ptr": "*fp32", "m_ptr": "*fp32", "s_ptr": "*fp32"},
                    {"BLOCK": S.BLOCK}, num_warps=8)
     for sample in (False, True):

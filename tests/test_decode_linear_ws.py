@@ -20,8 +20,6 @@ peft = pytest.importorskip("peft")
 from bitsandbytes import functional as bnbF
 from test_decode_linear import (
     S_U_PAIR,
-    U,
-    U32,
     _check,
     _fp64,
     _inputs,
@@ -197,7 +195,6 @@ def test_bias_gpu(lora, lookup, monkeypatch):
     gate/up launch its projections' at its one split. Each lookup in every launch (and only it:
     counted)."""
     monkeypatch.setattr(linear4bit_ws, "PAIR_TABLE", 2 if lookup == "pair_table" else 0)
-    monkeypatch.setenv(linear4bit_ws.STREAM_K_ENV, "0")  # the gate/up launch's bits: a CTA a tile
     key, other = (("pair table", "register tables") if lookup == "pair_table"
                   else ("register tables", "pair table"))
     lookups = dict(linear4bit_ws.LOOKUPS)
@@ -262,12 +259,10 @@ def test_bias_gpu(lora, lookup, monkeypatch):
 @gpu
 @pytest.mark.parametrize("n,k", [(8192, 2048), (14336, 4096)])
 @pytest.mark.parametrize("lora", [False, True])
-def test_silu_mul_is_torchs_on_the_projections_gpu(n, k, lora, monkeypatch):
+def test_silu_mul_is_torchs_on_the_projections_gpu(n, k, lora):
     """The gate/up launch (one CTA streams both projections of its columns) gives torch's
     F.silu(gate) * up on the two projections as this kernel computes them alone, bit for bit,
-    at M = 1, 3, 8; and the launch is counted. A CTA a tile (stream-K off: its pieces sum in
-    another order, `test_stream_k_silu_mul_gpu`)."""
-    monkeypatch.setenv(linear4bit_ws.STREAM_K_ENV, "0")
+    at M = 1, 3, 8; and the launch is counted."""
     gp, gqs = _quantize(n, k, quant_type="nf4", double=True, device="cuda", seed=0)
     up, uqs = _quantize(n, k, quant_type="nf4", double=True, device="cuda", seed=1)
     for m in (1, 3, 8):
@@ -369,12 +364,10 @@ def test_lora_t_from_the_norm_gpu(k, ns):
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("n,k", [(8192, 2048), (14336, 4096)])
-def test_lora_t_silu_mul_gpu(n, k, monkeypatch):
+def test_lora_t_silu_mul_gpu(n, k):
     """The gate/up + silu · mul launch with t from add_rmsnorm: torch's F.silu(gate) * up on
     the two projections as this kernel computes them alone with their own t (each projection's
-    t from the same norm: the same parts, so the same bits), at M = 1, 3, 8; counted. A CTA a
-    tile, as in `test_silu_mul_is_torchs_on_the_projections_gpu`."""
-    monkeypatch.setenv(linear4bit_ws.STREAM_K_ENV, "0")
+    t from the same norm: the same parts, so the same bits), at M = 1, 3, 8; counted."""
     gp, gqs = _quantize(n, k, quant_type="nf4", double=True, device="cuda", seed=0)
     up, uqs = _quantize(n, k, quant_type="nf4", double=True, device="cuda", seed=1)
     for m in (1, 3, 8):
@@ -391,83 +384,6 @@ def test_lora_t_silu_mul_gpu(n, k, monkeypatch):
         yg = linear4bit.linear4bit_lora_group(x, [g], lora_t=t_g)[0]
         yu = linear4bit.linear4bit_lora_group(x, [u], lora_t=t_u)[0]
         assert torch.equal(h, torch.nn.functional.silu(yg) * yu), f"M={m}"
-
-
-def _glu_bound_check(h, x, parts, refs, k_eff, what):
-    """h = round(silu(round(g)) · round(u)) within its fp64 bound: g, u the fp32 sums of each
-    projection (`_fp64`: each within (S_U_PAIR·u + 2·k_eff·u32)·S of the fp64 sum, u = 2^-8,
-    the pair table's weights), each rounded to bf16 (u of itself); silu (|silu'| < 1.1) of
-    the rounded gate, rounded; their product, rounded."""
-    (g64, s_g), (u64, s_u) = (_fp64(x, w, p.bias, p.lora_a, p.lora_b, p.scaling)
-                              for p, w in zip(parts, refs))
-    e_g, e_u = ((S_U_PAIR * U + 2 * k_eff * U32) * s for s in (s_g, s_u))
-    e_g, e_u = e_g + U * (g64.abs() + e_g), e_u + U * (u64.abs() + e_u)  # the two roundings
-    silu64 = torch.nn.functional.silu(g64)
-    e_s = 1.1 * e_g + U * (silu64.abs() + 1.1 * e_g)
-    e_h = (silu64.abs() + e_s) * e_u + u64.abs() * e_s
-    ref = silu64 * u64
-    tol = e_h + U * (ref.abs() + e_h)
-    err = (h.double() - ref).abs()
-    i = int((err / tol).argmax())
-    assert (err <= tol).all(), (f"{what}: worst flat {i}: ours {h.reshape(-1)[i].item():.6g} "
-                                f"ref {ref.reshape(-1)[i].item():.6g} tol {tol.reshape(-1)[i]:.3g}")
-
-
-@pytest.mark.gpu
-@gpu
-@pytest.mark.parametrize("n,k,lora,bias", [(14336, 4096, "given", False),
-                                           (14336, 4096, None, False),
-                                           (9000, 1280, "given", True)])
-def test_stream_k_silu_mul_gpu(n, k, lora, bias, monkeypatch):
-    """The gate/up + silu · mul launch split stream-K (`linear4bit_ws.stream_k_ctas`: each CTA
-    an equal range of the tiles' steps, pieces of a tile summed by the CTA that holds its end):
-    within the fp64 bound at M = 1, 3, 8 (the 8B shape, t from the norm; no LoRA; an N that is
-    no multiple of 64 with a bias, ranges of few steps), counted as stream-K; the
-    same bits on a second launch and from a CUDA graph's replays (the flags go back to 0: a
-    stale one would let a finisher read a partial before it is written); and the one-CTA-a-
-    tile launch within the same bound."""
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    assert linear4bit_ws.stream_k_ctas(-(-n // 64), k // 256, sms, False) > 0, "shape"
-    gate_up, refs = [], []
-    for i in range(2):
-        packed, qs = _quantize(n, k, quant_type="nf4", double=True, device="cuda", seed=60 + i)
-        _, a, b, bvec = _inputs(1, n, k, 16, device="cuda", seed=70 + i)
-        gate_up.append(linear4bit.LinearPart(Packed4bit.from_quant_state(packed, qs),
-                                             bvec if bias else None, a if lora else None,
-                                             b if lora else None, 2.0 - i))
-        refs.append(bnbF.dequantize_4bit(packed, qs))
-    factors = tuple(p.lora_a for p in gate_up) if lora else None
-    k_eff = k + 16 + 5 + 8 + 4  # LoRA, bias, t's 8 parts, the pieces' sums
-    for m in (1, 3, 8):
-        x, t = _normed(m, k, factors, seed=80 + m) if lora else (
-            _inputs(m, n, k, 16, device="cuda", seed=80 + m)[0], None)
-        sk = linear4bit_ws.LAUNCHES["silu_mul stream-k"]
-        h = linear4bit.linear4bit_lora_silu_mul(x, *gate_up, lora_t=t)
-        assert linear4bit_ws.LAUNCHES["silu_mul stream-k"] == sk + 1, dict(linear4bit_ws.LAUNCHES)
-        _glu_bound_check(h, x, gate_up, refs, k_eff, f"stream-K N={n} K={k} M={m}")
-        again = linear4bit.linear4bit_lora_silu_mul(x, *gate_up, lora_t=t)
-        assert torch.equal(again, h), f"second launch M={m}"
-        flags = linear4bit_ws._stream_k_buffers(x.device, 2 * sms)[1]
-        torch.cuda.synchronize()
-        assert int(flags.abs().sum()) == 0, "flags back to 0"
-        with monkeypatch.context() as mp:
-            mp.setenv(linear4bit_ws.STREAM_K_ENV, "0")
-            plain = linear4bit.linear4bit_lora_silu_mul(x, *gate_up, lora_t=t)
-        assert linear4bit_ws.LAUNCHES["silu_mul stream-k"] == sk + 2
-        _glu_bound_check(plain, x, gate_up, refs, k_eff - 4, f"a CTA a tile N={n} M={m}")
-    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        linear4bit.linear4bit_lora_silu_mul(x, *gate_up, lora_t=t)  # warm (compiled) first
-        with torch.cuda.graph(graph, stream=stream):
-            out = linear4bit.linear4bit_lora_silu_mul(x, *gate_up, lora_t=t)
-    torch.cuda.current_stream().wait_stream(stream)
-    for _ in range(3):
-        out.zero_()
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(out, h), "graph replay"
-    assert int(flags.abs().sum()) == 0
 
 
 @pytest.mark.gpu

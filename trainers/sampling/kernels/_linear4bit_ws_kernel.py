@@ -122,8 +122,6 @@ X_SPLIT = gl.constexpr(gl.DistributedLinearLayout(
 LORA3 = gl.constexpr(gl.BlockedLayout([1, RANK.value, 1], [8, 1, 4], [4, 1, 1], [2, 1, 0]))
 # a given t (16 ranks, 8 rows) one element a thread of the four consumer warps (`_given_t`)
 T_GIVEN = gl.constexpr(gl.BlockedLayout([1, 1], [4, 8], [4, 1], [1, 0]))
-# one element a thread of the four consumer warps (a flag's one-thread store, its spin)
-EACH_THREAD = gl.constexpr(gl.BlockedLayout([1], [32], [4], [0]))
 
 
 # The pair table's lookup (module docstring). Thread (warp w, lane l) holds word 8·Q + 4·h + j
@@ -510,7 +508,7 @@ def _scale_start(absmax_ptr, absmax2_ptr, code2_ptr, offset, row0, N, K, step_lo
     step before: the loops load the scale operands two steps ahead and gather them into the
     scale (code2[qa]) one step ahead, so neither load's latency, nor the register moves that
     carry them to the next step, sits between a step's start and its lookups."""
-    last = step_lo + gl.maximum(nsteps, 1) - 1  # an empty loop (stream-K) reads step_lo's
+    last = step_lo + nsteps - 1
     qa, a2 = _scale_operands(absmax_ptr, absmax2_ptr, row0, N, K, step_lo, BS, BS2, NESTED,
                              PAIR)
     scale = _scale(qa, a2, code2_ptr, offset, BS, NESTED, PAIR)
@@ -786,241 +784,6 @@ def _silu_mul(g, u):
 
 
 @gluon.jit
-def _sk_runs(pid, G, U, ns):
-    """A stream-K gate/up CTA's work (module docstring): the launch's U = tiles · 2·ns units
-    (a tile's gate steps 0 .. ns - 1, then its up steps) in G equal ranges, pid's range
-    [pid·U // G, (pid+1)·U // G) cut at tile ends into a contributor piece (a tile whose end
-    it does not reach: the start of its second tile, or a range inside one tile) and a
-    finisher piece (the end of its first tile). Returns the contributor's tile, its gate steps
-    (first, count) and up steps, the finisher's tile, its gate and up steps, whether each
-    piece is there, and the first CTA whose range holds the finisher tile's first unit (the
-    finisher adds the partials of that CTA up to pid - 1). G > tiles, so a range is shorter
-    than a tile and touches at most two."""
-    S = 2 * ns
-    lo = pid * U // G
-    hi = (pid + 1) * U // G
-    t_f = lo // S
-    t_c = (hi - 1) // S
-    two = (t_c != t_f).to(gl.int32)
-    fin = gl.maximum(two, (hi == (t_f + 1) * S).to(gl.int32))
-    has_c = gl.maximum(two, 1 - fin)
-    # the pieces as unit ranges [a, b) of their tiles (an absent piece: [0, 0))
-    c_a = (1 - two) * (lo - t_f * S) * has_c
-    c_b = (hi - t_c * S) * has_c
-    f_a = (lo - t_f * S) * fin
-    f_b = S * fin
-    cg0, cgn, cu0, cun = _sk_steps(c_a, c_b, ns)
-    fg0, fgn, fu0, fun = _sk_steps(f_a, f_b, ns)
-    first = ((t_f * S + 1) * G - 1) // U
-    return t_c, cg0, cgn, cu0, cun, t_f, fg0, fgn, fu0, fun, has_c, fin, first
-
-
-@gluon.jit
-def _sk_steps(a, b, ns):
-    """Units [a, b) of a tile as (first gate step, gate steps, first up step, up steps); an
-    empty run starts at step 0 (its loop reads that step's scale and runs no step)."""
-    g_n = gl.maximum(gl.minimum(b, ns) - a, 0)
-    u_lo = gl.maximum(a, ns)
-    u_n = gl.maximum(b - u_lo, 0)
-    return a * (g_n > 0).to(gl.int32), g_n, (u_lo - ns) * (u_n > 0).to(gl.int32), u_n
-
-
-@gluon.jit
-def _sk_stage(i, n1, n12, n123, row_c, row_f, cg0, cu0, fg0, fu0):
-    """(segment, tile row, K step) of a stream-K CTA's stage i: its four runs (contributor
-    gate, contributor up, finisher gate, finisher up) one after the other."""
-    b1 = (i >= n1).to(gl.int32)
-    b2 = (i >= n12).to(gl.int32)
-    b3 = (i >= n123).to(gl.int32)
-    seg = b1 - b2 + b3
-    row = row_c + b2 * (row_f - row_c)
-    step = ((1 - b1) * (cg0 + i) + (b1 - b2) * (cu0 + i - n1) + (b2 - b3) * (fg0 + i - n12)
-            + b3 * (fu0 + i - n123))
-    return seg, row, step
-
-
-@gluon.jit
-def _sk_producer(x_desc, w_desc0, a_desc0, w_desc1, bufs, xbufs, abufs, ready, empty,
-                 n1, n12, n123, total, row_c, row_f, cg0, cu0, fg0, fu0,
-                 STAGES: gl.constexpr, PDL: gl.constexpr):
-    """`_producer` for a stream-K gate/up CTA: the stages of its four runs (`_sk_stage`), no A
-    (t is given or there is no LoRA)."""
-    nbytes: gl.constexpr = w_desc0.block_type.nbytes + x_desc.block_type.nbytes
-    for i in gl.static_range(STAGES):
-        if i < total:
-            seg, row, step = _sk_stage(i, n1, n12, n123, row_c, row_f, cg0, cu0, fg0, fu0)
-            mbarrier.expect(ready.index(i), nbytes)
-            _load_weights(seg, w_desc0, a_desc0, w_desc1, a_desc0, w_desc1, a_desc0, row,
-                          step, ready.index(i), bufs.index(i), abufs.index(0), False)
-    _grid_wait(PDL)
-    for i in gl.static_range(STAGES):
-        if i < total:
-            seg, row, step = _sk_stage(i, n1, n12, n123, row_c, row_f, cg0, cu0, fg0, fu0)
-            tma_load(x_desc, [0, step * 4, 0], ready.index(i), xbufs.index(i))
-    for i in range(STAGES, total):
-        s = i % STAGES
-        seg, row, step = _sk_stage(i, n1, n12, n123, row_c, row_f, cg0, cu0, fg0, fu0)
-        mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
-        mbarrier.expect(ready.index(s), nbytes)
-        _load_weights(seg, w_desc0, a_desc0, w_desc1, a_desc0, w_desc1, a_desc0, row, step,
-                      ready.index(s), bufs.index(s), abufs.index(0), False)
-        tma_load(x_desc, [0, step * 4, 0], ready.index(s), xbufs.index(s))
-
-
-@gluon.jit
-def _sk_consumer(table, bufs, xbufs, abufs, ready, empty,
-                 code_ptr0, absmax_ptr0, absmax2_ptr0, code2_ptr0, offset_ptr0, b_ptr0,
-                 stride_bn0, code_ptr1, absmax_ptr1, absmax2_ptr1, code2_ptr1, offset_ptr1,
-                 b_ptr1, stride_bn1, n0, K, M, row_c, row_f, cg0, cgn, cu0, cun, fg0, fgn,
-                 fu0, fun, t_ptr, stride_tp, stride_tr, sk_ptr, flag_ptr, pid, has_c,
-                 BS: gl.constexpr, BS2: gl.constexpr, NESTED: gl.constexpr,
-                 STAGES: gl.constexpr, HAS_LORA: gl.constexpr, PAIR_TABLE: gl.constexpr,
-                 T_PARTS: gl.constexpr):
-    """A stream-K gate/up CTA's four K loops (`_sk_stage`'s order; the first fills the pair
-    table), the contributor piece's gate and up partial sums published after its two: the
-    finisher piece's sums, and the finisher tile's t and B tiles (gate's, up's) for its LoRA
-    term."""
-    acc_cg, t = _k_loop(table, bufs, xbufs, abufs, ready, empty, code_ptr0, absmax_ptr0,
-                        absmax2_ptr0, code2_ptr0, offset_ptr0, row_c, n0, K, cg0, cgn, 0, BS,
-                        BS2, NESTED, STAGES, False, PAIR_TABLE, True)
-    acc_cu, t = _k_loop(table, bufs, xbufs, abufs, ready, empty, code_ptr1, absmax_ptr1,
-                        absmax2_ptr1, code2_ptr1, offset_ptr1, row_c, n0, K, cu0, cun, cgn,
-                        BS, BS2, NESTED, STAGES, False, PAIR_TABLE, False)
-    if has_c != 0:  # published before the finisher's loops: its reader finds it ready
-        _sk_publish(sk_ptr, flag_ptr, pid, acc_cg, acc_cu)
-    acc_fg, t = _k_loop(table, bufs, xbufs, abufs, ready, empty, code_ptr0, absmax_ptr0,
-                        absmax2_ptr0, code2_ptr0, offset_ptr0, row_f, n0, K, fg0, fgn,
-                        cgn + cun, BS, BS2, NESTED, STAGES, False, PAIR_TABLE, False)
-    acc_fu, t = _k_loop(table, bufs, xbufs, abufs, ready, empty, code_ptr1, absmax_ptr1,
-                        absmax2_ptr1, code2_ptr1, offset_ptr1, row_f, n0, K, fu0, fun,
-                        cgn + cun + fgn, BS, BS2, NESTED, STAGES, False, PAIR_TABLE, False)
-    b = _lora_b(b_ptr0, row_f, n0, stride_bn0, HAS_LORA)
-    b_u = _lora_b(b_ptr1, row_f, n0, stride_bn1, HAS_LORA)
-    t_u = t
-    if HAS_LORA:
-        t = _given_t(t_ptr, stride_tp, stride_tr, 0, M, 0, T_PARTS)
-        t_u = _given_t(t_ptr, stride_tp, stride_tr, 1, M, 0, T_PARTS)
-    return acc_fg, acc_fu, t, b, t_u, b_u
-
-
-@gluon.jit
-def _fence_acq_rel():
-    """fence.acq_rel.gpu: after a relaxed read that saw a release's value, the reads that
-    follow see what the release published (the fence-based acquire of PTX's memory model)."""
-    gl.inline_asm_elementwise("fence.acq_rel.gpu; // $0", "=r", [], dtype=gl.int32,
-                              is_pure=False, pack=1)
-
-
-@gluon.jit
-def _sk_publish(sk_ptr, flag_ptr, pid, acc_g, acc_u):
-    """A contributor's partial sums (gate, up: (64, 8) fp32 each) into its workspace slot,
-    then its flag set with release semantics at GPU scope by one thread after the consumer
-    warps' barrier (which orders every thread's stores before it)."""
-    off = _sk_offsets()
-    gl.store(sk_ptr + pid * 1024 + off, acc_g)
-    gl.store(sk_ptr + pid * 1024 + 512 + off, acc_u)
-    cta_barrier()
-    one = gl.arange(0, 128, layout=EACH_THREAD)
-    gl.atomic_xchg(flag_ptr + pid + 0 * one, 1 + 0 * one, mask=one == 0, sem="release",
-                   scope="gpu")
-
-
-@gluon.jit
-def _sk_offsets():
-    """A (64, 8) accumulator's elements in a workspace slot (row-major, rows in stage order)."""
-    r = gl.arange(0, 64, layout=gl.SliceLayout(1, MMA))
-    m = gl.arange(0, 8, layout=gl.SliceLayout(0, MMA))
-    return r[:, None] * 8 + m[None, :]
-
-
-@gluon.jit
-def _sk_gather(sk_ptr, flag_ptr, c, acc_g, acc_u):
-    """acc_g, acc_u plus contributor c's partials once its flag is set (a relaxed spin, then
-    the acquire fence; the partials read from L2), and the flag back to 0 for the next
-    launch (each flag has one reader; the next launch of the kernel starts after this one
-    ends)."""
-    off = _sk_offsets()
-    one = gl.arange(0, 128, layout=EACH_THREAD)
-    f = gl.load(flag_ptr + c + 0 * one, volatile=True)
-    while gl.min(f, axis=0) == 0:
-        f = gl.load(flag_ptr + c + 0 * one, volatile=True)
-    _fence_acq_rel()
-    acc_g += gl.load(sk_ptr + c * 1024 + off, cache_modifier=".cg")
-    acc_u += gl.load(sk_ptr + c * 1024 + 512 + off, cache_modifier=".cg")
-    gl.store(flag_ptr + c + 0 * one, 0 * one, mask=one == 0)
-    return acc_g, acc_u
-
-
-@gluon.jit
-def _stream_k_glu(x_desc, y_ptr, t_ptr, stride_tp, stride_tr,
-                  w_desc0, a_desc0, b_ptr0, code_ptr0, absmax_ptr0, absmax2_ptr0,
-                  code2_ptr0, offset_ptr0, scaling0, stride_bn0, n0, bias_ptr0,
-                  w_desc1, b_ptr1, code_ptr1, absmax_ptr1, absmax2_ptr1,
-                  code2_ptr1, offset_ptr1, scaling1, stride_bn1, bias_ptr1,
-                  K, M, stride_ym, sk_ptr, flag_ptr, sk_units,
-                  BS: gl.constexpr, BS2: gl.constexpr, NESTED: gl.constexpr,
-                  STAGES: gl.constexpr, HAS_LORA: gl.constexpr, HAS_BIAS: gl.constexpr,
-                  PDL: gl.constexpr, PRODUCER_REGS: gl.constexpr, PAIR_TABLE: gl.constexpr,
-                  T_PARTS: gl.constexpr):
-    """`linear4bit_ws_kernel` with STREAM_K: a gate/up + silu · mul CTA of the stream-K split
-    (module docstring). It runs its contributor piece's loops and publishes their partials,
-    then runs its finisher piece's; then, if it finishes a tile, adds the partials of
-    the CTAs before it that hold the tile's other units (in CTA order: the same sum every
-    launch), the LoRA term and the bias, and writes silu(gate) · up. A CTA waits only for
-    CTAs of lower index, which start before it (the launch order of a grid's CTAs), so no
-    wait is on a CTA that cannot run."""
-    pid = gl.program_id(0)
-    G = gl.num_programs(0)
-    ns = K // 256
-    (t_c, cg0, cgn, cu0, cun, t_f, fg0, fgn, fu0, fun, has_c, fin,
-     first) = _sk_runs(pid, G, sk_units, ns)
-    row_c = t_c * ROWS
-    row_f = t_f * ROWS
-    table = gl.allocate_shared_memory(gl.int32, [256 if PAIR_TABLE else 1, 32],
-                                      PAIR_TABLE_LAYOUT)
-    bufs = gl.allocate_shared_memory(gl.int32, [STAGES, ROWS, STEP_WORDS], w_desc0.layout)
-    xbufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, 8, 4, 64], x_desc.layout)
-    abufs = gl.allocate_shared_memory(gl.bfloat16, [1, RANK, 4, 64], a_desc0.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for s in gl.static_range(STAGES):
-        mbarrier.init(ready.index(s), count=1)
-        mbarrier.init(empty.index(s), count=1)
-    fence_async_shared()
-    n1 = cgn
-    n12 = cgn + cun
-    n123 = n12 + fgn
-    acc_g, acc_u, t, b, t_u, b_u = gl.warp_specialize([
-        (_sk_consumer, (table, bufs, xbufs, abufs, ready, empty,
-                        code_ptr0, absmax_ptr0, absmax2_ptr0, code2_ptr0, offset_ptr0, b_ptr0,
-                        stride_bn0, code_ptr1, absmax_ptr1, absmax2_ptr1, code2_ptr1,
-                        offset_ptr1, b_ptr1, stride_bn1, n0, K, M, row_c, row_f, cg0, cgn,
-                        cu0, cun, fg0, fgn, fu0, fun, t_ptr, stride_tp, stride_tr, sk_ptr,
-                        flag_ptr, pid, has_c, BS, BS2, NESTED, STAGES, HAS_LORA, PAIR_TABLE,
-                        T_PARTS)),
-        (_sk_producer, (x_desc, w_desc0, a_desc0, w_desc1, bufs, xbufs, abufs, ready, empty,
-                        n1, n12, n123, n123 + fun, row_c, row_f, cg0, cu0, fg0, fu0, STAGES,
-                        PDL)),
-    ], [1], [PRODUCER_REGS])
-    if PAIR_TABLE:
-        table._keep_alive()
-    r = gl.arange(0, 64, layout=gl.SliceLayout(1, MMA))
-    m = gl.arange(0, 8, layout=gl.SliceLayout(0, MMA))
-    if fin != 0:
-        for c in range(first, pid):  # the tile's other units, in CTA order
-            acc_g, acc_u = _sk_gather(sk_ptr, flag_ptr, c, acc_g, acc_u)
-        if HAS_LORA:
-            acc_g += _lora_term(t, b, scaling0)
-            acc_u += _lora_term(t_u, b_u, scaling1)
-        nr = row_f + _stage_row(r)
-        if HAS_BIAS:
-            acc_g += gl.load(bias_ptr0 + nr, mask=nr < n0, other=0.0).to(gl.float32)[:, None]
-            acc_u += gl.load(bias_ptr1 + nr, mask=nr < n0, other=0.0).to(gl.float32)[:, None]
-        gl.store(y_ptr + m[None, :] * stride_ym + nr[:, None], _silu_mul(acc_g, acc_u),
-                 mask=(nr < n0)[:, None] & (m < M)[None, :])
-
-
-@gluon.jit
 def linear4bit_ws_kernel(x_desc, y_ptr, part_ptr, t_ptr, stride_tp, stride_tr,
                          w_desc0, a_desc0, b_ptr0, code_ptr0, absmax_ptr0, absmax2_ptr0,
                          code2_ptr0, offset_ptr0, scaling0, stride_bn0, n0, bias_ptr0,
@@ -1029,14 +792,12 @@ def linear4bit_ws_kernel(x_desc, y_ptr, part_ptr, t_ptr, stride_tp, stride_tr,
                          w_desc2, a_desc2, b_ptr2, code_ptr2, absmax_ptr2, absmax2_ptr2,
                          code2_ptr2, offset_ptr2, scaling2, stride_bn2, n2, bias_ptr2,
                          tile1, tile2, col1, col2, K, M, stride_ym, stride_pm, stride_ps,
-                         steps_per_split, sk_ptr, flag_ptr, sk_units,
-                         BS: gl.constexpr, BS2: gl.constexpr,
+                         steps_per_split, BS: gl.constexpr, BS2: gl.constexpr,
                          NESTED: gl.constexpr, SPLIT: gl.constexpr, STAGES: gl.constexpr,
                          HAS_LORA: gl.constexpr, HAS_BIAS: gl.constexpr, GLU: gl.constexpr,
                          PDL: gl.constexpr,
                          EARLY_NEXT: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-                         PAIR_TABLE: gl.constexpr, T_PARTS: gl.constexpr,
-                         STREAM_K: gl.constexpr):
+                         PAIR_TABLE: gl.constexpr, T_PARTS: gl.constexpr):
     """Grid (Σ_s N_s / 64 tiles, K splits): the arguments ending in s are projection s's
     (segment s, its tiles from tile_s, its output columns from col_s; segments past the
     launch's repeat the last, and tile_s is then past the grid). y (M, Σ N_s) in bf16, or with
@@ -1047,19 +808,7 @@ def linear4bit_ws_kernel(x_desc, y_ptr, part_ptr, t_ptr, stride_tp, stride_tr,
     partials (their sum adds it). PDL: launched with programmatic dependent launch (`pdl`);
     the producer waits for the previous kernel before it copies x. T_PARTS > 0: LoRA's t as
     `lora_t`'s T_PARTS parts at t_ptr (part stride stride_tp, a rank's stride_tr, rows unit).
-    STREAM_K (GLU, t given or no LoRA): grid (G,), the sk_units = tiles · 2 · K/256 tile-steps
-    split evenly over the G CTAs (`_sk_runs`); partials through sk_ptr (G, 2, 64, 8) fp32 and
-    flag_ptr (G,) int32, zero between launches (the module docstring).
     `linear4bit_ws.launch` gives the descriptors and the steps a split."""
-    if STREAM_K:
-        _stream_k_glu(x_desc, y_ptr, t_ptr, stride_tp, stride_tr,
-                      w_desc0, a_desc0, b_ptr0, code_ptr0, absmax_ptr0, absmax2_ptr0,
-                      code2_ptr0, offset_ptr0, scaling0, stride_bn0, n0, bias_ptr0,
-                      w_desc1, b_ptr1, code_ptr1, absmax_ptr1, absmax2_ptr1,
-                      code2_ptr1, offset_ptr1, scaling1, stride_bn1, bias_ptr1,
-                      K, M, stride_ym, sk_ptr, flag_ptr, sk_units, BS, BS2, NESTED, STAGES,
-                      HAS_LORA, HAS_BIAS, PDL, PRODUCER_REGS, PAIR_TABLE, T_PARTS)
-        return
     pid = gl.program_id(0)
     seg = (pid >= tile1).to(gl.int32) + (pid >= tile2).to(gl.int32)
     row0 = (pid - (seg == 1).to(gl.int32) * tile1 - (seg == 2).to(gl.int32) * tile2) * ROWS

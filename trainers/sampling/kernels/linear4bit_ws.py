@@ -71,11 +71,6 @@ PAIR_TABLE_MIN_STEPS = 16
 # the pair table (whose lookups then keep two CTAs a SM busy; bench/README.md)
 CTAS_PER_SM = 0.9
 PAIR_CTAS_PER_SM = 1.6
-# the gate/up + silu · mul launch split stream-K style (`stream_k_ctas`): its tiles' steps in
-# equal ranges over two CTAs a SM, where a CTA a tile would leave SMs with one CTA beside SMs
-# with two; "0" in GRPO_LCE_WS_STREAM_K turns it off
-STREAM_K_ENV = "GRPO_LCE_WS_STREAM_K"
-STREAM_K_CTAS_PER_SM = 2
 
 _log = logging.getLogger(__name__)
 _failed: list[str] = []  # the reason the path is off after a failed launch
@@ -209,30 +204,6 @@ def pair_table_rule(tiles: int, k: int, num_sms: int) -> bool:
     return tiles * (k // 256) >= PAIR_TABLE_MIN_STEPS * num_sms
 
 
-def stream_k_ctas(tiles: int, steps: int, num_sms: int, loop_lora: bool) -> int:
-    """CTAs of a stream-K gate/up launch of `tiles` 64-row tiles of `steps` K steps a
-    projection, or 0 for a CTA a tile. A CTA a tile leaves SMs with one CTA (or none) beside
-    SMs with two, and the launch takes the pair's time; the split gives every CTA the same
-    share at two a SM. It runs where the tiles are more than the SMs (fewer run one a SM, and
-    let the next kernel start early: `EARLY_NEXT_CTAS_PER_SM`) and fewer than those CTAs (a
-    CTA's range is then shorter than a tile, as `_sk_runs` needs), and t is not formed in the
-    K loop (a piece would hold part of it)."""
-    if os.environ.get(STREAM_K_ENV, "1") == "0" or loop_lora:
-        return 0
-    ctas = STREAM_K_CTAS_PER_SM * num_sms
-    return ctas if num_sms < tiles < ctas <= tiles * 2 * steps else 0
-
-
-@functools.cache
-def _stream_k_buffers(device: torch.device, ctas: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The stream-K launch's partials (ctas, 2, 64, 8) fp32 and flags (ctas,) int32 of a
-    device: each flag is set by its CTA and cleared by the one CTA that reads it, so they are
-    0 between launches; launches on one device share them, so they must not overlap in time
-    (a decode step's launches are serial in one stream)."""
-    return (torch.empty(ctas, 2, 64, 8, device=device, dtype=torch.float32),
-            torch.zeros(ctas, device=device, dtype=torch.int32))
-
-
 def _descriptor(t: torch.Tensor, shape: list, strides: list, block: list, bits: int):
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
@@ -313,20 +284,17 @@ def _launch(x: torch.Tensor, parts: list, glu: bool, defer_sum: bool,
     pair_table = pair_table_rule(sum(tiles), k, sms)
     has_lora = parts[0].lora_a is not None
     t = lora_t.parts if lora_t is not None and has_lora else None  # (P, J·16, M) fp32
-    sk_ctas = stream_k_ctas(sum(tiles), k // 256, sms, has_lora and t is None) if glu else 0
-    sk, flags = _stream_k_buffers(x.device, sk_ctas) if sk_ctas else (partials, partials)
-    linear4bit_ws_kernel[(sk_ctas or sum(tiles), split)](
+    linear4bit_ws_kernel[(sum(tiles), split)](
         x_desc, y, partials, t if t is not None else partials,
         t.stride(0) if t is not None else 0, t.stride(1) if t is not None else 0,
         *segs[0], *segs[1], *segs[2], *first_tile, *first_col,
         k, m, y.stride(0), partials.stride(1), partials.stride(0) if split > 1 else 0, per,
-        sk, flags, sum(tiles) * 2 * (k // 256), BS=w.blocksize, BS2=w.blocksize2, NESTED=w.nested, SPLIT=split > 1, STAGES=STAGES,
+        BS=w.blocksize, BS2=w.blocksize2, NESTED=w.nested, SPLIT=split > 1, STAGES=STAGES,
         HAS_LORA=has_lora, HAS_BIAS=parts[0].bias is not None, GLU=glu,
         PRODUCER_REGS=PRODUCER_REGS, PAIR_TABLE=pair_table,
-        T_PARTS=t.shape[0] if t is not None else 0, STREAM_K=sk_ctas > 0,
+        T_PARTS=t.shape[0] if t is not None else 0,
         **(pdl_args := launch_args(linear4bit_ws_kernel, x.device)),
-        EARLY_NEXT=(pdl_args["PDL"] and not sk_ctas
-                    and sum(tiles) * split <= EARLY_NEXT_CTAS_PER_SM * sms),
+        EARLY_NEXT=pdl_args["PDL"] and sum(tiles) * split <= EARLY_NEXT_CTAS_PER_SM * sms,
         num_warps=4, maxnreg=MAXNREG,
         # the double-quant scale code2 · absmax2 + offset with bitsandbytes' two roundings
         enable_fp_fusion=False)
@@ -335,8 +303,6 @@ def _launch(x: torch.Tensor, parts: list, glu: bool, defer_sum: bool,
     LOOKUPS["pair table" if pair_table else "register tables"] += 1
     if t is not None:
         LAUNCHES["lora t given"] += 1
-    if sk_ctas:
-        LAUNCHES["silu_mul stream-k"] += 1
     cols = [sum(ns[:i]) for i in range(len(ns))]
     if split == 1:
         return [y] if glu else [y[:, c:c + n] for c, n in zip(cols, ns)]
