@@ -8,6 +8,7 @@ for reading how much of each bound a machine uses.
 import contextlib
 import math
 import os
+import sys
 
 import torch
 
@@ -75,10 +76,76 @@ EPS32 = torch.finfo(torch.float32).eps  # 2^-23: one ulp at 1
 K_REORDERED = 3.0
 
 
+def fused_head_torch(hidden, weight, bias, targets, temperature, final_logit_softcapping=None,
+                     logit_scale=1.0, outputs=("entropy", "log_sum_sq_probs", "mean_logits",
+                                                "is_top1")):
+    """What TRL's fused head (`trl.kernels.chunked_logprob.ChunkedLogProbFunction`) returns,
+    (log p_y, entropy, log Σ p², mean logit, is_top1), None where not in `outputs`, in plain
+    autograd ops in the inputs' dtype (the (N, V) logits materialized: tests' sizes only):
+
+        z = _torch_transform(h Wᵀ + b) = (softcap · tanh(s z / softcap) or s z) · (1 / τ)
+        log p_y = z_y − lse;  entropy = lse − Σ p z;  log Σ p² = lse(2z) − 2 lse;
+        mean logit = Σ z / V;  is_top1: y is the first argmax
+    the last three without a gradient, as TRL marks them."""
+    with torch.autocast(hidden.device.type, enabled=False):
+        z = hidden @ weight.T  # (N, V)
+        if bias is not None:
+            z = z + bias
+        # _torch_transform's order; TRL caps at `softcapping or 1.0` whenever it is not None
+        z = z * logit_scale
+        if final_logit_softcapping is not None:
+            softcap = final_logit_softcapping or 1.0
+            z = softcap * torch.tanh(z / softcap)
+        z = z * (1 / temperature)
+        lse = torch.logsumexp(z, -1)  # (N,)
+        logprobs = z.gather(-1, targets[:, None]).squeeze(-1) - lse
+        entropy = (lse - (torch.softmax(z, -1) * z).sum(-1)) if "entropy" in outputs else None
+        with torch.no_grad():
+            log_sum_sq_probs = (torch.logsumexp(2 * z, -1) - 2 * lse
+                                if "log_sum_sq_probs" in outputs else None)
+            mean_logits = z.sum(-1) / z.shape[-1] if "mean_logits" in outputs else None
+            # argmax returns the first maximum: TRL's strict test against the earlier tokens
+            is_top1 = z.argmax(-1) == targets if "is_top1" in outputs else None
+    return logprobs, entropy, log_sum_sq_probs, mean_logits, is_top1
+
+
+class _ChunkedLogProbFp64:
+    """`trl_function.apply` (TRL's fused head), but `fused_head_torch` in fp64 when hidden and
+    the head are fp64. TRL folds its logit tiles and forms p and every gradient in fp32 whatever
+    the inputs' dtype, so a step on an fp64 model through it would share the fp32 head's
+    roundings with the fp32 step it is the truth for."""
+
+    def __init__(self, trl_function):
+        self.trl_function = trl_function
+
+    def apply(self, hidden, weight, bias, targets, temperature, chunk_size, *options):
+        if all(t.dtype == torch.float64 for t in (hidden, weight, bias) if t is not None):
+            return fused_head_torch(hidden, weight, bias, targets, temperature, *options)
+        return self.trl_function.apply(hidden, weight, bias, targets, temperature, chunk_size,
+                                       *options)
+
+
+@contextlib.contextmanager
+def _trl_fused_head_fp64():
+    """TRL's fused head (`add_fused_lm_head`'s `_ChunkedLogProbFunction`) as
+    `_ChunkedLogProbFp64` inside the block, TRL's own again after."""
+    utils = sys.modules.get("trl.trainer.utils")
+    if utils is None:  # not imported: no model has TRL's fused head to call
+        yield
+        return
+    trl_function = utils._ChunkedLogProbFunction
+    utils._ChunkedLogProbFunction = _ChunkedLogProbFp64(trl_function)
+    try:
+        yield
+    finally:
+        utils._ChunkedLogProbFunction = trl_function
+
+
 @contextlib.contextmanager
 def in_fp64(*models):
     """The fp32 `models` (None skipped) in fp64 inside the block and back in fp32 after: exact
-    both ways, every fp32 value being an fp64 value."""
+    both ways, every fp32 value being an fp64 value. TRL's fused head computes in fp64 for them
+    inside (`_ChunkedLogProbFp64`), so that a stock step inside is fp64 through the head too."""
     models = [m for m in models if m is not None]
     for m in models:
         odd = {t.dtype for t in (*m.parameters(), *m.buffers())
@@ -86,7 +153,8 @@ def in_fp64(*models):
         assert not odd, f"in_fp64 takes fp32 models, found {odd}"
         m.double()
     try:
-        yield
+        with _trl_fused_head_fp64():
+            yield
     finally:
         for m in models:
             m.float()
