@@ -112,3 +112,38 @@ def test_g_written_over_z_equals_separate_buffer(backend, op_dtype):
     for a, b in zip(stats[:3], sep[:3]):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     torch.testing.assert_close(g.float(), sep[4].float(), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_peaked_rows_keep_the_gradients_digits(backend):
+    """G = p − e_y is invariant to a constant shift of a row's logits, and so is its fp32
+    bound: a peaked row's p_y − 1 is small, and p_y may not carry an error of lse's size. The
+    bound, relative to the row max m (p's exponent in the module docstring): z − m is one
+    rounding of its own size (z given in fp32, no bias, τ = 1); l = Σ e^(z − m) has its V-term
+    sum's rounding (sum_bound, each term ≤ 1) plus 2 ulp a term (exp of a rounded argument);
+    log l one ulp; p = exp((z − m) − log l) moves by p times its exponent's error plus 2 ulp; G
+    one rounding. The offsets (±2000: 50-nat logits at τ = 0.025) make an ulp of lse (2^-24
+    |m|) in p_y exceed the bound."""
+    gen = torch.Generator().manual_seed(11)
+    C, V = 6, 5000
+    z = torch.randn(C, V, generator=gen)
+    y = torch.randint(0, V, (C,), generator=gen)
+    peak = torch.tensor([11.0, 12.0, 13.0, 14.0, 16.0, 17.0])
+    z[torch.arange(C), y] += peak
+    z += torch.tensor([2e3, -2e3, 2e3, -2e3, 2e3, -2e3])[:, None]
+    g = torch.empty(C, V)
+    lse, *_ = row_softmax(z, y, None, 1.0, backend=backend, g_out=g)
+    z64 = z.double()
+    m = z64.amax(1, keepdim=True)
+    zm = z64 - m
+    log_l = torch.log(torch.exp(zm).sum(1, keepdim=True))
+    p = torch.exp(zm - log_l)
+    G64 = p - torch.nn.functional.one_hot(y, V).double()
+    assert (p[torch.arange(C), y] > 0.85).all() and (p[torch.arange(C), y] < 0.9999).all()
+    d_log_l = sum_bound(V, 1.0) + 2 * EPS32 * torch.exp(zm).sum(1, keepdim=True) + (
+        EPS32 * log_l)
+    d_exponent = EPS32 * zm.abs() + d_log_l + EPS32 * (zm - log_l).abs()
+    bound = p * (d_exponent + 2 * EPS32) + EPS32 * G64.abs()
+    assert_within(g, G64, bound, what=f"G of peaked rows ({backend})")
+    assert_within(lse, (m + log_l)[:, 0], sum_bound(V, 1.0) + 2 * EPS32 * (m.abs() + log_l)[:, 0],
+                  what=f"lse ({backend})")

@@ -261,8 +261,10 @@ if HAS_TMA:
                 a = tl.load(alpha_ptr + rows, mask=valid, other=0.0)
             else:
                 a = tl.where(valid, 1.0, 0.0)
-            # a flagged row's G' row becomes p itself (rewrite_flagged): its factor is α
-            factor = tl.where(flag, a, a * tl.exp2(c2 - lse2))
+            # a flagged row's G' row becomes p itself (rewrite_flagged): its factor is α.
+            # 2^(c₂ − lse₂) as 2^((c₂ − R) − log₂ S): c₂ = R in an unflagged row, so no ulp of
+            # lse₂ (2^-24 |lse₂|) enters p = factor · G' (row_softmax's docstring: p's exponent)
+            factor = tl.where(flag, a, a * tl.exp2((c2 - r) - log2s))
             tl.store(factor_ptr + rows, tl.where(valid, factor, 0.0), mask=rmask)
             n_here = tl.sum(flag.to(tl.int32), axis=0)
             first = tl.atomic_add(n_flag_ptr, n_here)

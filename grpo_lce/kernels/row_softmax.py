@@ -4,13 +4,18 @@ Per row c of a chunk (Z holds the fp32 product X_c @ Wᵀ, without bias or tempe
 
     z    = (Z[c] + b) / τ                       fp32, never rounded to bf16
     lse  = log Σ_v exp(z_v)                     online: running max m, running Σ exp(z − m)
-    z̄    = Σ_v p_v z_v,  p = exp(z − lse)
+    z̄    = Σ_v p_v z_v,  p = exp((z − m) − log l)
     entropy = log l − d / l,  l = Σ exp(z − m),  d = Σ exp(z − m)(z − m)   (m = row max)
 
 The entropy is kept relative to the row max: lse − z̄ would subtract two numbers ≈ m and lose
 all digits of a peaked distribution's small entropy (1e-3 relative at H ≈ 0.02); log l and d / l
 are both small there and exact to fp32 rounding. When the max moves from m to m',
-d' = e^{m − m'} (d + l (m − m')).
+d' = e^{m − m'} (d + l (m − m')). p's exponent is formed the same way, (z − m) − log l and not
+z − lse: lse rounds to an ulp of |m| (2^-24 |m|, about 2e-6 at m = 30), an error every p would
+carry as a relative one, where (z − m) − log l is exact to fp32 rounding of its own (small)
+size near the max. That is what a peaked row's gradient needs: its p_y − 1 = −Σ_{v≠y} p_v is
+small, and an absolute error of 2^-24 |m| in p_y against it (1e-3 relative at p_y = 0.998) is
+what z − lse would give.
     z_y  = z[y_c];  argmax_v z_v                (log-prob of the target; token accuracy)
 
 and, when a gradient is needed, a second pass over the row (p needs the final lse) writes
@@ -90,7 +95,8 @@ if HAS_TRITON:
                 best_i = tl.where(take, start + i_blk, best_i)
                 best_v = tl.where(take, m_blk, best_v)
 
-        lse = m_i + tl.log(l_i)
+        log_l = tl.log(l_i)
+        lse = m_i + log_l
         zbar = m_i + d_i / l_i
         # A target outside [0, V) is rejected on the host; clamp anyway so no read is ever wild.
         y_safe = tl.minimum(tl.maximum(y, 0), V - 1)
@@ -121,7 +127,7 @@ if HAS_TRITON:
                 if HAS_BIAS:
                     z += tl.load(b_ptr + cols, mask=mask, other=0.0).to(tl.float32)
                 z = z * inv_tau
-                p = tl.exp(z - lse)
+                p = tl.exp((z - m_i) - log_l)
                 pc = tl.where(p > 0.0, p * (z - zbar), 0.0)
                 if WRITE_G:
                     g = alpha * (p - tl.where(cols == y, 1.0, 0.0))
@@ -217,11 +223,16 @@ def _row_softmax_torch(z, y, bias, inv_tau, g_out, e_out, alpha, beta, want_argm
     """The same algorithm in torch ops (CPU, or no triton); allocates (C, V) temporaries."""
     zs = z if bias is None else z + bias.float()
     zs = zs * inv_tau  # (C, V) fp32 temporary
-    lse = torch.logsumexp(zs, dim=1)
-    p = torch.exp(zs - lse[:, None])
+    # relative to the row max m (module docstring: p's exponent): zm = z − m ≤ 0, log l ≥ 0
+    m = zs.amax(1)
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))  # an all −inf row: lse = −inf
+    zm = zs - m[:, None]
+    log_l = torch.log(torch.exp(zm).sum(1))
+    lse = m + log_l
+    p = torch.exp(zm - log_l[:, None])
     zero = torch.zeros((), dtype=zs.dtype, device=zs.device)
-    # −Σ p log p = Σ p (lse − z), each term ≥ 0: no cancellation for a peaked row
-    ent = torch.where(p > 0, p * (lse[:, None] - zs), zero).sum(1)
+    # −Σ p log p = Σ p (log l − zm), each term ≥ 0: no cancellation for a peaked row
+    ent = torch.where(p > 0, p * (log_l[:, None] - zm), zero).sum(1)
     zbar = lse - ent
     z_y = zs.gather(1, y.clamp(0, zs.shape[1] - 1)[:, None]).squeeze(1)
     amax = zs.argmax(1) if want_argmax else None
