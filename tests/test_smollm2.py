@@ -209,28 +209,13 @@ def test_grpo_trainer_matches_trl_on_smollm2(smol, batch, tmp_path):
     with fused_head_ran(ours):
         loss_o, grads_o, _ = g._run_loss(ours, inputs)
     # 30 layers of backward after the head: every gradient's rounding grows with the depth and
-    # the sums on the way, so the bound is stock's own distance to the fp64 model (x K_REORDERED)
+    # the sums on the way, so the bound is stock's own distance to the fp64 model (x K_REORDERED).
+    # That reference is fp64 through the head too (in_fp64 runs TRL's fused head in fp64), so
+    # stock's distance holds its fp32 head's roundings as well as the body's, and ours rounds
+    # its head its own way within them
     with in_fp64(stock.model):
         loss_r, grads_r, _ = g._run_loss(stock, inputs)
-    # Every gradient enters the model through the head's dL/dh_t = (W_y - b_t) / τ · c_t,
-    # b_t = Σ_v p_tv W_v. The fp64 reference is not fp64 there: TRL's fused head
-    # (trl.kernels.chunked_logprob, which stock's loss calls with fused_lm_head=True) folds its
-    # logit tiles and forms p in fp32 whatever the model's dtype, so stock and the reference
-    # share that head's roundings and ||stock - fp64|| holds only the body's. Ours rounds p
-    # its own way, and for a peaked token (p_ty near 1: a trained model's) an absolute error
-    # δ in p_ty moves dL/dh_t by δ ||W_y||, ||W_y|| / ||W_y - b_t|| times more against it than
-    # against the terms' scale: k = K_REORDERED x that cancellation factor (worst token,
-    # fp64), K_REORDERED alone where the factor is 1 (the session notes have the measured
-    # ratios)
-    with torch.no_grad():
-        hidden, _ = forward_hidden_states(ours.model, input_ids=ids, attention_mask=mask)
-        w64 = lm_head_params(ours.model)[0].double()
-        h = hidden[:, -c - 1:-1][mask[:, -c:].bool()].double()  # (T, H) completion tokens
-        p = torch.softmax(h @ w64.T / 0.7, -1)
-        w_y = w64[ids[:, -c:][mask[:, -c:].bool()]]
-        cancel = float((w_y.norm(dim=-1) / (w_y - p @ w64).norm(dim=-1)).max())
-    g._assert_losses_and_grads(inputs, (loss_o, grads_o), (loss_s, grads_s), (loss_r, grads_r),
-                               grad_k=K_REORDERED * max(1.0, cancel))
+    g._assert_losses_and_grads(inputs, (loss_o, grads_o), (loss_s, grads_s), (loss_r, grads_r))
     assert all("lora_" in n for n in grads_s)
 
 
