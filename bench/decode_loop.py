@@ -37,8 +37,6 @@ every row runs to --new. Variants (--variants):
                   (`kernel_plan.LORA_T_GROUPS`; optional)
     loop_no_rope_attention `loop` with RoPE + cache write and attention in two launches (the
                   kernel plan's rope_attention off; optional)
-    loop_ws_no_hoist_up `loop` with the gate/up launch loading its up loop's first scales
-                  after the gate's loop (`linear4bit_ws.HOIST_UP` off; optional)
     loop_one_step_splits `loop` with the decode linear's split rule letting a program run one K
                   step (`linear4bit.MIN_STEPS` 1; the 1B q/k/v and o launches split 8, not 4)
     loop_rope_warps1, loop_rope_warps2 `loop` with `rope_cache_write` on 1 or 2 warps a program
@@ -114,7 +112,7 @@ VARIANTS = ("hf_eager", "fast_sampler", "loop", "loop_sdpa_attention", "loop_no_
             "loop_attention_warps2", "loop_attention_warps8", "loop_register_tile",
             "loop_ws_no_group", "loop_ws_no_pdl", "loop_ws_2_per_sm", "loop_ws_early_next",
             "loop_ws_no_early", "loop_ws_byte_planes", "loop_ws_pair_table", "loop_no_lora_t",
-            "loop_lora_t_qkv", "loop_no_rope_attention", "loop_ws_no_hoist_up")
+            "loop_lora_t_qkv", "loop_no_rope_attention")
 # the lab variants' kernel plans: `loop`'s without one piece
 PLAN_WITHOUT = {"loop_no_silu_mul": {"silu_mul": frozenset()},
                 "loop_torch_sample": {"sample": False},
@@ -224,10 +222,6 @@ def _lab_patch(name: str):
         from trainers.sampling.kernels import linear4bit_ws
 
         return mock.patch.dict(os.environ, {linear4bit_ws.ENV: "0"})
-    if name == "loop_ws_no_hoist_up":  # the up loop's scale loads after the gate's loop
-        from trainers.sampling.kernels import linear4bit_ws
-
-        return mock.patch.object(linear4bit_ws, "HOIST_UP", False)
     if name == "loop_ws_no_group":  # q/k/v on the register tile (the ws kernel one projection)
         from trainers.sampling.kernels import linear4bit_ws
 

@@ -119,7 +119,7 @@ def compile_ws_linear(nested: bool, bs: int, lora: bool, split: bool, glu: bool,
     consts = {"BS": bs, "BS2": 256, "NESTED": nested, "SPLIT": split, "STAGES": WS.STAGES,
               "HAS_LORA": lora, "HAS_BIAS": bias, "GLU": glu, "PDL": pdl, "EARLY_NEXT": pdl,
               "PRODUCER_REGS": WS.PRODUCER_REGS, "PAIR_TABLE": pair_table,
-              "T_PARTS": t_parts, "HOIST_UP": WS.HOIST_UP}
+              "T_PARTS": t_parts}
     types = {"y_ptr": "*bf16", "part_ptr": "*fp32", "t_ptr": "*fp32"}
     for seg in "012":
         descs.update({f"w_desc{seg}": w_desc, f"a_desc{seg}": a_desc})

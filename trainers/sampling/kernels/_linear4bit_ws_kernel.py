@@ -491,25 +491,12 @@ def _step(bufs, xbufs, abufs, ready, empty, i, scale, acc, acc1, acc2, acc3, t4,
 @gluon.jit
 def _loop_start(offset_ptr, NESTED: gl.constexpr):
     """A K loop's zero sums (t4 and four accumulators) and the double-quant offset (or 0)."""
-    t4, acc0, acc1, acc2, acc3 = _zero_sums()
-    return t4, acc0, acc1, acc2, acc3, _offset(offset_ptr, NESTED)
-
-
-@gluon.jit
-def _zero_sums():
-    """A K loop's zero sums: t4 and four accumulators."""
     zero = gl.zeros([64, 8], gl.float32, MMA)
-    return gl.zeros([4, RANK, 8], gl.float32, MMA3), zero, zero, zero, zero
-
-
-@gluon.jit
-def _offset(offset_ptr, NESTED: gl.constexpr):
-    """The double-quant offset (0 without double quant)."""
     if NESTED:
         offset = gl.load(offset_ptr)
     else:
         offset = 0.0
-    return offset
+    return gl.zeros([4, RANK, 8], gl.float32, MMA3), zero, zero, zero, zero, offset
 
 
 @gluon.jit
@@ -598,38 +585,14 @@ def _chunk_k_loop(table, bufs, xbufs, abufs, ready, empty, code_ptr, absmax_ptr,
     first step's scale loads are issued, so that those loads' latency (the scale is two
     dependent loads: its code index, then code2 at it) and the fill's overlap; the barrier is
     the consumer warps' own (the producer's first copies are not held behind the fill)."""
-    offset, last, scale, qa_next, a2_next = _chunk_loop_head(
-        absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, row0, N, K, step_lo, nsteps, BS, BS2,
-        NESTED)
-    if FILL:
-        _fill_pair_table(table, code_ptr)
-        cta_barrier()
-    return _chunk_k_steps(bufs, xbufs, abufs, ready, empty, absmax_ptr, absmax2_ptr,
-                          code2_ptr, row0, N, K, step_lo, nsteps, i0, offset, last, scale,
-                          qa_next, a2_next, BS, BS2, NESTED, STAGES, HAS_LORA)
-
-
-@gluon.jit
-def _chunk_loop_head(absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, row0, N, K, step_lo,
-                     nsteps, BS: gl.constexpr, BS2: gl.constexpr, NESTED: gl.constexpr):
-    """A pair-table K loop's state before its first step: the double-quant offset and the
-    scale pipeline (`_scale_start`), whose loads a caller may issue ahead of the loop (the
-    gate/up launch: the up loop's during the gate's)."""
-    offset = _offset(offset_ptr, NESTED)
+    t4, acc0, acc1, acc2, acc3, offset = _loop_start(offset_ptr, NESTED)
+    base = _pair_table_base(gl.zeros([64, 2, 4], gl.int32, WORDS_Q))
     last, scale, qa_next, a2_next = _scale_start(absmax_ptr, absmax2_ptr, code2_ptr, offset,
                                                  row0, N, K, step_lo, nsteps, BS, BS2, NESTED,
                                                  True)
-    return offset, last, scale, qa_next, a2_next
-
-
-@gluon.jit
-def _chunk_k_steps(bufs, xbufs, abufs, ready, empty, absmax_ptr, absmax2_ptr, code2_ptr, row0,
-                   N, K, step_lo, nsteps, i0, offset, last, scale, qa_next, a2_next,
-                   BS: gl.constexpr, BS2: gl.constexpr, NESTED: gl.constexpr,
-                   STAGES: gl.constexpr, HAS_LORA: gl.constexpr):
-    """`_chunk_k_loop`'s steps from the state `_chunk_loop_head` gives."""
-    t4, acc0, acc1, acc2, acc3 = _zero_sums()
-    base = _pair_table_base(gl.zeros([64, 2, 4], gl.int32, WORDS_Q))
+    if FILL:
+        _fill_pair_table(table, code_ptr)
+        cta_barrier()
     for i in range(nsteps):
         step = step_lo + i
         scale_next = _scale(qa_next, a2_next, code2_ptr, offset, BS, NESTED, True)
@@ -670,7 +633,7 @@ def _consumer(table, bufs, xbufs, abufs, ready, empty, seg,
               row0, K, M, step_lo, nsteps, t_ptr, stride_tp, stride_tr, pid_k,
               BS: gl.constexpr, BS2: gl.constexpr, NESTED: gl.constexpr,
               STAGES: gl.constexpr, HAS_LORA: gl.constexpr, GLU: gl.constexpr,
-              PAIR_TABLE: gl.constexpr, T_PARTS: gl.constexpr, HOIST_UP: gl.constexpr):
+              PAIR_TABLE: gl.constexpr, T_PARTS: gl.constexpr):
     """(acc, t, B's tile) of the CTA's segment; with GLU the gate's (segment 0), then the up
     projection's (segment 1) from the next stages; the lookup by PAIR_TABLE (`_k_loop`; the
     first K loop fills the pair table, the launch's projections share one code). B's tiles
@@ -678,22 +641,7 @@ def _consumer(table, bufs, xbufs, abufs, ready, empty, seg,
     projection's after the gate's loop: one tile's registers live through each loop).
     T_PARTS > 0: t is given (`_given_t`), and the K loops run no LoRA work."""
     LOOP_LORA: gl.constexpr = HAS_LORA and T_PARTS == 0
-    HOIST: gl.constexpr = GLU and PAIR_TABLE and HOIST_UP
-    if HOIST:
-        # the up loop's offset and first scales loaded before the gate's loop, so that their
-        # latency is not between the two loops
-        up_head = _chunk_loop_head(absmax_ptr1, absmax2_ptr1, code2_ptr1, offset_ptr1, row0,
-                                   n0, K, step_lo, nsteps, BS, BS2, NESTED)
-        b = _lora_b(b_ptr0, row0, n0, stride_bn0, HAS_LORA)
-        acc, t = _k_loop(table, bufs, xbufs, abufs, ready, empty, code_ptr0, absmax_ptr0,
-                         absmax2_ptr0, code2_ptr0, offset_ptr0, row0, n0, K, step_lo, nsteps,
-                         0, BS, BS2, NESTED, STAGES, LOOP_LORA, PAIR_TABLE, True)
-        b_u = _lora_b(b_ptr1, row0, n0, stride_bn1, HAS_LORA)
-        acc_u, t_u = _chunk_k_steps(bufs, xbufs, abufs, ready, empty, absmax_ptr1,
-                                    absmax2_ptr1, code2_ptr1, row0, n0, K, step_lo, nsteps,
-                                    nsteps, up_head[0], up_head[1], up_head[2], up_head[3],
-                                    up_head[4], BS, BS2, NESTED, STAGES, LOOP_LORA)
-    elif GLU:
+    if GLU:
         b = _lora_b(b_ptr0, row0, n0, stride_bn0, HAS_LORA)
         acc, t = _k_loop(table, bufs, xbufs, abufs, ready, empty, code_ptr0, absmax_ptr0,
                          absmax2_ptr0, code2_ptr0, offset_ptr0, row0, n0, K, step_lo, nsteps,
@@ -849,8 +797,7 @@ def linear4bit_ws_kernel(x_desc, y_ptr, part_ptr, t_ptr, stride_tp, stride_tr,
                          HAS_LORA: gl.constexpr, HAS_BIAS: gl.constexpr, GLU: gl.constexpr,
                          PDL: gl.constexpr,
                          EARLY_NEXT: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-                         PAIR_TABLE: gl.constexpr, T_PARTS: gl.constexpr,
-                         HOIST_UP: gl.constexpr):
+                         PAIR_TABLE: gl.constexpr, T_PARTS: gl.constexpr):
     """Grid (Σ_s N_s / 64 tiles, K splits): the arguments ending in s are projection s's
     (segment s, its tiles from tile_s, its output columns from col_s; segments past the
     launch's repeat the last, and tile_s is then past the grid). y (M, Σ N_s) in bf16, or with
@@ -893,7 +840,7 @@ def linear4bit_ws_kernel(x_desc, y_ptr, part_ptr, t_ptr, stride_tp, stride_tr,
                      code_ptr2, absmax_ptr2, absmax2_ptr2, code2_ptr2, offset_ptr2, n2,
                      b_ptr2, stride_bn2,
                      row0, K, M, step_lo, nsteps, t_ptr, stride_tp, stride_tr, pid_k, BS, BS2,
-                     NESTED, STAGES, HAS_LORA, GLU, PAIR_TABLE, T_PARTS, HOIST_UP)),
+                     NESTED, STAGES, HAS_LORA, GLU, PAIR_TABLE, T_PARTS)),
         (_producer, (x_desc, w_desc0, a_desc0, w_desc1, a_desc1, w_desc2, a_desc2, bufs,
                      xbufs, abufs, ready, empty, seg, row0, step_lo, nsteps, STAGES, LOOP_LORA,
                      GLU, PDL)),

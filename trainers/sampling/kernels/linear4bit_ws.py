@@ -71,9 +71,6 @@ PAIR_TABLE_MIN_STEPS = 16
 # the pair table (whose lookups then keep two CTAs a SM busy; bench/README.md)
 CTAS_PER_SM = 0.9
 PAIR_CTAS_PER_SM = 1.6
-# the gate/up launch with the pair table loads its up loop's offset and first scales before
-# the gate's loop (their latency then overlaps it; False: after it)
-HOIST_UP = True
 
 _log = logging.getLogger(__name__)
 _failed: list[str] = []  # the reason the path is off after a failed launch
@@ -295,7 +292,7 @@ def _launch(x: torch.Tensor, parts: list, glu: bool, defer_sum: bool,
         BS=w.blocksize, BS2=w.blocksize2, NESTED=w.nested, SPLIT=split > 1, STAGES=STAGES,
         HAS_LORA=has_lora, HAS_BIAS=parts[0].bias is not None, GLU=glu,
         PRODUCER_REGS=PRODUCER_REGS, PAIR_TABLE=pair_table,
-        T_PARTS=t.shape[0] if t is not None else 0, HOIST_UP=HOIST_UP,
+        T_PARTS=t.shape[0] if t is not None else 0,
         **(pdl_args := launch_args(linear4bit_ws_kernel, x.device)),
         EARLY_NEXT=pdl_args["PDL"] and sum(tiles) * split <= EARLY_NEXT_CTAS_PER_SM * sms,
         num_warps=4, maxnreg=MAXNREG,
