@@ -14,6 +14,7 @@ from __future__ import annotations
 import datetime
 import gc
 import json
+import os
 import platform
 import re
 import statistics
@@ -181,8 +182,6 @@ def write_json(path: Path, obj) -> None:
 def write_rows(stem: str, tag: str, device: torch.device, rows: list) -> Path:
     """{"env", "rows"} to <stem>_<GPU><tag>.json in $OUT (the GPU machine's folder that comes
     back) or bench/results; prints the path."""
-    import os
-
     path = Path(os.environ.get("OUT", RESULTS_DIR)) / f"{stem}_{gpu_short_name(device)}{tag}.json"
     write_json(path, {"env": env_info(device), "rows": rows})
     print("wrote", path)

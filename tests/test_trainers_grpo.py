@@ -215,9 +215,8 @@ _LOSS_CASES = [
 
 def _assert_losses_and_grads(inputs, ours, stock, ref):
     """(loss, grads) of ours and stock in fp32 against stock's on the fp64 model: within
-    K_REORDERED of stock's own error (tests/_tolerance.py).
-    The loss averages the completion tokens' terms, each O(max|A|) (ratios near 1, KL terms
-    below 1)."""
+    K_REORDERED of stock's own error (tests/_tolerance.py). The loss averages the completion
+    tokens' terms, each O(max|A|) (ratios near 1, KL terms below 1)."""
     (loss_o, g_o), (loss_s, g_s), (loss_r, g_r) = ours, stock, ref
     assert_loss_vs_fp64(loss_o, loss_s, loss_r, n_terms=int(inputs["completion_mask"].sum()),
                         term=inputs["advantages"].abs().max().item())
