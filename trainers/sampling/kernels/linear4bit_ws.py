@@ -67,10 +67,6 @@ EARLY_NEXT_CTAS_PER_SM = 1.0
 # 0: never; 2: always
 PAIR_TABLE = 1
 PAIR_TABLE_MIN_STEPS = 16
-# a gate/up + silu · mul launch through the pair table on eight consumer warps
-# (`_linear4bit_ws_wide_kernel`) where it takes the launch (`wide_reason`); "0": never
-WIDE_ENV = "GRPO_LCE_WS_WIDE"
-WIDE_MAXNREG = 80  # its 12 warps at two CTAs a SM; the consumer warps get 104
 # the fewest CTAs a launch aims for, per SM (`split_rule`): with the register tables, and with
 # the pair table (whose lookups then keep two CTAs a SM busy; bench/README.md)
 CTAS_PER_SM = 0.9
@@ -271,10 +267,6 @@ def _launch(x: torch.Tensor, parts: list, glu: bool, defer_sum: bool,
     ns = [p.weight.shape[0] for p in parts]
     tiles = [triton.cdiv(n, 64) for n in ns[:1 if glu else None]]
     sms = _num_sms(x.device)
-    has_lora = parts[0].lora_a is not None
-    t = lora_t.parts if lora_t is not None and has_lora else None  # (P, J·16, M) fp32
-    if glu and wide_reason(w, has_lora, t, pair_table_rule(tiles[0], k, sms)) is None:
-        return [_launch_wide(x, parts, t)]
     split = 1 if glu else split or split_rule(64 * sum(tiles), k, sms)
     per, split = split_steps(k // 256, split)
     # rows past M read as zeros
@@ -290,6 +282,8 @@ def _launch(x: torch.Tensor, parts: list, glu: bool, defer_sum: bool,
     partials = (torch.empty(split, m, width, device=x.device, dtype=torch.float32)
                 if split > 1 else y)
     pair_table = pair_table_rule(sum(tiles), k, sms)
+    has_lora = parts[0].lora_a is not None
+    t = lora_t.parts if lora_t is not None and has_lora else None  # (P, J·16, M) fp32
     linear4bit_ws_kernel[(sum(tiles), split)](
         x_desc, y, partials, t if t is not None else partials,
         t.stride(0) if t is not None else 0, t.stride(1) if t is not None else 0,
@@ -327,54 +321,3 @@ def _launch(x: torch.Tensor, parts: list, glu: bool, defer_sum: bool,
             partials.stride(1), o.stride(0), HAS_BIAS=True, BLOCK_M=16, BLOCK_N=64,
             INTERP=False)
     return outs
-
-
-def wide_reason(w, has_lora: bool, t, pair_table: bool) -> str | None:
-    """Why a gate/up + silu · mul launch (`reason` None) of weights like `w` does not take the
-    eight-warp kernel, or None: it takes the pair table's launches with double-quant absmax of
-    64-element blocks (second-level blocks a multiple of 4), and LoRA's t given or no LoRA."""
-    if os.environ.get(WIDE_ENV, "1") == "0":
-        return f"{WIDE_ENV}=0"
-    if not pair_table:
-        return "the register tables' launch"
-    if not w.nested or w.blocksize != 64 or w.blocksize2 % 4:
-        return (f"absmax blocks {w.blocksize} / {w.blocksize2}, nested={w.nested} (it takes "
-                "double quant of 64-element blocks)")
-    if has_lora and t is None:
-        return "LoRA's t formed in the K loop (it takes t given)"
-    return None
-
-
-def _launch_wide(x: torch.Tensor, parts: list, t: torch.Tensor | None) -> torch.Tensor:
-    """silu(gate) · up (M, N) by `_linear4bit_ws_wide_kernel` (`wide_reason` None)."""
-    from ._linear4bit_ws_wide_kernel import linear4bit_ws_wide_kernel
-    from .linear4bit import _num_sms
-    from .pdl import launch_args
-
-    m, k = x.shape
-    w = parts[0].weight
-    n = w.shape[0]
-    x_desc = _descriptor(x, [m, k // 64, 64], [x.stride(0), 64, 1], [8, 4, 64], 16)
-    segs = []
-    for p in parts:
-        args = _part_args(p, x)  # w_desc, a_desc, b, code, absmax, absmax2, code2, offset,
-        del args[1]  # scaling, B's row stride, N, bias (A's descriptor unread: t is given)
-        del args[-2]
-        segs += args
-    y = torch.empty(m, n, device=x.device, dtype=x.dtype)
-    has_lora = parts[0].lora_a is not None
-    linear4bit_ws_wide_kernel[(triton.cdiv(n, 64),)](
-        x_desc, y, t if t is not None else y, t.stride(0) if t is not None else 0,
-        t.stride(1) if t is not None else 0, *segs, n, k, m, y.stride(0), BS2=w.blocksize2,
-        STAGES=STAGES, HAS_LORA=has_lora, HAS_BIAS=parts[0].bias is not None,
-        PRODUCER_REGS=PRODUCER_REGS, T_PARTS=t.shape[0] if t is not None else 0,
-        **(pdl_args := launch_args(linear4bit_ws_wide_kernel, x.device)),
-        EARLY_NEXT=pdl_args["PDL"] and triton.cdiv(n, 64) <= EARLY_NEXT_CTAS_PER_SM * _num_sms(
-            x.device), num_warps=8,
-        maxnreg=WIDE_MAXNREG, enable_fp_fusion=False)
-    LAUNCHES["silu_mul"] += 1
-    LAUNCHES["eight consumer warps"] += 1
-    LOOKUPS["pair table"] += 1
-    if t is not None:
-        LAUNCHES["lora t given"] += 1
-    return y
