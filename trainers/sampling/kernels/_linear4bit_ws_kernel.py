@@ -160,12 +160,6 @@ PAIR_LOOKUP = gl.constexpr("{\n.reg .b32 t0, t1, t2, t3, g;\nmov.u32 g, global_s
      for i, (op, sh) in enumerate((("shl.b32", 7), ("shr.u32", 1), ("shr.u32", 9),
                                     ("shr.u32", 17)))]) + "\n}")
 
-# the double-quant code (code2's 256 fp32) past the pair table's 256 entries, one copy: code2[q]
-# at word 32 · 256 + q, so a gather's distinct q share a bank only where they are equal mod 32
-# (global loads of the same entries take one L1 wavefront a cache line). $1 = q.
-CODE2_LOOKUP = gl.constexpr("{\n.reg .b32 a;\nmov.u32 a, global_smem;\nmad.lo.u32 a, $1, 4, a;\n"
-                            f"ld.shared.f32 $0, [a+{4 * 256 * 32}];\n}}")
-
 # the chunk scales (64 MMA rows, chunk Q): each thread its MMA rows' four, as the accumulator
 # holds those rows (the lanes of a quad alike)
 SCALE_C3 = gl.constexpr(gl.DistributedLinearLayout(
@@ -176,19 +170,15 @@ SCALE_C = gl.constexpr(gl.SliceLayout(2, SCALE_C3))
 
 
 @gluon.jit
-def _fill_pair_table(table, code_ptr, code2_ptr, NESTED: gl.constexpr):
+def _fill_pair_table(table, code_ptr):
     """Entry e of every lane's copy: (round(code[e >> 4]), round(code[e & 15])) as bf16, the
-    first in the lower half; with NESTED, code2 past them (CODE2_LOOKUP)."""
+    first in the lower half."""
     e = gl.arange(0, 256, layout=gl.SliceLayout(1, PAIR_FILL))
     lane = gl.arange(0, 32, layout=gl.SliceLayout(0, PAIR_FILL))
     first = gl.load(code_ptr + (e >> 4)).to(gl.bfloat16).to(gl.int16, bitcast=True)
     second = gl.load(code_ptr + (e & 15)).to(gl.bfloat16).to(gl.int16, bitcast=True)
     pair = (first.to(gl.int32) & 0xFFFF) | (second.to(gl.int32) << 16)
-    table.slice(0, 256).store(gl.broadcast(pair[:, None], lane[None, :])[0])
-    if NESTED:
-        r = gl.arange(0, 8, layout=gl.SliceLayout(1, PAIR_FILL))
-        q = r[:, None] * 32 + lane[None, :]
-        table.slice(256, 8).store(gl.load(code2_ptr + q).to(gl.int32, bitcast=True))
+    table.store(gl.broadcast(pair[:, None], lane[None, :])[0])
 
 
 @gluon.jit
@@ -346,10 +336,9 @@ def _row_absmax2(BS, BS2):
 
 @gluon.jit
 def _scale(qa, a2, code2_ptr, offset, BS: gl.constexpr, NESTED: gl.constexpr,
-           PAIR: gl.constexpr, SMEM_CODE2: gl.constexpr = False):
+           PAIR: gl.constexpr):
     """code2[qa] · absmax2 + offset (two roundings: the kernel runs without FMA contraction, as
-    bitsandbytes forms it), or the absmax; `_scale_operands`' layout. SMEM_CODE2: code2 from
-    the pair table's allocation (filled: CODE2_LOOKUP), else from global memory."""
+    bitsandbytes forms it), or the absmax; `_scale_operands`' layout."""
     if NESTED:
         if BS == 64:  # byte Q of the row's word
             if PAIR:
@@ -358,12 +347,7 @@ def _scale(qa, a2, code2_ptr, offset, BS: gl.constexpr, NESTED: gl.constexpr,
             else:
                 q = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, HALF)))
                 qa = (qa >> (8 * q[None, :])) & 0xFF
-        if SMEM_CODE2:  # volatile: not moved above the barrier after the fill
-            c = gl.inline_asm_elementwise(CODE2_LOOKUP, "=f,r", [qa], dtype=gl.float32,
-                                          is_pure=False, pack=1)
-        else:
-            c = gl.load(code2_ptr + qa)
-        return c * a2 + offset
+        return gl.load(code2_ptr + qa) * a2 + offset
     else:
         return qa
 
@@ -607,11 +591,11 @@ def _chunk_k_loop(table, bufs, xbufs, abufs, ready, empty, code_ptr, absmax_ptr,
                                                  row0, N, K, step_lo, nsteps, BS, BS2, NESTED,
                                                  True)
     if FILL:
-        _fill_pair_table(table, code_ptr, code2_ptr, NESTED)
+        _fill_pair_table(table, code_ptr)
         cta_barrier()
     for i in range(nsteps):
         step = step_lo + i
-        scale_next = _scale(qa_next, a2_next, code2_ptr, offset, BS, NESTED, True, True)
+        scale_next = _scale(qa_next, a2_next, code2_ptr, offset, BS, NESTED, True)
         s = (i0 + i) % STAGES
         mbarrier.wait(ready.index(s), ((i0 + i) // STAGES) & 1)
         words = bufs.index(s).load(WORDS_C)
@@ -834,8 +818,8 @@ def linear4bit_ws_kernel(x_desc, y_ptr, part_ptr, t_ptr, stride_tp, stride_tr,
     # the pair table first, so that it sits at the start of shared memory (its lookups address
     # it from there: `_pair_table_base`); the consumer fills it (`_chunk_k_loop`). Without the
     # table, a one-row stand-in that nothing reads.
-    table = gl.allocate_shared_memory(
-        gl.int32, [(512 if NESTED else 256) if PAIR_TABLE else 1, 32], PAIR_TABLE_LAYOUT)
+    table = gl.allocate_shared_memory(gl.int32, [256 if PAIR_TABLE else 1, 32],
+                                      PAIR_TABLE_LAYOUT)
     bufs = gl.allocate_shared_memory(gl.int32, [STAGES, ROWS, STEP_WORDS], w_desc0.layout)
     xbufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, 8, 4, 64], x_desc.layout)
     LOOP_LORA: gl.constexpr = HAS_LORA and T_PARTS == 0  # A streamed beside the weight
