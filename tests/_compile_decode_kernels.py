@@ -116,7 +116,8 @@ def compile_ws_linear(nested: bool, bs: int, lora: bool, split: bool, glu: bool,
                             [k, 64, 1], [16, 4, 64], 16)
     descs = {"x_desc": WS._descriptor(torch.zeros(8, k, dtype=torch.bfloat16),
                                       [8, k // 64, 64], [k, 64, 1], [8, 4, 64], 16)}
-    consts = {"BS": bs, "BS2": 256, "NESTED": nested, "SPLIT": split, "STAGES": WS.STAGES,
+    consts = {"BS": bs, "BS2": 256, "NESTED": nested, "SPLIT": split,
+              "STAGES": WS.stages(glu, pair_table),
               "HAS_LORA": lora, "HAS_BIAS": bias, "GLU": glu, "PDL": pdl, "EARLY_NEXT": pdl,
               "PRODUCER_REGS": WS.PRODUCER_REGS, "PAIR_TABLE": pair_table,
               "T_PARTS": t_parts}

@@ -87,6 +87,15 @@ def test_pair_table_rule():
         assert not rule(224, 4096, 132)
 
 
+def test_ring_depth_rule():
+    """Three stages for a gate/up + silu · mul launch through the pair table (the 8B's), two
+    for every other launch (1B gate/up, split projections)."""
+    stages = linear4bit_ws.stages
+    assert stages(glu=True, pair_table=True) == linear4bit_ws.GLU_PAIR_STAGES == 3
+    assert stages(glu=True, pair_table=False) == stages(glu=False, pair_table=True) == 2
+    assert stages(glu=False, pair_table=False) == linear4bit_ws.STAGES == 2
+
+
 # ---------------------------------------------------------------------------------------- GPU
 
 def _launches():

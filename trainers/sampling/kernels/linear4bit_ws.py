@@ -52,7 +52,10 @@ LAUNCHES: collections.Counter = collections.Counter()
 LOOKUPS: collections.Counter = collections.Counter()
 MAX_ROWS = 8
 RANK = 16
-STAGES = 2  # shared-memory stages a CTA streams ahead (more measured slower)
+# shared-memory stages a CTA streams ahead (`stages`): two, and three for a gate/up + silu · mul
+# launch through the pair table (bench/README.md measures both)
+STAGES = 2
+GLU_PAIR_STAGES = 3
 MAXNREG = 128  # registers a thread at launch: two CTAs a SM; the consumer warps take the
 #                producer warp group's spare registers
 PRODUCER_REGS = 24
@@ -204,6 +207,12 @@ def pair_table_rule(tiles: int, k: int, num_sms: int) -> bool:
     return tiles * (k // 256) >= PAIR_TABLE_MIN_STEPS * num_sms
 
 
+def stages(glu: bool, pair_table: bool) -> int:
+    """The ring's depth of a launch: GLU_PAIR_STAGES for a gate/up + silu · mul launch through
+    the pair table (its two K loops of one split stream the most steps a CTA), else STAGES."""
+    return GLU_PAIR_STAGES if glu and pair_table else STAGES
+
+
 def _descriptor(t: torch.Tensor, shape: list, strides: list, block: list, bits: int):
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
@@ -289,7 +298,8 @@ def _launch(x: torch.Tensor, parts: list, glu: bool, defer_sum: bool,
         t.stride(0) if t is not None else 0, t.stride(1) if t is not None else 0,
         *segs[0], *segs[1], *segs[2], *first_tile, *first_col,
         k, m, y.stride(0), partials.stride(1), partials.stride(0) if split > 1 else 0, per,
-        BS=w.blocksize, BS2=w.blocksize2, NESTED=w.nested, SPLIT=split > 1, STAGES=STAGES,
+        BS=w.blocksize, BS2=w.blocksize2, NESTED=w.nested, SPLIT=split > 1,
+        STAGES=stages(glu, pair_table),
         HAS_LORA=has_lora, HAS_BIAS=parts[0].bias is not None, GLU=glu,
         PRODUCER_REGS=PRODUCER_REGS, PAIR_TABLE=pair_table,
         T_PARTS=t.shape[0] if t is not None else 0,
