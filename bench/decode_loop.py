@@ -64,6 +64,9 @@ every row runs to --new. Variants (--variants):
                   through the pair table on 2 or 4 stages (`linear4bit_ws.GLU_PAIR_STAGES`)
     loop_ws_3_stages `loop` with every other launch of the warp-specialized kernel on 3
                   stages too (`linear4bit_ws.STAGES`)
+    loop_ws_reg_3_stages, loop_ws_reg_4_stages `loop` with the launches through the register
+                  tables (8B q/k/v and o, every 1B launch) on 3 or 4 stages: more of their
+                  few steps a CTA copied before they wait for the kernel before them
 
 Each loop variant runs once per --kernels value: "torch" (the modules' own forwards) and "auto"
 (the fused 4-bit + LoRA decode linear for the projections, add_rmsnorm for each residual add +
@@ -117,7 +120,8 @@ VARIANTS = ("hf_eager", "fast_sampler", "loop", "loop_sdpa_attention", "loop_no_
             "loop_ws_no_group", "loop_ws_no_pdl", "loop_ws_2_per_sm", "loop_ws_early_next",
             "loop_ws_no_early", "loop_ws_byte_planes", "loop_ws_pair_table", "loop_no_lora_t",
             "loop_lora_t_qkv", "loop_no_rope_attention", "loop_ws_glu_2_stages",
-            "loop_ws_glu_4_stages", "loop_ws_3_stages")
+            "loop_ws_glu_4_stages", "loop_ws_3_stages",
+            "loop_ws_reg_3_stages", "loop_ws_reg_4_stages")
 # the lab variants' kernel plans: `loop`'s without one piece
 PLAN_WITHOUT = {"loop_no_silu_mul": {"silu_mul": frozenset()},
                 "loop_torch_sample": {"sample": False},
@@ -227,6 +231,14 @@ def _lab_patch(name: str):
         from trainers.sampling.kernels import linear4bit_ws
 
         return mock.patch.dict(os.environ, {linear4bit_ws.ENV: "0"})
+    if name in ("loop_ws_reg_3_stages", "loop_ws_reg_4_stages"):
+        from trainers.sampling.kernels import linear4bit_ws
+
+        real, depth = linear4bit_ws.stages, int(name[-8])
+
+        def deeper(glu, pair_table):
+            return real(glu, pair_table) if pair_table else depth
+        return mock.patch.object(linear4bit_ws, "stages", deeper)
     if name == "loop_ws_3_stages":
         from trainers.sampling.kernels import linear4bit_ws
 
