@@ -62,6 +62,8 @@ every row runs to --new. Variants (--variants):
                   code's pair table (`linear4bit_ws.PAIR_TABLE` 0 or 2)
     loop_ws_glu_2_stages, loop_ws_glu_4_stages `loop` with the gate/up + silu · mul launch
                   through the pair table on 2 or 4 stages (`linear4bit_ws.GLU_PAIR_STAGES`)
+    loop_small_next_at_exit `loop` with add_rmsnorm and the decode attention letting the next
+                  kernel launch at their exit, not their start (`pdl.SMALL_NEXT_AT_START`)
     loop_ws_3_stages `loop` with every other launch of the warp-specialized kernel on 3
                   stages too (`linear4bit_ws.STAGES`)
     loop_ws_reg_3_stages, loop_ws_reg_4_stages `loop` with the launches through the register
@@ -120,7 +122,7 @@ VARIANTS = ("hf_eager", "fast_sampler", "loop", "loop_sdpa_attention", "loop_no_
             "loop_ws_no_group", "loop_ws_no_pdl", "loop_ws_2_per_sm", "loop_ws_early_next",
             "loop_ws_no_early", "loop_ws_byte_planes", "loop_ws_pair_table", "loop_no_lora_t",
             "loop_lora_t_qkv", "loop_no_rope_attention", "loop_ws_glu_2_stages",
-            "loop_ws_glu_4_stages", "loop_ws_3_stages",
+            "loop_ws_glu_4_stages", "loop_ws_3_stages", "loop_small_next_at_exit",
             "loop_ws_reg_3_stages", "loop_ws_reg_4_stages")
 # the lab variants' kernel plans: `loop`'s without one piece
 PLAN_WITHOUT = {"loop_no_silu_mul": {"silu_mul": frozenset()},
@@ -239,6 +241,8 @@ def _lab_patch(name: str):
         def deeper(glu, pair_table):
             return real(glu, pair_table) if pair_table else depth
         return mock.patch.object(linear4bit_ws, "stages", deeper)
+    if name == "loop_small_next_at_exit":
+        return mock.patch.object(pdl, "SMALL_NEXT_AT_START", False)
     if name == "loop_ws_3_stages":
         from trainers.sampling.kernels import linear4bit_ws
 

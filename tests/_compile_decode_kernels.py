@@ -45,7 +45,10 @@ def compile_kernel(fn, types: dict, consts: dict, div16=(), **options):
         wait = ptx.find("griddepcontrol.wait")
         assert wait >= 0, f"{fn.__name__}: PDL=True but no griddepcontrol.wait"
         go = ptx.find("griddepcontrol.launch_dependents")
-        assert (go > wait) if consts.get("EARLY_NEXT") else (go < 0), fn.__name__
+        if consts.get("NEXT_AT_START"):  # a small kernel's trigger, before its wait
+            assert 0 <= go < wait, fn.__name__
+        else:
+            assert (go > wait) if consts.get("EARLY_NEXT") else (go < 0), fn.__name__
         # nothing is read before the wait but the decode linear's packed weight words and
         # scale operands, and the double-quant offset: the register tile's first step (4
         # vector loads, 2 absmax bytes and 2 second-level scales a thread), the block loop's
@@ -274,7 +277,8 @@ def main():
                        {"HAS_RESIDUAL": not gather, "X_SPLITS": splits, "HAS_XBIAS": False,
                         "GATHER": gather, "BLOCK_H": 4096, "N_A": n_a, "RANK": 16,
                         "BLOCK_R": 64 if n_a == 3 else 16 * max(n_a, 1),
-                        "BLOCK_P": 512 if n_a else 4096, "PDL": True, "INTERP": False},
+                        "BLOCK_P": 512 if n_a else 4096, "PDL": True, "INTERP": False,
+                        "NEXT_AT_START": True},
                        num_warps=R.t_warps(512) if n_a else 32)
     compile_kernel(P._rope_cache_kernel,
                    {"q_ptr": "*fp32", "k_ptr": "*fp32", "v_ptr": "*fp32", "cos_ptr": "*bf16",
@@ -291,7 +295,7 @@ def main():
                     "count_ptr": "*i32", "scale": "fp32"},
                    {"D": 64, "BLOCK_G": 16, "SPLIT": A.SPLIT_N, "BLOCK_N": A.BLOCK_N_FEW,
                     "HAS_WINDOW": False, "IEEE": False, "COMBINE": True, "PDL": True,
-                    "INTERP": False}, num_warps=4)
+                    "INTERP": False, "NEXT_AT_START": True}, num_warps=4)
     # RoPE + cache write + attention in one launch: plain q/k/v, and SplitSums with biases
     for splits, bias in ((0, False), (2, True)):
         part = "*fp32" if splits else "*bf16"
@@ -306,7 +310,7 @@ def main():
                         "HAS_WINDOW": False, "COMBINE": True, "X_DT": tl.bfloat16,
                         "Q_SPLITS": splits, "K_SPLITS": splits, "V_SPLITS": splits,
                         "HAS_QB": bias, "HAS_KB": bias, "HAS_VB": bias, "PDL": True,
-                        "INTERP": False}, num_warps=4)
+                        "INTERP": False, "NEXT_AT_START": True}, num_warps=4)
     compile_kernel(S._chunk_lse_kernel, {"z_ptr": "*fp32", "m_ptr": "*fp32", "s_ptr": "*fp32"},
                    {"BLOCK": S.BLOCK, "PDL": True}, num_warps=8)
     compile_kernel(S._chunk_race_kernel,

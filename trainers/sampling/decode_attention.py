@@ -31,7 +31,7 @@ import triton.language as tl
 
 from .kernels._interp import dot, interpreting, to_dtype
 from .kernels.arrivals import arrival_counters
-from .kernels.pdl import grid_wait, launch_args
+from .kernels.pdl import grid_wait, launch_args, let_next_launch, next_at_start
 from .kernels.rope import ROPE_DTYPES, check_inputs, rope_cache_write, rope_rows
 from .kernels.split_sum import CONSUMED, SplitSum, kernel_args, load_sum
 
@@ -148,8 +148,9 @@ def _decode_attention_split_kernel(
     HKV, G, S, scale, window,
     D: tl.constexpr, BLOCK_G: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_WINDOW: tl.constexpr, IEEE: tl.constexpr, COMBINE: tl.constexpr, PDL: tl.constexpr,
-    INTERP: tl.constexpr,
+    INTERP: tl.constexpr, NEXT_AT_START: tl.constexpr = False,
 ):
+    let_next_launch(NEXT_AT_START)  # kernels.pdl: the next kernel may launch now
     grid_wait(PDL)  # kernels.pdl: launched early, this kernel reads nothing before it
     bh, s, b, h, last = _program(last_ptr, HKV)
     offs_g = tl.arange(0, BLOCK_G)
@@ -173,7 +174,7 @@ def _rope_attention_kernel(
     HAS_WINDOW: tl.constexpr, COMBINE: tl.constexpr, X_DT: tl.constexpr,
     Q_SPLITS: tl.constexpr, K_SPLITS: tl.constexpr, V_SPLITS: tl.constexpr,
     HAS_QB: tl.constexpr, HAS_KB: tl.constexpr, HAS_VB: tl.constexpr,
-    PDL: tl.constexpr, INTERP: tl.constexpr,
+    PDL: tl.constexpr, INTERP: tl.constexpr, NEXT_AT_START: tl.constexpr = False,
 ):
     """`rope_attention`: program (b·H_kv + h, s) rotates its G query heads itself
     (`rope.rope_rows`, cos / sin at row last_b of the tables); the program whose split holds
@@ -181,6 +182,7 @@ def _rope_attention_kernel(
     cache (`rope_cache_write`'s values), and passes a CTA barrier before it reads them back;
     then `_attend`. q, k, v: the projections' outputs per head, each may be a SplitSum
     (its _SPLITS > 0) with a bias (HAS_*B)."""
+    let_next_launch(NEXT_AT_START)  # kernels.pdl: the next kernel may launch now
     grid_wait(PDL)  # kernels.pdl: launched early, this kernel reads nothing before it
     bh, s, b, h, last = _program(last_ptr, HKV)
     OUT_DT: tl.constexpr = o_ptr.dtype.element_ty
@@ -267,7 +269,7 @@ def decode_attention(q, K, V, last, *, scale: float, window: int | None = None,
         D=D, BLOCK_G=BLOCK_G, SPLIT=cfg["SPLIT_N"], BLOCK_N=cfg["BLOCK_N"],
         HAS_WINDOW=window is not None, IEEE=q.dtype == torch.float32,
         COMBINE=counts is not None, INTERP=interpreting(), num_warps=cfg["num_warps"],
-        **launch_args(_decode_attention_split_kernel, q.device),
+        **next_at_start(launch_args(_decode_attention_split_kernel, q.device)),
     )
     LAUNCHES["attention"] += 1
     if counts is not None:
@@ -329,7 +331,7 @@ def rope_attention(q, k, v, cos, sin, cache_k, cache_v, slots, *, scale: float,
         Q_SPLITS=q_n, K_SPLITS=k_n, V_SPLITS=v_n,
         HAS_QB=q_b is not None, HAS_KB=k_b is not None, HAS_VB=v_b is not None,
         INTERP=interpreting(), num_warps=cfg["num_warps"],
-        **launch_args(_rope_attention_kernel, o.device),
+        **next_at_start(launch_args(_rope_attention_kernel, o.device)),
     )
     LAUNCHES["rope_attention"] += 1
     if counts is not None:

@@ -18,12 +18,14 @@ does not depend on the previous kernel); the other kernels wait first.
 
 A kernel may also let the next one start before its own programs exit
 (griddepcontrol.launch_dependents, `let_next_launch`): the next kernel's programs are then placed
-on whichever SMs have room at that moment and wait there. Only the decode linear does, after
-its K loop, and only when all of its programs run at once (`linear4bit._early_next`: the
-register tile, a grid of at most PROGRAMS_PER_SM programs a SM), so the next kernel's launch
-overlaps the linear's epilogues (the split-K sums): that measured faster on the H100, where
-letting the next kernel start at every kernel's beginning measured slower everywhere, and after
-every kernel's main loop slower at batch 64 and on the 8B shape (bench/README.md, the PDL runs).
+on whichever SMs have room at that moment and wait there. The decode linear does, after its K
+loop, when all of its programs run at once (`linear4bit._early_next`: the register tile, a
+grid of at most PROGRAMS_PER_SM programs a SM), so the next kernel's launch overlaps the
+linear's epilogues (the split-K sums). add_rmsnorm and the decode attention do at their start
+(`next_at_start`, SMALL_NEXT_AT_START): each is a few programs, and the decode linear after it
+copies its first stages' weights before its wait, so those copies overlap the small kernel's
+whole run instead of its exit (bench/README.md, the PDL runs: letting the next kernel start at
+every kernel's beginning, the linear's included, measured slower).
 
 The rules every kernel launched with PDL follows, which make it exactly as ordered as a plain
 launch for every value it reads or writes:
@@ -95,6 +97,15 @@ def let_next_launch(EARLY_NEXT: tl.constexpr):
                                   dtype=tl.int32, is_pure=False, pack=1)
 
 
+def next_at_start(args: dict) -> dict:
+    """A small kernel's launch arguments (`launch_args`'s) with its NEXT_AT_START: the next
+    kernel may launch at this one's start where PDL is on and SMALL_NEXT_AT_START."""
+    return {**args, "NEXT_AT_START": bool(args["PDL"]) and SMALL_NEXT_AT_START}
+
+
+# add_rmsnorm and the decode attention let the next kernel launch at their start (False: at
+# their exit; bench.decode_loop's A/B)
+SMALL_NEXT_AT_START = True
 # the decode linear lets the next kernel start after its K loop when its grid fits this many
 # rounds of PROGRAMS_PER_SM programs a SM (0: never; bench.decode_loop's A/B)
 EARLY_NEXT_WAVES = 1

@@ -30,7 +30,7 @@ import triton.language as tl
 
 from ..kernels._interp import interpreting, to_dtype
 from .lora_t import PARTS, LoraT, check_factors, lora_t_torch
-from .pdl import grid_wait, launch_args
+from .pdl import grid_wait, launch_args, let_next_launch, next_at_start
 from .split_sum import CONSUMED, SplitSum, kernel_args, load_sum
 
 # norms whose forward is LlamaRMSNorm's (fp32 statistics, cast, then weight ·), read by name so
@@ -83,6 +83,7 @@ def _add_rmsnorm_kernel(
     HAS_RESIDUAL: tl.constexpr, X_SPLITS: tl.constexpr, HAS_XBIAS: tl.constexpr,
     GATHER: tl.constexpr, BLOCK_H: tl.constexpr, N_A: tl.constexpr, RANK: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, PDL: tl.constexpr, INTERP: tl.constexpr,
+    NEXT_AT_START: tl.constexpr = False,
 ):
     """Program (row, p): the row's mean square over all H columns, then r' and y of its columns
     p·BLOCK_P .. (p + 1)·BLOCK_P - 1 (BLOCK_P = BLOCK_H: one program a row, the whole row) and,
@@ -93,6 +94,7 @@ def _add_rmsnorm_kernel(
     rout's (a SplitSum comes with a residual). GATHER: x is an embedding table of V rows, the
     row's x is its row ids[row] (zeros for an id outside [0, V): no read out of the table),
     stored to rout as r' (no residual)."""
+    let_next_launch(NEXT_AT_START)  # kernels.pdl: the next kernel may launch now
     row = tl.program_id(0).to(tl.int64)
     p = tl.program_id(1)
     cols = p * BLOCK_P + tl.arange(0, BLOCK_P)
@@ -245,7 +247,7 @@ def add_rmsnorm(x: torch.Tensor | SplitSum, residual: torch.Tensor | None,
         BLOCK_P=block_p,
         INTERP=interpreting(),
         num_warps=norm_warps(block_h) if lora_a is None else t_warps(block_p),
-        **launch_args(_add_rmsnorm_kernel, x2.device),
+        **next_at_start(launch_args(_add_rmsnorm_kernel, x2.device)),
     )
     if ids is not None:
         r_new = residual_out if residual_out is not None else rout.view(out_shape)
