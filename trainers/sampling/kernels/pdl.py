@@ -29,12 +29,13 @@ every kernel's beginning, the linear's included, measured slower).
 
 The rules every kernel launched with PDL follows, which make it exactly as ordered as a plain
 launch for every value it reads or writes:
-- before `grid_wait` it reads only memory that the kernel launched just before it does not
-  write (only that kernel's writes may still be in flight: every older one completed before
-  it started) and writes nothing. The decode linear reads its packed weight and quantization
-  state there, and launches use PDL only inside a decode step (`decode_step()`, which the
-  decode loop holds around its steps), where the kernel before a decode kernel is one of the
-  step's or of the loop around it (prefill, sampling, state updates): none writes a weight;
+- before `grid_wait` it reads only memory that no kernel of the decode step or of the loop
+  around it writes, and writes nothing: a small kernel lets the next one launch before its own
+  wait, so the kernels still running then are not only the one just before. The decode linear
+  reads its packed weight and quantization state there, and launches use PDL only inside a
+  decode step (`decode_step()`, which the decode loop holds around its steps), where every
+  kernel is one of the step's or of the loop around it (prefill, sampling, state updates):
+  none writes a weight;
 - every program calls `grid_wait` on every path: a kernel then completes only after the one
   before it completed, so completion passes down the chain and a kernel that reads the output
   of one two launches back also sees it.
