@@ -54,6 +54,7 @@ bench/results/bench_decode_rope_<GPU>.json:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import functools
 import itertools
@@ -95,6 +96,36 @@ def hbm_bandwidth(device) -> float:
     del src, dst
     bc.free_memory()
     return 2 * n * 4 / (t["ms"] * 1e-3)
+
+
+@functools.cache
+def _empty_kernel():
+    """A Triton kernel that does nothing but PDL's wait (built on first use: the module
+    imports without Triton)."""
+    import triton
+    import triton.language as tl
+
+    from trainers.sampling.kernels.pdl import grid_wait
+
+    @triton.jit
+    def empty(PDL: tl.constexpr):
+        grid_wait(PDL)
+    return empty
+
+
+def launch_floor(device, ctas: int) -> dict:
+    """Graph-replay ms of a launch of `ctas` programs that do nothing (the least a kernel of the
+    chain costs, whatever it reads), plain and with PDL; {} off CUDA."""
+    if device.type != "cuda":
+        return {}
+    from trainers.sampling.kernels.pdl import launch_args
+
+    kernel = _empty_kernel()
+
+    def launch():
+        kernel[(ctas,)](**launch_args(kernel, device))
+    return {key: graph_ms([launch], device, pdl=pdl)[0] for key, pdl in (("plain", False),
+                                                                           ("pdl", True))}
 
 
 def floor_bytes(m, n, k, r, qs) -> int:
@@ -144,21 +175,26 @@ def check(ours, ref, x, mod):
                          f"worst err/tol {(err / tol).max().item():.3g}")
 
 
-def graph_ms(fns, device):
+def graph_ms(fns, device, pdl: bool = False):
     """Median ms of one call inside a replayed CUDA graph of max(GRAPH_CALLS, len(fns)) calls
-    that cycle through `fns` (None off CUDA or if capture fails, with the reason)."""
+    that cycle through `fns` (None off CUDA or if capture fails, with the reason); pdl: captured
+    inside `pdl.decode_step()`, so our kernels launch with PDL as the decode loop runs them
+    (each starts while the one before finishes; the 4-bit linear's first weight copies overlap
+    it)."""
+    from trainers.sampling.kernels.pdl import decode_step
+
     if device.type != "cuda":
         return None, "no CUDA"
     calls = [fns[i % len(fns)] for i in range(max(GRAPH_CALLS, len(fns)))]
     try:
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
+        with torch.cuda.stream(stream), (decode_step() if pdl else contextlib.nullcontext()):
             for fn in fns:
                 fn()
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        with torch.cuda.graph(graph), (decode_step() if pdl else contextlib.nullcontext()):
             for fn in calls:
                 fn()
     except Exception as e:  # noqa: BLE001 (a competitor that can't be captured is an n/a row)
@@ -263,20 +299,28 @@ def grouped(shapes, rows, rank, device) -> list[dict]:
     """Graph-replay ms of `decode_linears` on each GROUPS set of modules (one launch), checked
     against each module's forward first, over enough copies of the set to stream 2x the L2."""
     from trainers.sampling.kernels import linear4bit as L
+    from trainers.sampling.kernels import linear4bit_ws
     from trainers.sampling.kernels.linear4bit import decode_linears, decode_silu_mul
 
     def unfused(x, mods):
         g, u = decode_linears(x, mods)
         return torch.nn.functional.silu(g) * u
 
-    def unfused_same_tiles(x, mods):
-        """silu(gate) · up of the two projections computed with the fused launch's tiles (its
-        K split fixes the order of each fp32 sum)"""
+    def fused_and_unfused(x, mods):
+        """(decode_silu_mul's output, silu(gate) · up of the two projections with the same
+        fp32 sums): on the warp-specialized kernel each projection alone (a CTA's K loop over
+        the gate's rows is the same loop), on the register tile the fused launch's tiles (its K
+        split fixes the order of each sum)"""
         parts, _ = L._group_parts(mods, x.dtype, x.device)
-        cfg = L.pick_config(x.shape[0], [p.weight.shape[0] for p in parts], x.shape[1],
-                            parts[0].weight.blocksize, L._num_sms(x.device), glu=True)
-        g, u = L.linear4bit_lora_group(x, parts, config=cfg)
-        return torch.nn.functional.silu(g) * u
+        before = linear4bit_ws.LAUNCHES["silu_mul"]
+        h = decode_silu_mul(x, *mods)
+        if linear4bit_ws.LAUNCHES["silu_mul"] > before:
+            g, u = (L.linear4bit_lora_group(x, [p])[0] for p in parts)
+        else:
+            cfg = L.pick_config(x.shape[0], [p.weight.shape[0] for p in parts], x.shape[1],
+                                parts[0].weight.blocksize, L._num_sms(x.device), glu=True)
+            g, u = L.linear4bit_lora_group(x, parts, config=cfg)
+        return h, torch.nn.functional.silu(g) * u
 
     out = []
     for model, name, nks, mods, sets in group_sets(shapes, rank, device):
@@ -287,25 +331,31 @@ def grouped(shapes, rows, rank, device) -> list[dict]:
                 for md, y in zip(mods, decode_linears(x, mods)):
                     check(y, md(x), x, md)
                 g, why = replay_ms(decode_linears, x, sets, mods, device)
+                g_pdl = graph_ms([functools.partial(decode_linears, x, st) for st in sets],
+                                 device, pdl=True)[0]
             rec = {"model": model, "group": name, "members": list(GROUPS[name]), "M": m,
-                   "ours_graph": g, "ours_graph_na": why}
+                   "ours_graph": g, "ours_graph_na": why, "ours_graph_pdl": g_pdl}
             msg = ""
             if name == "gate/up":
                 with torch.no_grad():
                     # bit for bit on the GPU with the same tiles (libdevice's expf, as
                     # torch's); the interpreter's exp is numpy's (the CPU tests bound it)
-                    if device.type == "cuda" and not torch.equal(
-                            decode_silu_mul(x, *mods), unfused_same_tiles(x, mods)):
+                    if device.type == "cuda" and not torch.equal(*fused_and_unfused(x, mods)):
                         raise AssertionError("decode_silu_mul is not silu(gate) * up")
                     rec["silu_mul_graph"] = {
                         key: replay_ms(fn, x, sets, mods, device)[0]
                         for key, fn in (("unfused", unfused),
                                         ("fused", lambda x, st: decode_silu_mul(x, *st)))}
-                t = rec["silu_mul_graph"]
+                    rec["silu_mul_graph_pdl"] = graph_ms(
+                        [functools.partial(decode_silu_mul, x, *st) for st in sets], device,
+                        pdl=True)[0]
+                t, t_pdl = rec["silu_mul_graph"], rec["silu_mul_graph_pdl"]
                 msg = (f"; with silu·mul {t['unfused']['ms']:.4f} ms in 3 launches, "
-                       f"{t['fused']['ms']:.4f} in 1")
+                       f"{t['fused']['ms']:.4f} in 1"
+                       + (f" ({t_pdl['ms']:.4f} with PDL)" if t_pdl else ""))
             out.append(rec)
-            print(f"{model:5} {name:8} one launch, M={m:3}: {g['ms']:.4f} ms{msg}")
+            pdl_msg = f" ({g_pdl['ms']:.4f} with PDL)" if g_pdl else ""
+            print(f"{model:5} {name:8} one launch, M={m:3}: {g['ms']:.4f} ms{pdl_msg}{msg}")
         del mods, sets  # group_sets frees them
     return out
 
@@ -585,6 +635,11 @@ def main():
     for pkg in ("bitsandbytes", "peft", "transformers"):
         env[pkg] = bc.package_version(pkg)
     print(f"{env['gpu'] or 'cpu'}  copy bandwidth {bw / 1e9:.0f} GB/s  commit {env['commit']}")
+    empty = launch_floor(device, torch.cuda.get_device_properties(device).multi_processor_count
+                         if device.type == "cuda" else 1)
+    if empty:
+        print(f"an empty launch of one program a SM in a graph: {empty['plain']['ms']:.4f} ms, "
+              f"{empty['pdl']['ms']:.4f} with PDL")
     if args.rope:
         rope_shapes = SMOKE_ROPE_SHAPES if args.smoke else \
             {k: v for k, v in ROPE_SHAPES.items() if k.split("-")[-1] in args.models.split(",")}
@@ -614,8 +669,8 @@ def main():
         print(f"wrote {path}")
         return
     hdr = (f"{'model':5} {'layer':8} {'N':>6} {'K':>6} {'M':>4} {'floor':>7} | "
-           f"{'ours':>14} {'graph':>7} {'x floor':>7} | {'bnb+peft':>14} {'graph':>7} | "
-           f"{'speedup':>7}")
+           f"{'ours':>14} {'graph':>7} {'x floor':>7} {'pdl':>7} {'x floor':>7} | "
+           f"{'bnb+peft':>14} {'graph':>7} | {'speedup':>7}")
     print(hdr + "\n" + "-" * len(hdr))
     results = []
     for model, layers in shapes.items():
@@ -633,6 +688,8 @@ def main():
                     t_ref = bc.time_ms(ref_fn, device)
                     g_ours, why_o = graph_ms(
                         [functools.partial(decode_linear, x, c) for c in mods], device)
+                    g_pdl, _ = graph_ms(
+                        [functools.partial(decode_linear, x, c) for c in mods], device, pdl=True)
                     g_ref, why_r = graph_ms([functools.partial(c, x) for c in mods], device)
                 fb = floor_bytes(m, n, k, args.rank, qs)
                 floor_ms = fb / bw * 1e3
@@ -640,7 +697,9 @@ def main():
                 best_ref = (g_ref or t_ref)["ms"]
                 rec = {"model": model, "layer": layer, "N": n, "K": k, "M": m,
                        "floor_bytes": fb, "floor_ms": floor_ms, "ours": t_ours,
-                       "ours_graph": g_ours, "ours_graph_na": why_o, "bnb_peft": t_ref,
+                       "ours_graph": g_ours, "ours_graph_na": why_o, "ours_graph_pdl": g_pdl,
+                       "ours_over_floor_pdl": g_pdl["ms"] / floor_ms if g_pdl else None,
+                       "bnb_peft": t_ref,
                        "bnb_peft_graph": g_ref, "bnb_peft_graph_na": why_r,
                        "ours_over_floor": best_ours / floor_ms, "speedup": best_ref / best_ours}
                 results.append(rec)
@@ -650,7 +709,9 @@ def main():
 
                 print(f"{model:5} {layer:8} {n:6} {k:6} {m:4} {floor_ms:7.4f} | "
                       f"{fmt(t_ours):>14} {g_ours['ms'] if g_ours else float('nan'):7.4f} "
-                      f"{rec['ours_over_floor']:7.2f} | {fmt(t_ref):>14} "
+                      f"{rec['ours_over_floor']:7.2f} "
+                      f"{g_pdl['ms'] if g_pdl else float('nan'):7.4f} "
+                      f"{rec['ours_over_floor_pdl'] or float('nan'):7.2f} | {fmt(t_ref):>14} "
                       f"{g_ref['ms'] if g_ref else float('nan'):7.4f} | {rec['speedup']:7.2f}")
             del mod, mods
             bc.free_memory()
@@ -658,7 +719,7 @@ def main():
     summary = layer_summary(results, groups)
     path = Path(args.out_dir) / f"bench_decode_linear_{bc.gpu_short_name(device)}{args.tag}.json"
     bc.write_json(path, {"env": env, "bandwidth_Bps": bw, "graph_calls": GRAPH_CALLS,
-                         "block_steps": args.block_steps, "rank": args.rank, "results": results,
+                         "empty_launch": empty, "block_steps": args.block_steps, "rank": args.rank, "results": results,
                          "groups": groups,
                          "per_decoder_layer": summary})
     print(f"x floor and speedup use the graph times where captured; wrote {path}")
