@@ -65,6 +65,14 @@ import torch
 
 from bench import common as bc
 
+try:  # the empty launch's kernel; the CPU smoke run needs only torch
+    import triton
+    import triton.language as tl
+
+    from trainers.sampling.kernels.pdl import grid_wait
+except ImportError:
+    triton = None
+
 SHAPES = {
     "1b": {"q/o": (2048, 2048), "k/v": (512, 2048), "gate/up": (8192, 2048),
            "down": (2048, 8192)},
@@ -98,34 +106,27 @@ def hbm_bandwidth(device) -> float:
     return 2 * n * 4 / (t["ms"] * 1e-3)
 
 
-@functools.cache
-def _empty_kernel():
-    """A Triton kernel that does nothing but PDL's wait (built on first use: the module
-    imports without Triton)."""
-    import triton
-    import triton.language as tl
-
-    from trainers.sampling.kernels.pdl import grid_wait
-
+if triton is not None:
     @triton.jit
-    def empty(PDL: tl.constexpr):
+    def _empty_kernel(PDL: tl.constexpr):
+        """A launch that does nothing but PDL's wait."""
         grid_wait(PDL)
-    return empty
 
 
 def launch_floor(device, ctas: int) -> dict:
     """Graph-replay ms of a launch of `ctas` programs that do nothing (the least a kernel of the
-    chain costs, whatever it reads), plain and with PDL; {} off CUDA."""
+    chain costs, whatever it reads), plain and with PDL, or why not; {} off CUDA."""
     if device.type != "cuda":
         return {}
     from trainers.sampling.kernels.pdl import launch_args
 
-    kernel = _empty_kernel()
-
     def launch():
-        kernel[(ctas,)](**launch_args(kernel, device))
-    return {key: graph_ms([launch], device, pdl=pdl)[0] for key, pdl in (("plain", False),
-                                                                           ("pdl", True))}
+        _empty_kernel[(ctas,)](**launch_args(_empty_kernel, device))
+    out = {}
+    for key, pdl in (("plain", False), ("pdl", True)):
+        t, why = graph_ms([launch], device, pdl=pdl)
+        out[key] = t or {"na": why}
+    return out
 
 
 def floor_bytes(m, n, k, r, qs) -> int:
@@ -638,8 +639,9 @@ def main():
     empty = launch_floor(device, torch.cuda.get_device_properties(device).multi_processor_count
                          if device.type == "cuda" else 1)
     if empty:
-        print(f"an empty launch of one program a SM in a graph: {empty['plain']['ms']:.4f} ms, "
-              f"{empty['pdl']['ms']:.4f} with PDL")
+        print("an empty launch of one program a SM in a graph: " + ", ".join(
+            f"{key} {t['ms']:.4f} ms" if "ms" in t else f"{key} n/a ({t['na']})"
+            for key, t in empty.items()))
     if args.rope:
         rope_shapes = SMOKE_ROPE_SHAPES if args.smoke else \
             {k: v for k, v in ROPE_SHAPES.items() if k.split("-")[-1] in args.models.split(",")}
