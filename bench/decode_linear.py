@@ -65,14 +65,6 @@ import torch
 
 from bench import common as bc
 
-try:  # the empty launch's kernel; the CPU smoke run needs only torch
-    import triton
-    import triton.language as tl
-
-    from trainers.sampling.kernels.pdl import grid_wait
-except ImportError:
-    triton = None
-
 SHAPES = {
     "1b": {"q/o": (2048, 2048), "k/v": (512, 2048), "gate/up": (8192, 2048),
            "down": (2048, 8192)},
@@ -106,22 +98,16 @@ def hbm_bandwidth(device) -> float:
     return 2 * n * 4 / (t["ms"] * 1e-3)
 
 
-if triton is not None:
-    @triton.jit
-    def _empty_kernel(PDL: tl.constexpr):
-        """A launch that does nothing but PDL's wait."""
-        grid_wait(PDL)
-
-
 def launch_floor(device, ctas: int) -> dict:
     """Graph-replay ms of a launch of `ctas` programs that do nothing (the least a kernel of the
     chain costs, whatever it reads), plain and with PDL, or why not; {} off CUDA."""
     if device.type != "cuda":
         return {}
+    from bench.empty_launch import empty_kernel
     from trainers.sampling.kernels.pdl import launch_args
 
     def launch():
-        _empty_kernel[(ctas,)](**launch_args(_empty_kernel, device))
+        empty_kernel[(ctas,)](**launch_args(empty_kernel, device))
     out = {}
     for key, pdl in (("plain", False), ("pdl", True)):
         t, why = graph_ms([launch], device, pdl=pdl)
