@@ -64,8 +64,6 @@ every row runs to --new. Variants (--variants):
                   through the pair table on 2 or 4 stages (`linear4bit_ws.GLU_PAIR_STAGES`)
     loop_small_next_at_exit `loop` with add_rmsnorm and the decode attention letting the next
                   kernel launch at their exit, not their start (`pdl.SMALL_NEXT_AT_START`)
-    loop_ws_glu_3x1 `loop` with the gate/up + silu · mul launch's ring three stages of one
-                  step (`linear4bit_ws.GLU_PAIR_STAGES`, `GLU_PAIR_STEPS_A_STAGE`)
     loop_ws_3_stages `loop` with every other launch of the warp-specialized kernel on 3
                   stages too (`linear4bit_ws.STAGES`)
     loop_ws_reg_3_stages, loop_ws_reg_4_stages `loop` with the launches through the register
@@ -125,7 +123,7 @@ VARIANTS = ("hf_eager", "fast_sampler", "loop", "loop_sdpa_attention", "loop_no_
             "loop_ws_no_early", "loop_ws_byte_planes", "loop_ws_pair_table", "loop_no_lora_t",
             "loop_lora_t_qkv", "loop_no_rope_attention", "loop_ws_glu_2_stages",
             "loop_ws_glu_4_stages", "loop_ws_3_stages", "loop_small_next_at_exit",
-            "loop_ws_reg_3_stages", "loop_ws_reg_4_stages", "loop_ws_glu_3x1")
+            "loop_ws_reg_3_stages", "loop_ws_reg_4_stages")
 # the lab variants' kernel plans: `loop`'s without one piece
 PLAN_WITHOUT = {"loop_no_silu_mul": {"silu_mul": frozenset()},
                 "loop_torch_sample": {"sample": False},
@@ -245,10 +243,6 @@ def _lab_patch(name: str):
         return mock.patch.object(linear4bit_ws, "stages", deeper)
     if name == "loop_small_next_at_exit":
         return mock.patch.object(pdl, "SMALL_NEXT_AT_START", False)
-    if name == "loop_ws_glu_3x1":
-        from trainers.sampling.kernels import linear4bit_ws
-
-        return mock.patch.multiple(linear4bit_ws, GLU_PAIR_STAGES=3, GLU_PAIR_STEPS_A_STAGE=1)
     if name == "loop_ws_3_stages":
         from trainers.sampling.kernels import linear4bit_ws
 

@@ -121,7 +121,6 @@ def compile_ws_linear(nested: bool, bs: int, lora: bool, split: bool, glu: bool,
                                       [8, k // 64, 64], [k, 64, 1], [8, 4, 64], 16)}
     consts = {"BS": bs, "BS2": 256, "NESTED": nested, "SPLIT": split,
               "STAGES": WS.stages(glu, pair_table),
-              "STEPS_A_STAGE": WS.steps_a_stage(glu, pair_table, k // 256, lora and not t_parts),
               "HAS_LORA": lora, "HAS_BIAS": bias, "GLU": glu, "PDL": pdl, "EARLY_NEXT": pdl,
               "PRODUCER_REGS": WS.PRODUCER_REGS, "PAIR_TABLE": pair_table,
               "T_PARTS": t_parts}

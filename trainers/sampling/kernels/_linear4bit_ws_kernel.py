@@ -529,17 +529,15 @@ def _loop_sums(acc0, acc1, acc2, acc3, t4):
 def _k_loop(table, bufs, xbufs, abufs, ready, empty, code_ptr, absmax_ptr, absmax2_ptr,
             code2_ptr, offset_ptr, row0, N, K, step_lo, nsteps, i0, BS: gl.constexpr,
             BS2: gl.constexpr, NESTED: gl.constexpr, STAGES: gl.constexpr,
-            HAS_LORA: gl.constexpr, PAIR_TABLE: gl.constexpr, FILL: gl.constexpr,
-            STEPS_A_STAGE: gl.constexpr):
-    """One projection's K loop over the ring's steps i0 .. i0 + nsteps - 1: (acc, t), through
+            HAS_LORA: gl.constexpr, PAIR_TABLE: gl.constexpr, FILL: gl.constexpr):
+    """One projection's K loop over the ring's stages i0 .. i0 + nsteps - 1: (acc, t), through
     the pair table of code_ptr's code (filled first where FILL) or the register tables of
-    code_ptr (one step a stage)."""
+    code_ptr."""
     if PAIR_TABLE:
         return _chunk_k_loop(table, bufs, xbufs, abufs, ready, empty, code_ptr, absmax_ptr,
                              absmax2_ptr, code2_ptr, offset_ptr, row0, N, K, step_lo, nsteps,
-                             i0, BS, BS2, NESTED, STAGES, HAS_LORA, FILL, STEPS_A_STAGE)
+                             i0, BS, BS2, NESTED, STAGES, HAS_LORA, FILL)
     else:
-        gl.static_assert(STEPS_A_STAGE == 1, "the register tables' loop takes a step a stage")
         return _table_k_loop(bufs, xbufs, abufs, ready, empty, code_ptr, absmax_ptr,
                              absmax2_ptr, code2_ptr, offset_ptr, row0, N, K, step_lo, nsteps,
                              i0, BS, BS2, NESTED, STAGES, HAS_LORA)
@@ -581,10 +579,9 @@ def _stage_row(r):
 def _chunk_k_loop(table, bufs, xbufs, abufs, ready, empty, code_ptr, absmax_ptr, absmax2_ptr,
                   code2_ptr, offset_ptr, row0, N, K, step_lo, nsteps, i0, BS: gl.constexpr,
                   BS2: gl.constexpr, NESTED: gl.constexpr, STAGES: gl.constexpr,
-                  HAS_LORA: gl.constexpr, FILL: gl.constexpr, STEPS_A_STAGE: gl.constexpr):
+                  HAS_LORA: gl.constexpr, FILL: gl.constexpr):
     """`_k_loop` through the pair table (`_chunk_step`): (acc, t), acc by MMA row; the stage
-    goes back as `_step` says, after its last step (a stage holds STEPS_A_STAGE steps: step j
-    of the ring in stage (j // STEPS_A_STAGE) % STAGES, its buffers' slot j % STEPS_A_STAGE). With FILL the consumer warps fill the table first, after the
+    goes back as `_step` says. With FILL the consumer warps fill the table first, after the
     first step's scale loads are issued, so that those loads' latency (the scale is two
     dependent loads: its code index, then code2 at it) and the fill's overlap; the barrier is
     the consumer warps' own (the producer's first copies are not held behind the fill)."""
@@ -599,21 +596,16 @@ def _chunk_k_loop(table, bufs, xbufs, abufs, ready, empty, code_ptr, absmax_ptr,
     for i in range(nsteps):
         step = step_lo + i
         scale_next = _scale(qa_next, a2_next, code2_ptr, offset, BS, NESTED, True)
-        u = (i0 + i) // STEPS_A_STAGE
-        slot_in = (i0 + i) % STEPS_A_STAGE
-        s = u % STAGES
-        slot = s * STEPS_A_STAGE + slot_in
-        if slot_in == 0:
-            mbarrier.wait(ready.index(s), (u // STAGES) & 1)
-        words = bufs.index(slot).load(WORDS_C)
-        xv = xbufs.index(slot).load(XLOAD_C)
+        s = (i0 + i) % STAGES
+        mbarrier.wait(ready.index(s), ((i0 + i) // STAGES) & 1)
+        words = bufs.index(s).load(WORDS_C)
+        xv = xbufs.index(s).load(XLOAD_C)
         if HAS_LORA:
-            t4 = _lora_t_step(abufs.index(slot), xbufs.index(slot), t4)
+            t4 = _lora_t_step(abufs.index(s), xbufs.index(s), t4)
         qa_after, a2_after = _scale_operands(absmax_ptr, absmax2_ptr, row0, N, K,
                                              gl.minimum(step + 2, last), BS, BS2, NESTED, True)
         acc0, acc1, acc2, acc3 = _chunk_step(words, xv, base, scale, acc0, acc1, acc2, acc3)
-        if slot_in == STEPS_A_STAGE - 1:  # as `_step`: after the MMAs of the stage's last step
-            mbarrier.arrive(empty.index(s), count=1)
+        mbarrier.arrive(empty.index(s), count=1)  # as `_step`: after the MMAs
         scale = scale_next
         qa_next, a2_next = qa_after, a2_after
     return _loop_sums(acc0, acc1, acc2, acc3, t4)
@@ -641,7 +633,7 @@ def _consumer(table, bufs, xbufs, abufs, ready, empty, seg,
               row0, K, M, step_lo, nsteps, t_ptr, stride_tp, stride_tr, pid_k,
               BS: gl.constexpr, BS2: gl.constexpr, NESTED: gl.constexpr,
               STAGES: gl.constexpr, HAS_LORA: gl.constexpr, GLU: gl.constexpr,
-              PAIR_TABLE: gl.constexpr, T_PARTS: gl.constexpr, STEPS_A_STAGE: gl.constexpr):
+              PAIR_TABLE: gl.constexpr, T_PARTS: gl.constexpr):
     """(acc, t, B's tile) of the CTA's segment; with GLU the gate's (segment 0), then the up
     projection's (segment 1) from the next stages; the lookup by PAIR_TABLE (`_k_loop`; the
     first K loop fills the pair table, the launch's projections share one code). B's tiles
@@ -653,13 +645,12 @@ def _consumer(table, bufs, xbufs, abufs, ready, empty, seg,
         b = _lora_b(b_ptr0, row0, n0, stride_bn0, HAS_LORA)
         acc, t = _k_loop(table, bufs, xbufs, abufs, ready, empty, code_ptr0, absmax_ptr0,
                          absmax2_ptr0, code2_ptr0, offset_ptr0, row0, n0, K, step_lo, nsteps,
-                         0, BS, BS2, NESTED, STAGES, LOOP_LORA, PAIR_TABLE, True,
-                         STEPS_A_STAGE)
+                         0, BS, BS2, NESTED, STAGES, LOOP_LORA, PAIR_TABLE, True)
         b_u = _lora_b(b_ptr1, row0, n0, stride_bn1, HAS_LORA)
         acc_u, t_u = _k_loop(table, bufs, xbufs, abufs, ready, empty, code_ptr1, absmax_ptr1,
                              absmax2_ptr1, code2_ptr1, offset_ptr1, row0, n0, K, step_lo,
                              nsteps, nsteps, BS, BS2, NESTED, STAGES, LOOP_LORA, PAIR_TABLE,
-                             False, STEPS_A_STAGE)
+                             False)
     else:
         b = _lora_b(_pick(seg, b_ptr0, b_ptr1, b_ptr2), row0, _pick(seg, n0, n1, n2),
                     _pick(seg, stride_bn0, stride_bn1, stride_bn2), HAS_LORA)
@@ -671,7 +662,7 @@ def _consumer(table, bufs, xbufs, abufs, ready, empty, seg,
                          _pick(seg, code2_ptr0, code2_ptr1, code2_ptr2),
                          _pick(seg, offset_ptr0, offset_ptr1, offset_ptr2), row0,
                          _pick(seg, n0, n1, n2), K, step_lo, nsteps, 0, BS, BS2, NESTED,
-                         STAGES, LOOP_LORA, PAIR_TABLE, True, STEPS_A_STAGE)
+                         STAGES, LOOP_LORA, PAIR_TABLE, True)
         acc_u, t_u = acc, t
     if HAS_LORA and T_PARTS > 0:
         t = _given_t(t_ptr, stride_tp, stride_tr, 0 if GLU else seg, M, pid_k, T_PARTS)
@@ -729,42 +720,33 @@ def _load_weights(seg, w_desc0, a_desc0, w_desc1, a_desc1, w_desc2, a_desc2, row
 @gluon.jit
 def _producer(x_desc, w_desc0, a_desc0, w_desc1, a_desc1, w_desc2, a_desc2, bufs, xbufs, abufs,
               ready, empty, seg, row0, step_lo, nsteps, STAGES: gl.constexpr,
-              HAS_LORA: gl.constexpr, GLU: gl.constexpr, PDL: gl.constexpr,
-              STEPS_A_STAGE: gl.constexpr):
+              HAS_LORA: gl.constexpr, GLU: gl.constexpr, PDL: gl.constexpr):
     """The stages' copies: the segment's steps (with GLU the gate's, then the up
-    projection's), STEPS_A_STAGE a stage (`_chunk_k_loop`; the steps a split a multiple of it).
-    The first STAGES stages' weights are copied before `_grid_wait`: only x comes from the
-    kernel before this one."""
-    F: gl.constexpr = STEPS_A_STAGE
-    nbytes: gl.constexpr = F * (w_desc0.block_type.nbytes + x_desc.block_type.nbytes
-                                + (a_desc0.block_type.nbytes if HAS_LORA else 0))
-    units = nsteps * (2 if GLU else 1) // F
-    for u in gl.static_range(STAGES):
-        if u < units:
-            mbarrier.expect(ready.index(u), nbytes)
-            for f in gl.static_range(F):
-                i = u * F + f
-                _load_weights(seg + (i >= nsteps).to(gl.int32), w_desc0, a_desc0, w_desc1,
-                              a_desc1, w_desc2, a_desc2, row0, step_lo + i % nsteps,
-                              ready.index(u), bufs.index(i), abufs.index(i), HAS_LORA)
-    _grid_wait(PDL)
-    for u in gl.static_range(STAGES):
-        if u < units:
-            for f in gl.static_range(F):
-                i = u * F + f
-                tma_load(x_desc, [0, (step_lo + i % nsteps) * 4, 0], ready.index(u),
-                         xbufs.index(i))
-    for u in range(STAGES, units):
-        s = u % STAGES
-        mbarrier.wait(empty.index(s), ((u // STAGES) & 1) ^ 1)
-        mbarrier.expect(ready.index(s), nbytes)
-        for f in gl.static_range(F):
-            i = u * F + f
-            step = step_lo + i % nsteps
+    projection's). The first STAGES stages' weights are copied before `_grid_wait`: only x
+    comes from the kernel before this one."""
+    nbytes: gl.constexpr = (w_desc0.block_type.nbytes + x_desc.block_type.nbytes
+                            + (a_desc0.block_type.nbytes if HAS_LORA else 0))
+    total = nsteps * (2 if GLU else 1)
+    for i in gl.static_range(STAGES):
+        if i < total:
+            mbarrier.expect(ready.index(i), nbytes)
             _load_weights(seg + (i >= nsteps).to(gl.int32), w_desc0, a_desc0, w_desc1,
-                          a_desc1, w_desc2, a_desc2, row0, step, ready.index(s),
-                          bufs.index(s * F + f), abufs.index(s * F + f), HAS_LORA)
-            tma_load(x_desc, [0, step * 4, 0], ready.index(s), xbufs.index(s * F + f))
+                          a_desc1, w_desc2, a_desc2, row0, step_lo + i % nsteps,
+                          ready.index(i), bufs.index(i), abufs.index(i), HAS_LORA)
+    _grid_wait(PDL)
+    for i in gl.static_range(STAGES):
+        if i < total:
+            tma_load(x_desc, [0, (step_lo + i % nsteps) * 4, 0], ready.index(i),
+                     xbufs.index(i))
+    for i in range(STAGES, total):
+        s = i % STAGES
+        mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
+        mbarrier.expect(ready.index(s), nbytes)
+        step = step_lo + i % nsteps
+        _load_weights(seg + (i >= nsteps).to(gl.int32), w_desc0, a_desc0, w_desc1, a_desc1,
+                      w_desc2, a_desc2, row0, step, ready.index(s), bufs.index(s),
+                      abufs.index(s), HAS_LORA)
+        tma_load(x_desc, [0, step * 4, 0], ready.index(s), xbufs.index(s))
 
 
 @gluon.jit
@@ -815,8 +797,7 @@ def linear4bit_ws_kernel(x_desc, y_ptr, part_ptr, t_ptr, stride_tp, stride_tr,
                          HAS_LORA: gl.constexpr, HAS_BIAS: gl.constexpr, GLU: gl.constexpr,
                          PDL: gl.constexpr,
                          EARLY_NEXT: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-                         PAIR_TABLE: gl.constexpr, T_PARTS: gl.constexpr,
-                         STEPS_A_STAGE: gl.constexpr = 1):
+                         PAIR_TABLE: gl.constexpr, T_PARTS: gl.constexpr):
     """Grid (Σ_s N_s / 64 tiles, K splits): the arguments ending in s are projection s's
     (segment s, its tiles from tile_s, its output columns from col_s; segments past the
     launch's repeat the last, and tile_s is then past the grid). y (M, Σ N_s) in bf16, or with
@@ -839,11 +820,10 @@ def linear4bit_ws_kernel(x_desc, y_ptr, part_ptr, t_ptr, stride_tp, stride_tr,
     # table, a one-row stand-in that nothing reads.
     table = gl.allocate_shared_memory(gl.int32, [256 if PAIR_TABLE else 1, 32],
                                       PAIR_TABLE_LAYOUT)
-    SLOTS: gl.constexpr = STAGES * STEPS_A_STAGE  # a step's buffers each
-    bufs = gl.allocate_shared_memory(gl.int32, [SLOTS, ROWS, STEP_WORDS], w_desc0.layout)
-    xbufs = gl.allocate_shared_memory(gl.bfloat16, [SLOTS, 8, 4, 64], x_desc.layout)
+    bufs = gl.allocate_shared_memory(gl.int32, [STAGES, ROWS, STEP_WORDS], w_desc0.layout)
+    xbufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, 8, 4, 64], x_desc.layout)
     LOOP_LORA: gl.constexpr = HAS_LORA and T_PARTS == 0  # A streamed beside the weight
-    abufs = gl.allocate_shared_memory(gl.bfloat16, [SLOTS if LOOP_LORA else 1, RANK, 4, 64],
+    abufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES if LOOP_LORA else 1, RANK, 4, 64],
                                       a_desc0.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -860,10 +840,10 @@ def linear4bit_ws_kernel(x_desc, y_ptr, part_ptr, t_ptr, stride_tp, stride_tr,
                      code_ptr2, absmax_ptr2, absmax2_ptr2, code2_ptr2, offset_ptr2, n2,
                      b_ptr2, stride_bn2,
                      row0, K, M, step_lo, nsteps, t_ptr, stride_tp, stride_tr, pid_k, BS, BS2,
-                     NESTED, STAGES, HAS_LORA, GLU, PAIR_TABLE, T_PARTS, STEPS_A_STAGE)),
+                     NESTED, STAGES, HAS_LORA, GLU, PAIR_TABLE, T_PARTS)),
         (_producer, (x_desc, w_desc0, a_desc0, w_desc1, a_desc1, w_desc2, a_desc2, bufs,
                      xbufs, abufs, ready, empty, seg, row0, step_lo, nsteps, STAGES, LOOP_LORA,
-                     GLU, PDL, STEPS_A_STAGE)),
+                     GLU, PDL)),
     ], [1], [PRODUCER_REGS])
     if PAIR_TABLE:  # the table's last use as the compiler sees it (its lookups are inline
         table._keep_alive()  # PTX): its bytes stay the table's through the K loops

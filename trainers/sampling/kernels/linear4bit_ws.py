@@ -52,12 +52,10 @@ LAUNCHES: collections.Counter = collections.Counter()
 LOOKUPS: collections.Counter = collections.Counter()
 MAX_ROWS = 8
 RANK = 16
-# shared-memory stages a CTA streams ahead (`stages`): two of a step each, and for a gate/up +
-# silu · mul launch through the pair table GLU_PAIR_STAGES of GLU_PAIR_STEPS_A_STAGE steps (two
-# TMA copies of each operand a stage, one barrier round trip a stage; bench/README.md)
+# shared-memory stages a CTA streams ahead (`stages`): two, and three for a gate/up + silu · mul
+# launch through the pair table (bench/README.md measures both)
 STAGES = 2
-GLU_PAIR_STAGES = 2
-GLU_PAIR_STEPS_A_STAGE = 2
+GLU_PAIR_STAGES = 3
 MAXNREG = 128  # registers a thread at launch: two CTAs a SM; the consumer warps take the
 #                producer warp group's spare registers
 PRODUCER_REGS = 24
@@ -215,14 +213,6 @@ def stages(glu: bool, pair_table: bool) -> int:
     return GLU_PAIR_STAGES if glu and pair_table else STAGES
 
 
-def steps_a_stage(glu: bool, pair_table: bool, steps: int, loop_lora: bool) -> int:
-    """The steps a stage holds: GLU_PAIR_STEPS_A_STAGE for a gate/up + silu · mul launch through
-    the pair table whose steps (K / 256) it divides, with LoRA's t given or no LoRA (A's tiles
-    in the ring would leave shared memory for one CTA a SM), else 1."""
-    f = GLU_PAIR_STEPS_A_STAGE
-    return f if glu and pair_table and steps % f == 0 and not loop_lora else 1
-
-
 def _descriptor(t: torch.Tensor, shape: list, strides: list, block: list, bits: int):
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
@@ -309,7 +299,7 @@ def _launch(x: torch.Tensor, parts: list, glu: bool, defer_sum: bool,
         *segs[0], *segs[1], *segs[2], *first_tile, *first_col,
         k, m, y.stride(0), partials.stride(1), partials.stride(0) if split > 1 else 0, per,
         BS=w.blocksize, BS2=w.blocksize2, NESTED=w.nested, SPLIT=split > 1,
-        STAGES=stages(glu, pair_table), STEPS_A_STAGE=steps_a_stage(glu, pair_table, per, has_lora and t is None),
+        STAGES=stages(glu, pair_table),
         HAS_LORA=has_lora, HAS_BIAS=parts[0].bias is not None, GLU=glu,
         PRODUCER_REGS=PRODUCER_REGS, PAIR_TABLE=pair_table,
         T_PARTS=t.shape[0] if t is not None else 0,
