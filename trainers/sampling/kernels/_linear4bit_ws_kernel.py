@@ -167,13 +167,6 @@ SCALE_C3 = gl.constexpr(gl.DistributedLinearLayout(
     lane_bases=[[0, 0, 0], [0, 0, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]],
     warp_bases=[[16, 0, 0], [32, 0, 0]], block_bases=[], shape=[ROWS.value, 4, 1]))
 SCALE_C = gl.constexpr(gl.SliceLayout(2, SCALE_C3))
-# the same scales split over a quad's lanes (lane l % 4 computes chunk l % 4's, registers the
-# rows + 8): each scale formed once a quad, then spread to SCALE_C within the warp
-SCALE_Q3 = gl.constexpr(gl.DistributedLinearLayout(
-    reg_bases=[[8, 0, 0]],
-    lane_bases=[[0, 1, 0], [0, 2, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]],
-    warp_bases=[[16, 0, 0], [32, 0, 0]], block_bases=[], shape=[ROWS.value, 4, 1]))
-SCALE_Q = gl.constexpr(gl.SliceLayout(2, SCALE_Q3))
 
 
 @gluon.jit
@@ -300,11 +293,11 @@ def _scale_operands(absmax_ptr, absmax2_ptr, row0, N, K, step, BS: gl.constexpr,
     double quant and BS 64 the int32 word of a row's four code indices of the step (`_scale`
     takes byte Q), else the index or the absmax itself; and the second-level scale (or the
     absmax again). By stage row in SliceLayout(2, HALF) for the register tables; with PAIR by
-    MMA row in SCALE_Q, the row's word then (64,), and the second-level scale (64, 1) where the
+    MMA row in SCALE_C, the row's word then (64,), and the second-level scale (64, 1) where the
     step's blocks share one (`_row_absmax2`)."""
     if PAIR:
-        r = gl.arange(0, 64, layout=gl.SliceLayout(1, SCALE_Q))
-        q = gl.arange(0, 4, layout=gl.SliceLayout(0, SCALE_Q))
+        r = gl.arange(0, 64, layout=gl.SliceLayout(1, SCALE_C))
+        q = gl.arange(0, 4, layout=gl.SliceLayout(0, SCALE_C))
         row = row0 + _stage_row(r)
     else:
         r = gl.arange(0, 64, layout=gl.SliceLayout(1, gl.SliceLayout(2, HALF)))
@@ -345,22 +338,18 @@ def _row_absmax2(BS, BS2):
 def _scale(qa, a2, code2_ptr, offset, BS: gl.constexpr, NESTED: gl.constexpr,
            PAIR: gl.constexpr):
     """code2[qa] · absmax2 + offset (two roundings: the kernel runs without FMA contraction, as
-    bitsandbytes forms it), or the absmax; `_scale_operands`' layout, with PAIR formed in
-    SCALE_Q (each scale by one lane of its quad) and returned in SCALE_C."""
+    bitsandbytes forms it), or the absmax; `_scale_operands`' layout."""
     if NESTED:
         if BS == 64:  # byte Q of the row's word
             if PAIR:
-                q = gl.arange(0, 4, layout=gl.SliceLayout(0, SCALE_Q))
+                q = gl.arange(0, 4, layout=gl.SliceLayout(0, SCALE_C))
                 qa = (qa[:, None] >> (8 * q[None, :])) & 0xFF
             else:
                 q = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, HALF)))
                 qa = (qa >> (8 * q[None, :])) & 0xFF
-        scale = gl.load(code2_ptr + qa) * a2 + offset
+        return gl.load(code2_ptr + qa) * a2 + offset
     else:
-        scale = qa
-    if PAIR:  # within each warp: the quad's four lanes exchange their scales
-        scale = gl.convert_layout(scale, SCALE_C)
-    return scale
+        return qa
 
 
 @gluon.jit
