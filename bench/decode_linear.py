@@ -18,7 +18,10 @@ and M = 1, 8, 64, 256 rows of bf16 x:
 each timed eagerly (`triton.testing.do_bench`, L2 flushed) and as a replay of a CUDA graph of
 at least 20 calls (what the decode loop runs; launch overhead amortized) that cycle through
 copies of the layer holding more than twice the L2 (so the weights come from HBM, as in a
-decode step), median ms with the 20-80 % spread. Before timing, ours is checked against bnb+peft within the bound of linear4bit's
+decode step), median ms with the 20-80 % spread; ours also as a graph captured inside
+`pdl.decode_step()` (its launches with PDL, as the decode loop runs them). The floor of any
+launch: an empty kernel of one program a SM (`bench.empty_launch`), replayed the same way, plain
+and with PDL. Before timing, ours is checked against bnb+peft within the bound of linear4bit's
 docstring; the run aborts if it is off.
 
 GPU (from the project root, `.whl/` filled by ../shared/gpu/wheels.sh and carried):
