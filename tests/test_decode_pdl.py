@@ -82,3 +82,33 @@ def test_the_linear_lets_the_next_kernel_start_early_only_in_one_round(monkeypat
     assert not linear4bit._early_next(False, True, (1, 8, 1), dev)  # launched without PDL
     src = inspect.getsource(linear4bit._linear4bit_lora_kernel.fn)
     assert src.count("let_next_launch(EARLY_NEXT)") == 1
+
+
+SMALL = [rmsnorm._add_rmsnorm_kernel, decode_attention._decode_attention_split_kernel,
+         decode_attention._rope_attention_kernel]
+
+
+def test_small_kernels_let_the_next_launch_at_their_start(monkeypatch):
+    """`next_at_start`: add_rmsnorm and the decode attention let the next kernel launch at their
+    start only when they launch with PDL and SMALL_NEXT_AT_START; the trigger is their first
+    statement, before their wait; no other decode kernel has it (the linear's is `_early_next`'s,
+    after its K loop)."""
+    on, off = {"PDL": True, "launch_pdl": True}, {"PDL": False}
+    assert pdl.next_at_start(on) == {**on, "NEXT_AT_START": True}
+    assert pdl.next_at_start(off) == {**off, "NEXT_AT_START": False}
+    monkeypatch.setattr(pdl, "SMALL_NEXT_AT_START", False)
+    assert pdl.next_at_start(on) == {**on, "NEXT_AT_START": False}
+    for kernel in KERNELS:
+        src = inspect.getsource(kernel.fn)
+        if kernel in SMALL:
+            assert "NEXT_AT_START" in kernel.arg_names
+            body = src[src.index("):\n"):]
+            first = src.index("let_next_launch(NEXT_AT_START)")
+            assert first < src.index("grid_wait(PDL)"), kernel.__name__
+            assert body.count("let_next_launch") == 1
+        else:
+            assert "NEXT_AT_START" not in kernel.arg_names
+    for launcher, kernel in ((rmsnorm.add_rmsnorm, "_add_rmsnorm_kernel"),
+                             (decode_attention.decode_attention, "_decode_attention_split_kernel"),
+                             (decode_attention.rope_attention, "_rope_attention_kernel")):
+        assert f"next_at_start(launch_args({kernel}," in inspect.getsource(launcher)
