@@ -54,9 +54,10 @@ every row runs to --new. Variants (--variants):
     loop_ws_no_pdl `loop` with the warp-specialized kernel launched without PDL
     loop_ws_2_per_sm `loop` with the warp-specialized kernel's split rule aiming at 1.8 CTAs a
                   SM (`linear4bit_ws.CTAS_PER_SM`)
-    loop_ws_early_next, loop_ws_no_early `loop` with every launch of the warp-specialized kernel
-                  letting the next kernel launch after its K loops, or none
-                  (`linear4bit_ws.EARLY_NEXT_CTAS_PER_SM`)
+    loop_ws_early_next, loop_ws_early_next_one_a_sm, loop_ws_no_early `loop` with every launch
+                  of the warp-specialized kernel letting the next kernel launch after its K
+                  loops, only those of at most one CTA a SM, or none
+                  (`linear4bit_ws.EARLY_NEXT_CTAS_PER_SM` 2, 1, 0)
     loop_ws_byte_planes, loop_ws_pair_table `loop` with every launch of the warp-specialized
                   kernel looking up in round(code · scale) tables of registers, or in the
                   code's pair table (`linear4bit_ws.PAIR_TABLE` 0 or 2)
@@ -120,6 +121,7 @@ VARIANTS = ("hf_eager", "fast_sampler", "loop", "loop_sdpa_attention", "loop_no_
             "loop_one_step_splits", "loop_rope_warps1", "loop_rope_warps2", "loop_norm_warps16",
             "loop_attention_warps2", "loop_attention_warps8", "loop_register_tile",
             "loop_ws_no_group", "loop_ws_no_pdl", "loop_ws_2_per_sm", "loop_ws_early_next",
+            "loop_ws_early_next_one_a_sm",
             "loop_ws_no_early", "loop_ws_byte_planes", "loop_ws_pair_table", "loop_no_lora_t",
             "loop_lora_t_qkv", "loop_no_rope_attention", "loop_ws_glu_2_stages",
             "loop_ws_glu_4_stages", "loop_ws_3_stages", "loop_small_next_at_exit",
@@ -275,11 +277,12 @@ def _lab_patch(name: str):
         from trainers.sampling.kernels import linear4bit_ws
 
         return mock.patch.object(linear4bit_ws, "CTAS_PER_SM", 1.8)
-    if name in ("loop_ws_early_next", "loop_ws_no_early"):  # every launch / none
+    if name in ("loop_ws_early_next", "loop_ws_early_next_one_a_sm", "loop_ws_no_early"):
         from trainers.sampling.kernels import linear4bit_ws
 
         return mock.patch.object(linear4bit_ws, "EARLY_NEXT_CTAS_PER_SM",
-                                 2 if name == "loop_ws_early_next" else 0)
+                                 {"loop_ws_early_next": 2.0, "loop_ws_early_next_one_a_sm": 1.0,
+                                  "loop_ws_no_early": 0.0}[name])
     if name == "loop_pdl_no_early":
         return mock.patch.object(pdl, "EARLY_NEXT_WAVES", 0)
     if name == "loop_lora_t_qkv":  # t from the norm for q/k/v too

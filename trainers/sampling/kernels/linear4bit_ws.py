@@ -61,8 +61,9 @@ MAXNREG = 128  # registers a thread at launch: two CTAs a SM; the consumer warps
 PRODUCER_REGS = 24
 # with PDL, a launch of at most this many CTAs a SM lets the next kernel launch once its K
 # loops are done (before the epilogue): the next kernel's programs then wait on SMs beside
-# them (0: never; 2: every launch, all of whose CTAs are resident)
-EARLY_NEXT_CTAS_PER_SM = 1.0
+# them (0: never; 2: every launch, all of whose CTAs are resident). The next kernel launches
+# only once every CTA has passed its trigger, so no CTA of this launch waits for its SM slot.
+EARLY_NEXT_CTAS_PER_SM = 2.0
 # the lookup: through the code's pair table in shared memory (each MMA one chunk, scaled after
 # it) or through round(code · scale) tables in registers (byte permutes). 1: the table where a
 # projection's lookups are long, at least PAIR_TABLE_MIN_STEPS steps (64 rows x 256 columns) a
