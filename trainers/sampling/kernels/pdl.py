@@ -20,7 +20,8 @@ A kernel may also let the next one start before its own programs exit
 (griddepcontrol.launch_dependents, `let_next_launch`): the next kernel's programs are then placed
 on whichever SMs have room at that moment and wait there. The decode linear does, after its K
 loop, when all of its programs run at once (`linear4bit._early_next`: the register tile, a
-grid of at most PROGRAMS_PER_SM programs a SM), so the next kernel's launch overlaps the
+grid of at most PROGRAMS_PER_SM programs a SM; the warp-specialized kernel's launches of up to
+`linear4bit_ws.EARLY_NEXT_CTAS_PER_SM` CTAs a SM), so the next kernel's launch overlaps the
 linear's epilogues (the split-K sums). add_rmsnorm and the decode attention do at their start
 (`next_at_start`, SMALL_NEXT_AT_START): each is a few programs, and the decode linear after it
 copies its first stages' weights before its wait, so those copies overlap the small kernel's
