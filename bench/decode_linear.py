@@ -171,10 +171,10 @@ def graph_ms(fns, device, pdl: bool = False):
     inside `pdl.decode_step()`, so our kernels launch with PDL as the decode loop runs them
     (each starts while the one before finishes; the 4-bit linear's first weight copies overlap
     it)."""
-    from trainers.sampling.kernels.pdl import decode_step
-
     if device.type != "cuda":
         return None, "no CUDA"
+    from trainers.sampling.kernels.pdl import decode_step
+
     calls = [fns[i % len(fns)] for i in range(max(GRAPH_CALLS, len(fns)))]
     try:
         stream = torch.cuda.Stream()
@@ -710,8 +710,8 @@ def main():
     summary = layer_summary(results, groups)
     path = Path(args.out_dir) / f"bench_decode_linear_{bc.gpu_short_name(device)}{args.tag}.json"
     bc.write_json(path, {"env": env, "bandwidth_Bps": bw, "graph_calls": GRAPH_CALLS,
-                         "empty_launch": empty, "block_steps": args.block_steps, "rank": args.rank, "results": results,
-                         "groups": groups,
+                         "empty_launch": empty, "block_steps": args.block_steps,
+                         "rank": args.rank, "results": results, "groups": groups,
                          "per_decoder_layer": summary})
     print(f"x floor and speedup use the graph times where captured; wrote {path}")
 
