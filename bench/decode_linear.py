@@ -625,12 +625,6 @@ def main():
     for pkg in ("bitsandbytes", "peft", "transformers"):
         env[pkg] = bc.package_version(pkg)
     print(f"{env['gpu'] or 'cpu'}  copy bandwidth {bw / 1e9:.0f} GB/s  commit {env['commit']}")
-    empty = launch_floor(device, torch.cuda.get_device_properties(device).multi_processor_count
-                         if device.type == "cuda" else 1)
-    if empty:
-        print("an empty launch of one program a SM in a graph: " + ", ".join(
-            f"{key} {t['ms']:.4f} ms" if "ms" in t else f"{key} n/a ({t['na']})"
-            for key, t in empty.items()))
     if args.rope:
         rope_shapes = SMOKE_ROPE_SHAPES if args.smoke else \
             {k: v for k, v in ROPE_SHAPES.items() if k.split("-")[-1] in args.models.split(",")}
@@ -659,6 +653,12 @@ def main():
             sweep(shapes, rows, args.rank, device, bw, grid, save)
         print(f"wrote {path}")
         return
+    empty = launch_floor(device, torch.cuda.get_device_properties(device).multi_processor_count
+                         if device.type == "cuda" else 1)
+    if empty:
+        print("an empty launch of one program a SM in a graph: " + ", ".join(
+            f"{key} {t['ms']:.4f} ms" if "ms" in t else f"{key} n/a ({t['na']})"
+            for key, t in empty.items()))
     hdr = (f"{'model':5} {'layer':8} {'N':>6} {'K':>6} {'M':>4} {'floor':>7} | "
            f"{'ours':>14} {'graph':>7} {'x floor':>7} {'pdl':>7} {'x floor':>7} | "
            f"{'bnb+peft':>14} {'graph':>7} | {'speedup':>7}")
@@ -677,10 +677,9 @@ def main():
                     check(ours_fn(), ref_fn(), x, mod)
                     t_ours = bc.time_ms(ours_fn, device)
                     t_ref = bc.time_ms(ref_fn, device)
-                    g_ours, why_o = graph_ms(
-                        [functools.partial(decode_linear, x, c) for c in mods], device)
-                    g_pdl, _ = graph_ms(
-                        [functools.partial(decode_linear, x, c) for c in mods], device, pdl=True)
+                    ours_calls = [functools.partial(decode_linear, x, c) for c in mods]
+                    g_ours, why_o = graph_ms(ours_calls, device)
+                    g_pdl, _ = graph_ms(ours_calls, device, pdl=True)
                     g_ref, why_r = graph_ms([functools.partial(c, x) for c in mods], device)
                 fb = floor_bytes(m, n, k, args.rank, qs)
                 floor_ms = fb / bw * 1e3

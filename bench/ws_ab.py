@@ -38,7 +38,8 @@ LAUNCHES = ("gateup_t", "gateup_plain", "down", "qkv", "o")
 def side_tree(dest: Path, overlay: Path | None) -> Path:
     """A copy of this tree's packages at dest, with overlay's .py files over the kernels."""
     for name in TREE:
-        shutil.copytree(ROOT / name, dest / name, ignore=shutil.ignore_patterns("__pycache__", "results"))
+        shutil.copytree(ROOT / name, dest / name,
+                        ignore=shutil.ignore_patterns("__pycache__", "results"))
     if overlay is not None:
         files = sorted(overlay.glob("*.py"))
         if not files:
@@ -98,30 +99,31 @@ def main(argv=None) -> None:
 
     from bench import common as bc
 
-    work = Path(tempfile.mkdtemp(prefix="ws_ab_"))
-    trees = {"this": side_tree(work / "this", None),
-             "other": side_tree(work / "other", a.other.resolve())}
     rows, last = [], {}
-    for rnd in range(a.rounds):
-        for side, tree in trees.items():
-            out = work / f"{side}{rnd}.pt"
-            env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-                [str(tree)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
-                               if p])}
-            subprocess.run([sys.executable, "-m", "bench.ws_ab", "--child", str(out)],
-                           cwd=tree, env=env, check=True)
-            got = torch.load(out)
-            last[side] = got["outs"]
-            rows.append({"side": side, "round": rnd, **{f"{k}_us": v for k, v in
-                                                       got["us"].items()}})
-            print(side, rnd, {k: round(v, 2) for k, v in got["us"].items()}, flush=True)
+    with tempfile.TemporaryDirectory(prefix="ws_ab_") as tmp:  # the two trees' copies
+        work = Path(tmp)
+        trees = {"this": side_tree(work / "this", None),
+                 "other": side_tree(work / "other", a.other.resolve())}
+        for rnd in range(a.rounds):
+            for side, tree in trees.items():
+                out = work / f"{side}{rnd}.pt"
+                env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+                    [str(tree)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
+                                   if p])}
+                subprocess.run([sys.executable, "-m", "bench.ws_ab", "--child", str(out)],
+                               cwd=tree, env=env, check=True)
+                got = torch.load(out)
+                last[side] = got["outs"]
+                rows.append({"side": side, "round": rnd, **{f"{k}_us": v for k, v in
+                                                           got["us"].items()}})
+                print(side, rnd, {k: round(v, 2) for k, v in got["us"].items()}, flush=True)
     same = {name: all(torch.equal(p, q) for p, q in zip(last["this"][name], last["other"][name]))
             for name in LAUNCHES}
     print("outputs bit for bit the same:", same)
     rows.append({"same_bits": same})
     bc.write_rows("ws_ab", a.tag, torch.device("cuda"), rows)
     print(json.dumps({s: {k: min(r[f"{k}_us"] for r in rows if r.get("side") == s)
-                          for k in LAUNCHES} for s in trees}, indent=1))
+                          for k in LAUNCHES} for s in ("this", "other")}, indent=1))
 
 
 if __name__ == "__main__":
