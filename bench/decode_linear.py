@@ -21,7 +21,10 @@ copies of the layer holding more than twice the L2 (so the weights come from HBM
 decode step), median ms with the 20-80 % spread; ours also as a graph captured inside
 `pdl.decode_step()` (its launches with PDL, as the decode loop runs them). The floor of any
 launch: an empty kernel of one program a SM (`bench.empty_launch`), replayed the same way, plain
-and with PDL. Before timing, ours is checked against bnb+peft within the bound of linear4bit's
+and with PDL. The floor of any launch that reads a row's floor bytes: a kernel that only reads
+them (`bench.read_kernel`, its fastest of READ_CONFIGS), each call its own slice of a pool four
+times the L2, replayed the same way (the "read" column); also at READ_SIZES_MB, with the line
+through those points (a launch's fixed cost and the streaming rate). Before timing, ours is checked against bnb+peft within the bound of linear4bit's
 docstring; the run aborts if it is off.
 
 GPU (from the project root, `.whl/` filled by ../shared/gpu/wheels.sh and carried):
@@ -83,6 +86,9 @@ PER_LAYER = {"q/o": 2, "k/v": 2, "gate/up": 2, "down": 1}
 GROUPS = {"q/k/v": ("q/o", "k/v", "k/v"), "gate/up": ("gate/up", "gate/up")}
 REST_OF_LAYER = {"q/o": 1, "down": 1}  # o and down: one launch each
 GRAPH_CALLS = 20
+# the pure read's (programs a SM, int32 words a program reads per loop step); the fastest counts
+READ_CONFIGS = tuple(itertools.product((1, 2, 4), (2048, 8192)))
+READ_SIZES_MB = (0.25, 0.5, 1, 2, 4, 8, 16, 32, 64)
 # (q heads, kv heads, head dim, layers, Qwen3 q/k norms)
 ROPE_SHAPES = {"1b": (32, 8, 64, 16, False), "8b": (32, 8, 128, 32, False),
                "qwen3-8b": (32, 8, 128, 36, True)}
@@ -116,6 +122,77 @@ def launch_floor(device, ctas: int) -> dict:
         t, why = graph_ms([launch], device, pdl=pdl)
         out[key] = t or {"na": why}
     return out
+
+
+def read_calls(device, nbytes: int, programs_per_sm: int, block: int) -> list:
+    """Launches of `bench.read_kernel` over `nbytes` (rounded up to int32 words), one a call,
+    each on its own slice of a pool of four times the L2 (plus one slice), enough calls that
+    a graph cycling through them reads more than twice the L2 before it reads a slice again:
+    every read comes from HBM, as a decode linear's weights do."""
+    props = torch.cuda.get_device_properties(device) if device.type == "cuda" else None
+    l2 = getattr(props, "L2_cache_size", 50 * 2**20) if props else 2**16
+    sms = props.multi_processor_count if props else 2
+    words = -(-nbytes // 4)
+    stride = -(-words // 128) * 128  # 512-byte aligned slices
+    slices = max(1, 4 * l2 // (4 * stride))
+    pool = torch.randint(-2**31, 2**31 - 1, (slices * stride,), dtype=torch.int32,
+                         device=device)
+    grid = min(programs_per_sm * sms, -(-words // block))
+    out = torch.empty(grid, dtype=torch.int32, device=device)
+    calls = min(1024, max(GRAPH_CALLS, -(-2 * l2 // nbytes)))
+    return [functools.partial(read_words, pool[(i % slices) * stride:], out, words, block)
+            for i in range(calls)]
+
+
+def read_words(src: torch.Tensor, out: torch.Tensor, words: int, block: int) -> None:
+    """One launch of `bench.read_kernel` of out.numel() programs over src[:words] (int32):
+    the XOR of out is then the XOR of those words."""
+    from bench.read_kernel import read_kernel
+
+    read_kernel[(out.numel(),)](src, out, words, BLOCK=block, num_warps=4)
+
+
+def read_floor(device, nbytes: int) -> dict:
+    """The fastest graph-replay time over READ_CONFIGS of a kernel that only reads `nbytes`
+    from HBM (`read_calls`): what any launch that must read those bytes costs at least, its
+    launch and first loads' latency included ({'ms', ..., 'programs_per_sm', 'block'}, or
+    {'na': why}); {} off CUDA."""
+    if device.type != "cuda":
+        return {}
+    best, why = None, None
+    for pps, block in READ_CONFIGS:
+        t, why = graph_ms(read_calls(device, nbytes, pps, block), device)
+        if t is not None and (best is None or t["ms"] < best["ms"]):
+            best = {**t, "programs_per_sm": pps, "block": block}
+    bc.free_memory()
+    return best or {"na": why}
+
+
+def read_sweep(device, sizes_mb=READ_SIZES_MB) -> dict:
+    """`read_floor` at each size, and the least-squares line ms = fixed + bytes / rate through
+    them: a launch's fixed cost (µs) and the streaming rate (GB/s); {} off CUDA."""
+    if device.type != "cuda":
+        return {}
+    pts = [(int(mb * 2**20), read_floor(device, int(mb * 2**20))) for mb in sizes_mb]
+    out = {"points": [{"bytes": b, **t} for b, t in pts]}
+    line = fixed_and_rate([(b, t["ms"]) for b, t in pts if "ms" in t])
+    if line is not None:
+        out.update(fixed_us=line[0], rate_GBps=line[1])
+    return out
+
+
+def fixed_and_rate(points) -> tuple[float, float] | None:
+    """The least-squares line ms = fixed + bytes / rate through (bytes, ms) points: (fixed in
+    µs, rate in GB/s), or None for fewer than two distinct sizes or no positive slope."""
+    xs, ys = [float(b) for b, _ in points], [float(t) for _, t in points]
+    if len(set(xs)) < 2:
+        return None
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    slope = (sum((x - mx) * (y - my) for x, y in zip(xs, ys))
+             / sum((x - mx) ** 2 for x in xs))
+    if slope <= 0:
+        return None
+    return (my - slope * mx) * 1e3, 1e-6 / slope
 
 
 def floor_bytes(m, n, k, r, qs) -> int:
@@ -659,7 +736,15 @@ def main():
         print("an empty launch of one program a SM in a graph: " + ", ".join(
             f"{key} {t['ms']:.4f} ms" if "ms" in t else f"{key} n/a ({t['na']})"
             for key, t in empty.items()))
-    hdr = (f"{'model':5} {'layer':8} {'N':>6} {'K':>6} {'M':>4} {'floor':>7} | "
+    reads = read_sweep(device)
+    if reads:
+        print("a kernel that only reads B bytes, graph ms: " + ", ".join(
+            f"{p['bytes'] / 2**20:g} MiB {p['ms']:.4f}" if "ms" in p else
+            f"{p['bytes'] / 2**20:g} MiB n/a" for p in reads["points"]))
+        if "fixed_us" in reads:
+            print(f"  least squares: {reads['fixed_us']:.2f} µs + bytes at "
+                  f"{reads['rate_GBps']:.0f} GB/s")
+    hdr = (f"{'model':5} {'layer':8} {'N':>6} {'K':>6} {'M':>4} {'floor':>7} {'read':>7} | "
            f"{'ours':>14} {'graph':>7} {'x floor':>7} {'pdl':>7} {'x floor':>7} | "
            f"{'bnb+peft':>14} {'graph':>7} | {'speedup':>7}")
     print(hdr + "\n" + "-" * len(hdr))
@@ -683,10 +768,13 @@ def main():
                     g_ref, why_r = graph_ms([functools.partial(c, x) for c in mods], device)
                 fb = floor_bytes(m, n, k, args.rank, qs)
                 floor_ms = fb / bw * 1e3
+                read = read_floor(device, fb)
                 best_ours = (g_ours or t_ours)["ms"]
                 best_ref = (g_ref or t_ref)["ms"]
                 rec = {"model": model, "layer": layer, "N": n, "K": k, "M": m,
-                       "floor_bytes": fb, "floor_ms": floor_ms, "ours": t_ours,
+                       "floor_bytes": fb, "floor_ms": floor_ms, "read_graph": read,
+                       "read_over_floor": read["ms"] / floor_ms if "ms" in read else None,
+                       "ours": t_ours,
                        "ours_graph": g_ours, "ours_graph_na": why_o, "ours_graph_pdl": g_pdl,
                        "ours_over_floor_pdl": g_pdl["ms"] / floor_ms if g_pdl else None,
                        "bnb_peft": t_ref,
@@ -697,7 +785,8 @@ def main():
                 def fmt(t):
                     return f"{t['ms']:.4f}±{t['spread_pct']:.0f}%" if t else "n/a"
 
-                print(f"{model:5} {layer:8} {n:6} {k:6} {m:4} {floor_ms:7.4f} | "
+                print(f"{model:5} {layer:8} {n:6} {k:6} {m:4} {floor_ms:7.4f} "
+                      f"{read.get('ms', float('nan')):7.4f} | "
                       f"{fmt(t_ours):>14} {g_ours['ms'] if g_ours else float('nan'):7.4f} "
                       f"{rec['ours_over_floor']:7.2f} "
                       f"{g_pdl['ms'] if g_pdl else float('nan'):7.4f} "
@@ -709,7 +798,8 @@ def main():
     summary = layer_summary(results, groups)
     path = Path(args.out_dir) / f"bench_decode_linear_{bc.gpu_short_name(device)}{args.tag}.json"
     bc.write_json(path, {"env": env, "bandwidth_Bps": bw, "graph_calls": GRAPH_CALLS,
-                         "empty_launch": empty, "block_steps": args.block_steps,
+                         "empty_launch": empty, "read_sweep": reads,
+                         "block_steps": args.block_steps,
                          "rank": args.rank, "results": results, "groups": groups,
                          "per_decoder_layer": summary})
     print(f"x floor and speedup use the graph times where captured; wrote {path}")
