@@ -87,7 +87,7 @@ GROUPS = {"q/k/v": ("q/o", "k/v", "k/v"), "gate/up": ("gate/up", "gate/up")}
 REST_OF_LAYER = {"q/o": 1, "down": 1}  # o and down: one launch each
 GRAPH_CALLS = 20
 # the pure read's (programs a SM, int32 words a program reads per loop step); the fastest counts
-READ_CONFIGS = tuple(itertools.product((1, 2, 4), (2048, 8192)))
+READ_CONFIGS = tuple(itertools.product((2, 4, 8, 16), (1024, 2048, 4096)))
 READ_SIZES_MB = (0.25, 0.5, 1, 2, 4, 8, 16, 32, 64)
 # (q heads, kv heads, head dim, layers, Qwen3 q/k norms)
 ROPE_SHAPES = {"1b": (32, 8, 64, 16, False), "8b": (32, 8, 128, 32, False),
