@@ -317,6 +317,8 @@ def layer_summary(results, groups=()) -> list[dict]:
             ref = sum(c * best(r, "bnb_peft") for c, r in zip(mult, rs))
             rec = {"model": model, "M": m, "floor_ms": floor, "ours_ms": ours,
                    "bnb_peft_ms": ref, "ours_over_floor": ours / floor, "speedup": ref / ours}
+            if all("ms" in r.get("read_graph", {}) for r in rs):
+                rec["read_ms"] = sum(c * r["read_graph"]["ms"] for c, r in zip(mult, rs))
             gs = [g for g in groups if g["model"] == model and g["M"] == m]
             grouped = ""
             if len(gs) == len(GROUPS):
@@ -325,6 +327,12 @@ def layer_summary(results, groups=()) -> list[dict]:
                 rec["ours_grouped_ms"] = sum(g["ours_graph"]["ms"] for g in gs) + rest
                 grouped = (f", grouped {rec['ours_grouped_ms']:.4f} ms "
                            f"({rec['ours_grouped_ms'] / floor:.2f}x)")
+                reads = [g["read_graph"] for g in gs] + [
+                    r["read_graph"] for r in rs for _ in range(REST_OF_LAYER.get(r["layer"], 0))]
+                if all("ms" in t for t in reads):  # the same launches that only read
+                    rec["read_grouped_ms"] = sum(t["ms"] for t in reads)
+                    grouped += (f" (launches that only read its bytes: "
+                                f"{rec['read_grouped_ms']:.4f} ms)")
                 glu = [g["silu_mul_graph"] for g in gs if "silu_mul_graph" in g]
                 if glu:  # the MLP's silu · mul too: unfused (3 launches) vs in the gate/up one
                     others = sum(g["ours_graph"]["ms"] for g in gs if "silu_mul_graph" not in g)
@@ -333,7 +341,8 @@ def layer_summary(results, groups=()) -> list[dict]:
                     grouped += (f"; with silu·mul {rec['ours_layer_silu_mul_unfused_ms']:.4f}"
                                 f" ms unfused, {rec['ours_layer_silu_mul_fused_ms']:.4f} fused")
             out.append(rec)
-            print(f"{model:5} one decoder layer's projections, M={m:3}: floor {floor:.4f} ms, "
+            read = f", read alone {rec['read_ms']:.4f}" if "read_ms" in rec else ""
+            print(f"{model:5} one decoder layer's projections, M={m:3}: floor {floor:.4f} ms{read}, "
                   f"ours {ours:.4f} ms ({ours / floor:.2f}x floor){grouped}, bnb+peft "
                   f"{ref:.4f} ms ({ref / ours:.2f}x ours)")
     return out
@@ -400,7 +409,10 @@ def grouped(shapes, rows, rank, device) -> list[dict]:
                 g, why = replay_ms(decode_linears, x, sets, mods, device)
                 g_pdl = graph_ms([functools.partial(decode_linears, x, st) for st in sets],
                                  device, pdl=True)[0]
+            fb = sum(floor_bytes(m, md.get_base_layer().out_features, k, rank,
+                                 md.get_base_layer().weight.quant_state) for md in mods)
             rec = {"model": model, "group": name, "members": list(GROUPS[name]), "M": m,
+                   "floor_bytes": fb, "read_graph": read_floor(device, fb),
                    "ours_graph": g, "ours_graph_na": why, "ours_graph_pdl": g_pdl}
             msg = ""
             if name == "gate/up":
