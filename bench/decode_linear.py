@@ -86,8 +86,10 @@ PER_LAYER = {"q/o": 2, "k/v": 2, "gate/up": 2, "down": 1}
 GROUPS = {"q/k/v": ("q/o", "k/v", "k/v"), "gate/up": ("gate/up", "gate/up")}
 REST_OF_LAYER = {"q/o": 1, "down": 1}  # o and down: one launch each
 GRAPH_CALLS = 20
-# the pure read's (programs a SM, int32 words a program reads per loop step); the fastest counts
-READ_CONFIGS = tuple(itertools.product((2, 4, 8, 16), (1024, 2048, 4096)))
+# the pure read's (programs a SM, int32 words a program reads per loop step, warps a program),
+# at most 64 warps a SM (all resident); the fastest counts
+READ_CONFIGS = tuple((p, b, w) for p, b, w in itertools.product(
+    (8, 16, 32), (512, 1024, 2048, 4096), (2, 4)) if p * w <= 64)
 READ_SIZES_MB = (0.25, 0.5, 1, 2, 4, 8, 16, 32, 64)
 # (q heads, kv heads, head dim, layers, Qwen3 q/k norms)
 ROPE_SHAPES = {"1b": (32, 8, 64, 16, False), "8b": (32, 8, 128, 32, False),
@@ -124,7 +126,7 @@ def launch_floor(device, ctas: int) -> dict:
     return out
 
 
-def read_calls(device, nbytes: int, programs_per_sm: int, block: int) -> list:
+def read_calls(device, nbytes: int, programs_per_sm: int, block: int, warps: int = 4) -> list:
     """Launches of `bench.read_kernel` over `nbytes` (rounded up to int32 words), one a call,
     each on its own slice of a pool of four times the L2 (plus one slice), enough calls that
     a graph cycling through them reads more than twice the L2 before it reads a slice again:
@@ -140,30 +142,32 @@ def read_calls(device, nbytes: int, programs_per_sm: int, block: int) -> list:
     grid = min(programs_per_sm * sms, -(-words // block))
     out = torch.empty(grid, dtype=torch.int32, device=device)
     calls = min(1024, max(GRAPH_CALLS, -(-2 * l2 // nbytes)))
-    return [functools.partial(read_words, pool[(i % slices) * stride:], out, words, block)
+    return [functools.partial(read_words, pool[(i % slices) * stride:], out, words, block, warps)
             for i in range(calls)]
 
 
-def read_words(src: torch.Tensor, out: torch.Tensor, words: int, block: int) -> None:
+def read_words(src: torch.Tensor, out: torch.Tensor, words: int, block: int,
+               warps: int = 4) -> None:
     """One launch of `bench.read_kernel` of out.numel() programs over src[:words] (int32):
     the XOR of out is then the XOR of those words."""
     from bench.read_kernel import read_kernel
 
-    read_kernel[(out.numel(),)](src, out, words, BLOCK=block, num_warps=4)
+    read_kernel[(out.numel(),)](src, out, words, BLOCK=block, num_warps=warps)
 
 
 def read_floor(device, nbytes: int) -> dict:
     """The fastest graph-replay time over READ_CONFIGS of a kernel that only reads `nbytes`
     from HBM (`read_calls`): what any launch that must read those bytes costs at least, its
-    launch and first loads' latency included ({'ms', ..., 'programs_per_sm', 'block'}, or
+    launch and first loads' latency included ({'ms', ..., 'programs_per_sm', 'block',
+    'warps'}, or
     {'na': why}); {} off CUDA."""
     if device.type != "cuda":
         return {}
     best, why = None, None
-    for pps, block in READ_CONFIGS:
-        t, why = graph_ms(read_calls(device, nbytes, pps, block), device)
+    for pps, block, warps in READ_CONFIGS:
+        t, why = graph_ms(read_calls(device, nbytes, pps, block, warps), device)
         if t is not None and (best is None or t["ms"] < best["ms"]):
-            best = {**t, "programs_per_sm": pps, "block": block}
+            best = {**t, "programs_per_sm": pps, "block": block, "warps": warps}
     bc.free_memory()
     return best or {"na": why}
 

@@ -17,20 +17,21 @@ def _xor(t: torch.Tensor) -> int:
     return acc
 
 
-@pytest.mark.parametrize("words,programs,block", [
-    (1, 1, 64), (63, 1, 64), (64, 2, 64), (1000, 3, 64), (4099, 4, 256), (5, 4, 64)])
-def test_read_words_reads_each_word_once(words, programs, block):
+@pytest.mark.parametrize("words,programs,block,warps", [
+    (1, 1, 64, 4), (63, 1, 64, 2), (64, 2, 64, 4), (1000, 3, 64, 2), (4099, 4, 256, 4),
+    (5, 4, 64, 4)])
+def test_read_words_reads_each_word_once(words, programs, block, warps):
     g = torch.Generator().manual_seed(words)
     src = torch.randint(-2**31, 2**31 - 1, (words + 37,), dtype=torch.int32, generator=g)
     out = torch.full((programs,), 12345, dtype=torch.int32)
-    dl.read_words(src, out, words, block)
+    dl.read_words(src, out, words, block, warps)
     # a word read twice cancels and one never read is missing: either changes the XOR
     assert _xor(out) == _xor(src[:words])
 
 
 def test_read_calls_cycle_through_slices_past_twice_the_l2():
     l2 = 2**16  # the stand-in off CUDA
-    calls = dl.read_calls(torch.device("cpu"), 1000, 2, 64)
+    calls = dl.read_calls(torch.device("cpu"), 1000, 2, 64, 2)
     assert len(calls) == -(-2 * l2 // 1000)
     assert all(c.args[2] == 250 and c.args[0].numel() >= 250 for c in calls)
     starts = [c.args[0].data_ptr() for c in calls]
