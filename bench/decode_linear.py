@@ -131,9 +131,7 @@ def read_calls(device, nbytes: int, programs_per_sm: int, block: int, warps: int
     each on its own slice of a pool of four times the L2 (plus one slice), enough calls that
     a graph cycling through them reads more than twice the L2 before it reads a slice again:
     every read comes from HBM, as a decode linear's weights do."""
-    props = torch.cuda.get_device_properties(device) if device.type == "cuda" else None
-    l2 = getattr(props, "L2_cache_size", 50 * 2**20) if props else 2**16
-    sms = props.multi_processor_count if props else 2
+    l2, sms = l2_and_sms(device)
     words = -(-nbytes // 4)
     stride = -(-words // 128) * 128  # 512-byte aligned slices
     slices = max(1, 4 * l2 // (4 * stride))
@@ -144,6 +142,14 @@ def read_calls(device, nbytes: int, programs_per_sm: int, block: int, warps: int
     calls = min(1024, max(GRAPH_CALLS, -(-2 * l2 // nbytes)))
     return [functools.partial(read_words, pool[(i % slices) * stride:], out, words, block, warps)
             for i in range(calls)]
+
+
+def l2_and_sms(device) -> tuple[int, int]:
+    """The device's L2 bytes and SM count (64 KiB and 2 off CUDA: the CPU tests' stand-ins)."""
+    if device.type != "cuda":
+        return 2**16, 2
+    props = torch.cuda.get_device_properties(device)
+    return getattr(props, "L2_cache_size", 50 * 2**20), props.multi_processor_count
 
 
 def read_words(src: torch.Tensor, out: torch.Tensor, words: int, block: int,
