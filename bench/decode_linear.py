@@ -21,11 +21,11 @@ copies of the layer holding more than twice the L2 (so the weights come from HBM
 decode step), median ms with the 20-80 % spread; ours also as a graph captured inside
 `pdl.decode_step()` (its launches with PDL, as the decode loop runs them). The floor of any
 launch: an empty kernel of one program a SM (`bench.empty_launch`), replayed the same way, plain
-and with PDL. The floor of any launch that reads a row's floor bytes: a kernel that only reads
-them (`bench.read_kernel`, its fastest of READ_CONFIGS), each call its own slice of a pool four
-times the L2, replayed the same way (the "read" column); also at READ_SIZES_MB, with the line
-through those points (a launch's fixed cost and the streaming rate). Before timing, ours is checked against bnb+peft within the bound of linear4bit's
-docstring; the run aborts if it is off.
+and with PDL. A launch that does nothing but read a row's floor bytes (`bench.read_kernel`, its
+fastest of READ_CONFIGS), each call its own slice of a pool of about four times the L2, replayed
+the same way: the "read" column; also at READ_SIZES_MB, with the line through those points (a
+launch's fixed cost and the streaming rate). Before timing, ours is checked against bnb+peft
+within the bound of linear4bit's docstring; the run aborts if it is off.
 
 GPU (from the project root, `.whl/` filled by ../shared/gpu/wheels.sh and carried):
 
@@ -128,9 +128,10 @@ def launch_floor(device, ctas: int) -> dict:
 
 def read_calls(device, nbytes: int, programs_per_sm: int, block: int, warps: int = 4) -> list:
     """Launches of `bench.read_kernel` over `nbytes` (rounded up to int32 words), one a call,
-    each on its own slice of a pool of four times the L2 (plus one slice), enough calls that
-    a graph cycling through them reads more than twice the L2 before it reads a slice again:
-    every read comes from HBM, as a decode linear's weights do."""
+    each on its own slice of a pool of about four times the L2 (at least one slice), enough
+    calls that a graph cycling through them reads more than twice the L2 before it reads a
+    slice again (at most 1024 calls): every read comes from HBM, as a decode linear's weights
+    do."""
     l2, sms = l2_and_sms(device)
     words = -(-nbytes // 4)
     stride = -(-words // 128) * 128  # 512-byte aligned slices
@@ -163,10 +164,9 @@ def read_words(src: torch.Tensor, out: torch.Tensor, words: int, block: int,
 
 def read_floor(device, nbytes: int) -> dict:
     """The fastest graph-replay time over READ_CONFIGS of a kernel that only reads `nbytes`
-    from HBM (`read_calls`): what any launch that must read those bytes costs at least, its
-    launch and first loads' latency included ({'ms', ..., 'programs_per_sm', 'block',
-    'warps'}, or
-    {'na': why}); {} off CUDA."""
+    from HBM (`read_calls`): a launch that does nothing else, its launch and first loads'
+    latency included ({'ms', ..., 'programs_per_sm', 'block', 'warps'}, or {'na': why});
+    {} off CUDA."""
     if device.type != "cuda":
         return {}
     best, why = None, None

@@ -1,6 +1,6 @@
 """A Triton kernel that only reads: `bench.decode_linear.read_floor` times it on a linear's floor
-bytes, the least a launch that must read those bytes from HBM costs on this GPU (its launch, the
-first loads' latency and the stream itself). Its own module, imported where it runs, so that
+bytes, what a launch that reads those bytes from HBM and does nothing else costs on this GPU (its
+launch, the first loads' latency and the stream itself). Its own module, imported where it runs, so that
 importing the benchmark does not import Triton before the CPU smoke run sets TRITON_INTERPRET.
 
 Each program XORs the int32 words of blocks pid, pid + P, pid + 2P, ... (P programs) and stores
