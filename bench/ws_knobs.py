@@ -60,8 +60,11 @@ def measure_shape(ws, decode_linear, n, k, m, variants, device, bw) -> list[dict
             with torch.no_grad():
                 dl.check(decode_linear(x, mod), mod(x), x, mod)
                 ran = sum(ws.LAUNCHES.values()) - before
-                g, why = dl.graph_ms([functools.partial(decode_linear, x, c) for c in mods],
-                                     device)
+                # a variant the ws kernel did not take (fell back) is not timed as if it did
+                g, why = (dl.graph_ms([functools.partial(decode_linear, x, c) for c in mods],
+                                      device) if ran else
+                          (None, "no ws launch: " + (ws._failed[0] if ws._failed else
+                                                     "linear4bit_ws.reason declined the call")))
             split = ws.split_rule(n, k, sms)
         finally:
             for key, v in saved.items():
