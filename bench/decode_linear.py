@@ -162,6 +162,7 @@ def read_words(src: torch.Tensor, out: torch.Tensor, words: int, block: int,
     read_kernel[(out.numel(),)](src, out, words, BLOCK=block, num_warps=warps)
 
 
+@functools.cache  # shapes of equal bytes (1B gate/up and down) are timed once
 def read_floor(device, nbytes: int) -> dict:
     """The fastest graph-replay time over READ_CONFIGS of a kernel that only reads `nbytes`
     from HBM (`read_calls`): a launch that does nothing else, its launch and first loads'
@@ -286,7 +287,7 @@ def cold_sets(mods: list, device) -> list[list]:
     in L2), at most 256."""
     if device.type != "cuda":
         return [mods]
-    l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 50 * 2**20)
+    l2, _ = l2_and_sms(device)
     packed = sum(md.get_base_layer().weight.data.numel() for md in mods)
     n = min(256, max(1, -(-2 * l2 // packed)))
     return [mods] + [copy.deepcopy(mods) for _ in range(n - 1)]
@@ -752,8 +753,7 @@ def main():
             sweep(shapes, rows, args.rank, device, bw, grid, save)
         print(f"wrote {path}")
         return
-    empty = launch_floor(device, torch.cuda.get_device_properties(device).multi_processor_count
-                         if device.type == "cuda" else 1)
+    empty = launch_floor(device, l2_and_sms(device)[1])
     if empty:
         print("an empty launch of one program a SM in a graph: " + ", ".join(
             f"{key} {t['ms']:.4f} ms" if "ms" in t else f"{key} n/a ({t['na']})"

@@ -49,7 +49,7 @@ def measure_shape(ws, decode_linear, n, k, m, variants, device, bw) -> list[dict
     mods = dl.cold_copies(mod, device)
     x = torch.randn(m, k, device=device).to(torch.bfloat16)
     floor_ms = dl.floor_bytes(m, n, k, 16, mod.get_base_layer().weight.quant_state) / bw * 1e3
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    _, sms = dl.l2_and_sms(device)
     out = []
     for name, knobs in variants.items():
         saved = {key: getattr(ws, key) for key in knobs}
